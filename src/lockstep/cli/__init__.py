@@ -1,0 +1,1 @@
+"""The ``lockstep`` command line."""

@@ -1,0 +1,21 @@
+"""Run settings that a launcher or the user passes through ``LOCKSTEP_*`` variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | None:
+    """``LOCKSTEP_TIMEOUT`` in seconds, or None when unset."""
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCKSTEP_TIMEOUT")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"LOCKSTEP_TIMEOUT={raw!r} is not a number of seconds.") from None
+    if value <= 0:
+        raise ValueError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive number of seconds.")
+    return value

@@ -1,0 +1,11 @@
+"""The runtime layer: usable alone, with your own training loop."""
+
+from lockstep.runtime.data import DistributedLoader
+from lockstep.runtime.runtime import Runtime
+from lockstep.runtime.seed import seed_everything
+from lockstep.runtime.spawn import WorkerError, launch
+from lockstep.runtime.strategy import DDP, DP, SingleDevice
+from lockstep.runtime.wrappers import unwrap
+
+__all__ = ["DDP", "DP", "DistributedLoader", "Runtime", "SingleDevice", "WorkerError", "launch",
+           "seed_everything", "unwrap"]

@@ -1,0 +1,265 @@
+"""Sharded data loading whose sample stream does not depend on the number of processes.
+
+Training: one permutation per epoch (seeded by ``seed`` and the epoch); step ``s`` takes the
+contiguous slice ``[s*B, (s+1)*B)`` of it as the global batch and splits it over the ranks, as
+evenly as possible. Every rank has the same number of steps. Evaluation: rank ``r`` takes the
+``r``-th contiguous shard of the dataset, so rank-ordered concatenation is dataset order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import SequentialSampler, get_worker_info
+
+from lockstep.runtime.seed import mix_seed
+from lockstep.runtime.tree import to_device
+
+Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed per epoch
+
+
+def split_evenly(total: int, parts: int, part: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``part`` when ``total`` items are cut into ``parts`` near-equal runs."""
+    base, extra = divmod(total, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (1 if part < extra else 0)
+
+
+class GlobalBatchSampler(Sampler[list[Key]]):
+    """Yields this rank's share of each global batch (see the module docstring)."""
+
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int, world_size: int,
+        shuffle: bool, seed: int, drop_last: bool,
+    ) -> None:
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.start_step = 0, 0
+
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch() - self.start_step
+
+    def global_size(self, step: int) -> int:
+        return min(self.batch_size, self.num_samples - step * self.batch_size)
+
+    def local_size(self, step: int) -> int:
+        start, stop = split_evenly(self.global_size(step), self.world_size, self.rank)
+        return stop - start
+
+    def order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        order = self.order().tolist()
+        for step in range(self.start_step, self.steps_per_epoch()):
+            first = step * self.batch_size
+            start, stop = split_evenly(self.global_size(step), self.world_size, self.rank)
+            yield [(self.epoch, i) for i in order[first + start : first + stop]]
+
+
+class ShardSampler(Sampler[list[Key]]):
+    """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank)."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int) -> None:
+        self.start, self.stop = split_evenly(num_samples, world_size, rank)
+        self.batch_size = batch_size
+        self.epoch, self.start_step = 0, 0
+
+    def steps_per_epoch(self) -> int:
+        return -(-(self.stop - self.start) // self.batch_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch() - self.start_step
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        for step in range(self.start_step, self.steps_per_epoch()):
+            first = self.start + step * self.batch_size
+            yield [(self.epoch, i) for i in range(first, min(first + self.batch_size, self.stop))]
+
+
+class EpochSeededDataset(Dataset[Any]):
+    """Re-seeds a DataLoader worker from (seed, rank, worker id, epoch) at its first item of an epoch.
+
+    So augmentations differ across ranks, workers and epochs, repeat from run to run, and stay
+    right with persistent workers. In the main process (``num_workers=0``) the global RNG, which
+    checkpoints save, is left alone.
+    """
+
+    def __init__(self, dataset: Any, seed: int, rank: int) -> None:
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+        self._seeded_epoch: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _reseed(self, epoch: int) -> None:
+        info = get_worker_info()
+        if info is None or epoch == self._seeded_epoch:
+            return
+        seed = mix_seed(self.seed, self.rank, info.id, epoch)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(seed % 2**32)
+        except ImportError:
+            pass
+        self._seeded_epoch = epoch
+
+    def __getitem__(self, key: Key) -> Any:
+        self._reseed(key[0])
+        return self.dataset[key[1]]
+
+    def __getitems__(self, keys: list[Key]) -> list[Any]:
+        if not keys:
+            return []
+        self._reseed(keys[0][0])
+        indices = [index for _, index in keys]
+        if callable(getattr(self.dataset, "__getitems__", None)):
+            return list(self.dataset.__getitems__(indices))
+        return [self.dataset[i] for i in indices]
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """Leave one CPU per process for the training loop; cap at 8 workers per process."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, local_world_size) - 1))
+
+
+_KEPT_OPTIONS = ("collate_fn", "num_workers", "pin_memory", "timeout", "worker_init_fn",
+                 "multiprocessing_context", "prefetch_factor", "persistent_workers", "drop_last")
+
+
+def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
+    """The dataset, shuffle flag, batch size and options of an existing DataLoader, to re-create it."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            "lockstep cannot shard an IterableDataset: shard it yourself by rank inside __iter__, "
+            "or give a map-style dataset (with __len__ and __getitem__)."
+        )
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        raise ValueError(
+            f"the DataLoader uses a custom sampler ({type(loader.sampler).__name__}), which "
+            "lockstep cannot re-shard exactly: pass the dataset itself to rt.loader, or keep your "
+            "own DataLoader with a DistributedSampler and do not pass it through rt.loader."
+        )
+    if loader.batch_size is None:
+        raise ValueError("the DataLoader has no batch_size (custom batch_sampler): give batch_size.")
+    options = {name: getattr(loader, name) for name in _KEPT_OPTIONS}
+    if options["num_workers"] == 0:
+        options.pop("prefetch_factor")
+        options.pop("persistent_workers")
+    options["shuffle"] = isinstance(loader.sampler, RandomSampler)
+    options["batch_size"] = loader.batch_size
+    return loader.dataset, options
+
+
+class DistributedLoader:
+    """Iterates this rank's batches, already on the device; each pass is the next epoch.
+
+    ``state_dict``/``load_state_dict`` save and restore the position (epoch, batches done), so a
+    resumed run continues the same sample stream, also on a different number of processes.
+    """
+
+    def __init__(
+        self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, options: dict[str, Any],
+        device: torch.device, seed: int, rank: int,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.device = device
+        self._on_batch = on_batch
+        self._epoch, self._batches_done, self._started = 0, 0, False
+        self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
+        self._non_blocking = bool(options.get("pin_memory")) and device.type == "cuda"
+        self.loader: DataLoader[Any] = DataLoader(
+            EpochSeededDataset(dataset, seed, rank),
+            batch_sampler=sampler,
+            generator=torch.Generator().manual_seed(mix_seed(seed, rank, 7)),
+            **options,
+        )
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the current (or last) pass."""
+        return self._epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._pending is not None:
+            (epoch, start), self._pending = self._pending, None
+        else:
+            epoch, start = (self._epoch + 1 if self._started else 0), 0
+        self._epoch, self._batches_done, self._started = epoch, start, True
+        self.sampler.epoch, self.sampler.start_step = epoch, start
+        for step, batch in enumerate(self.loader, start):
+            self._batches_done = step + 1
+            if self._on_batch is not None and isinstance(self.sampler, GlobalBatchSampler):
+                self._on_batch(self.sampler.local_size(step), self.sampler.global_size(step))
+            yield to_device(batch, self.device, self._non_blocking)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out."""
+        if self._pending is not None:
+            epoch, done = self._pending
+        else:
+            epoch, done = self._epoch, self._batches_done
+        return {"epoch": epoch, "batches_done": done,
+                "batch_size": getattr(self.sampler, "batch_size", None)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``'s position at the next ``iter()``."""
+        saved = state.get("batch_size")
+        if isinstance(self.sampler, GlobalBatchSampler) and saved not in (None, self.sampler.batch_size):
+            raise ValueError(
+                f"the checkpoint was written with global batch_size={saved}, this loader has "
+                f"{self.sampler.batch_size}: resume with the same global batch size."
+            )
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        if done >= self.sampler.steps_per_epoch():
+            epoch, done = epoch + 1, 0
+        self._pending = (epoch, done)
+
+
+def check_batch_size(batch_size: int, world_size: int) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: give the global batch size, a positive integer.")
+    if batch_size % world_size:
+        lower = batch_size - batch_size % world_size
+        suggestion = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
+        raise ValueError(
+            f"global batch_size={batch_size} is not divisible by the world size {world_size}: "
+            f"each rank takes batch_size/world_size samples per step. Use a multiple of "
+            f"{world_size} (e.g. {suggestion})."
+        )
+    return batch_size
+
+
+def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"{type(dataset).__name__} has no __len__: lockstep shards map-style datasets "
+            "(with __len__ and __getitem__)."
+        ) from None

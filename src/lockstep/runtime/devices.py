@@ -1,0 +1,136 @@
+"""Turn ``accelerator`` and ``devices`` into this rank's device, checked against the launcher."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.env import DistEnv
+
+Devices = int | str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What this process computes on.
+
+    ``device`` is this rank's device; ``device_ids`` are all GPU indices this process drives
+    (one, or several under ``dp``), empty on CPU.
+    """
+
+    accelerator: str
+    device: torch.device
+    device_ids: tuple[int, ...]
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    name = accelerator.lower()
+    if name == "gpu":
+        name = "cuda"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "accelerator='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is "
+                "False): use accelerator='cpu', or a machine and torch build with CUDA."
+            )
+        return name
+    if name == "cpu":
+        return name
+    raise ValueError(f"unknown accelerator {accelerator!r}: use 'auto', 'cpu' or 'cuda'.")
+
+
+def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
+    """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices."""
+    if isinstance(devices, str):
+        text = devices.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            devices = int(text)
+        else:
+            try:
+                devices = [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(
+                    f"devices={devices!r}: give a count (4), 'auto', or GPU indices ('0,2' or [0, 2])."
+                ) from None
+    if isinstance(devices, bool):
+        raise ValueError(f"devices={devices!r}: give a count, 'auto' or a list of GPU indices.")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices={devices}: ask for at least one device.")
+        return devices
+    ids = tuple(int(i) for i in devices)
+    if not ids:
+        raise ValueError("devices=[]: list at least one GPU index, or give a count.")
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"devices={list(ids)}: GPU indices must be distinct and non-negative.")
+    return ids
+
+
+def resolve_placement(
+    accelerator: str, devices: Devices, env: DistEnv, one_process_many_devices: bool = False
+) -> Placement:
+    """Check ``devices`` against the hardware and the launcher, and pick this rank's device.
+
+    With one process per device (DDP, the default), the devices asked for on a node must equal
+    the processes the launcher started there. ``one_process_many_devices`` is DataParallel's
+    mode: one process drives every device.
+    """
+    kind = resolve_accelerator(accelerator)
+    wanted = parse_devices(devices)
+    if kind == "cpu":
+        if isinstance(wanted, tuple):
+            raise ValueError(
+                f"devices={list(wanted)} lists GPU indices but the accelerator is the CPU: give a "
+                "process count instead (devices=2), or use accelerator='cuda'."
+            )
+        count = env.local_world_size if wanted == "auto" else int(wanted)
+        ids: tuple[int, ...] = ()
+    else:
+        available = torch.cuda.device_count()
+        if wanted == "auto":
+            ids = tuple(range(available if one_process_many_devices else env.local_world_size))
+        elif isinstance(wanted, int):
+            ids = tuple(range(wanted))
+        else:
+            ids = wanted
+        missing = [i for i in ids if i >= available]
+        if missing:
+            raise ValueError(
+                f"devices asks for GPU(s) {missing} but only {available} are visible "
+                f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
+            )
+        count = len(ids)
+    if one_process_many_devices:
+        if env.world_size > 1:
+            raise ValueError(
+                f"strategy 'dp' runs in one process but the launcher started {env.world_size}: "
+                "start the script with plain `python`, or use strategy='ddp'."
+            )
+        return Placement(kind, torch.device(kind, ids[0]) if ids else torch.device(kind), ids)
+    if count != env.local_world_size:
+        raise ValueError(_process_count_message(count, env))
+    if kind == "cuda":
+        index = ids[env.local_rank]
+        return Placement(kind, torch.device("cuda", index), (index,))
+    return Placement(kind, torch.device("cpu"), ())
+
+
+def _process_count_message(count: int, env: DistEnv) -> str:
+    if env.launcher == "none":
+        return (
+            f"devices={count} asks for {count} processes, but this process was started alone. "
+            f"Start it with `lockstep run --devices {count} SCRIPT`, `torchrun --nproc-per-node "
+            f"{count} SCRIPT`, or from Python with lockstep.launch(fn, nprocs={count}); or set "
+            "devices=1."
+        )
+    return (
+        f"devices={count} asks for {count} processes per node, but the launcher "
+        f"({env.launcher}) started {env.local_world_size} on this node: make the two agree "
+        f"(launch {count} per node, or set devices={env.local_world_size} or devices='auto')."
+    )

@@ -1,0 +1,168 @@
+"""Numeric precision as small objects: how to convert the model, run forward, scale and step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lockstep.runtime.tree import map_tensors
+
+
+class Precision(Protocol):
+    name: str
+
+    def convert_module(self, module: nn.Module) -> nn.Module: ...
+    def convert_input(self, data: Any) -> Any: ...
+    def convert_output(self, data: Any) -> Any: ...
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any: ...
+    @property
+    def last_step_skipped(self) -> bool: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, data)
+
+
+class TruePrecision:
+    """Parameters, inputs and maths all in one dtype (``32-true``, ``64-true``, ``bf16-true``)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return data if self.dtype == torch.float32 else _cast_floats(data, self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
+        return step()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class MixedPrecision(TruePrecision):
+    """float32 weights, forward under autocast; ``16-mixed`` also scales the loss (GradScaler).
+
+    Outputs leave the model as float32 so that a loss computed outside ``forward`` is accurate.
+    A step whose gradients hold inf/NaN is skipped and the scale lowered; ``last_step_skipped``
+    tells (it reads the scale, a host sync, only when asked).
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype, device_type: str) -> None:
+        super().__init__(name, dtype)
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        self._unscaled: set[int] = set()
+        self._scale_before: float | None = None
+        self._scale_after: float | None = None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        return map_tensors(
+            lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, data
+        )
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
+        if self.scaler is None:
+            return step()
+        self._scale_before = self.scaler.get_scale()
+        result = self.scaler.step(optimizer)  # calls optimizer.step() unless grads hold inf/NaN
+        self.scaler.update()
+        self._scale_after = None
+        self._unscaled.discard(id(optimizer))
+        return result
+
+    @property
+    def last_step_skipped(self) -> bool:
+        if self.scaler is None or self._scale_before is None:
+            return False
+        if self._scale_after is None:
+            self._scale_after = self.scaler.get_scale()
+        return self._scale_after < self._scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",
+            "fp32": "32-true", "fp16": "16-mixed"}
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true")
+
+
+def make_precision(name: str | int, device: torch.device) -> Precision:
+    """Build the precision object for ``name`` on ``device``, checking the device supports it."""
+    key = _ALIASES.get(str(name), str(name))
+    if key not in PRECISIONS:
+        raise ValueError(
+            f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)} "
+            "(or the aliases 16, 32, 64, bf16)."
+        )
+    if key == "32-true":
+        return TruePrecision(key, torch.float32)
+    if key == "64-true":
+        return TruePrecision(key, torch.float64)
+    if device.type == "cuda" and key.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision {key!r} needs a GPU with bfloat16 support (Ampere or newer); "
+            f"{torch.cuda.get_device_name(device)} has none: use '16-mixed' or '32-true'."
+        )
+    if key == "bf16-true":
+        return TruePrecision(key, torch.bfloat16)
+    dtype = torch.float16 if key == "16-mixed" else torch.bfloat16
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"precision {key!r} needs autocast, which torch lacks on {device.type}.")
+    return MixedPrecision(key, dtype, device.type)

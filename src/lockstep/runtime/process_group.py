@@ -1,0 +1,106 @@
+"""Create and destroy the default process group, with errors that say what went wrong."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lockstep.env import DistEnv
+
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def choose_backend(accelerator: str, backend: str | None) -> str:
+    """NCCL for CUDA, Gloo for CPU; ``mpi`` only on request and where torch was built with it."""
+    if backend is None:
+        return "nccl" if accelerator == "cuda" else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
+    available = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    if not available[backend]:
+        raise ValueError(f"backend {backend!r} is not built into this torch; use 'gloo' or 'nccl'.")
+    if backend == "nccl" and accelerator != "cuda":
+        raise ValueError("backend 'nccl' needs CUDA tensors: use backend='gloo' on the CPU.")
+    return backend
+
+
+def init_process_group(
+    env: DistEnv,
+    backend: str,
+    timeout_s: float,
+    init_method: str | None = None,
+    device: torch.device | None = None,
+) -> bool:
+    """Join the job's process group; returns True if this call created it.
+
+    Every rank must call it. It blocks until all ``env.world_size`` ranks have arrived, for at
+    most ``timeout_s`` seconds. A group that already exists (``lockstep.launch`` made one) is
+    adopted after checking that its size matches.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"a process group already exists with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
+                f"{env.world_size}: create the Runtime before calling init_process_group yourself, "
+                "or not at all."
+            )
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    device_id = device if device is not None and device.type == "cuda" else None
+    if backend == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)
+        return True
+    if init_method is not None:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+            timeout=timeout, device_id=device_id,
+        )
+        return True
+    store = _connect_store(env, timeout)
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+        device_id=device_id,
+    )
+    return True
+
+
+def _connect_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0 hosts the rendezvous store unless a torch elastic agent already does."""
+    is_master = env.rank == 0 and not env.agent_store
+    address = f"{env.master_addr}:{env.master_port}"
+    try:
+        return dist.TCPStore(
+            env.master_addr, int(env.master_port or 0), is_master=is_master, timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        text = str(error).lower()
+        if is_master and ("address already in use" in text or "errno 98" in text):
+            raise RuntimeError(
+                f"rank 0 cannot open the rendezvous store on port {env.master_port}: another "
+                "program is using it. Set MASTER_PORT to a free port (or let `lockstep run` pick "
+                "one)."
+            ) from error
+        if is_master:
+            raise RuntimeError(
+                f"rank 0 cannot open the rendezvous store at {address}: {error}. Check that "
+                "MASTER_ADDR is an address of this node."
+            ) from error
+        raise RuntimeError(
+            f"rank {env.rank} could not reach the rendezvous store at {address} within "
+            f"{timeout.total_seconds():.0f}s: check that MASTER_ADDR/MASTER_PORT name the node "
+            "of rank 0, that rank 0 started, and that no firewall blocks the port."
+        ) from error
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,306 @@
+"""``Runtime``: keep your own training loop; lockstep sets up processes, devices, precision and data."""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lockstep.env import DistEnv, timeout_from_environ
+from lockstep.runtime import collectives
+from lockstep.runtime.data import (
+    DistributedLoader, GlobalBatchSampler, ShardSampler, check_batch_size, dataset_length,
+    default_num_workers, options_of,
+)
+from lockstep.runtime.devices import Devices, resolve_placement
+from lockstep.runtime.precision import make_precision
+from lockstep.runtime.process_group import (
+    DEFAULT_TIMEOUT_S, choose_backend, destroy_process_group, init_process_group,
+)
+from lockstep.runtime.seed import seed_everything, set_determinism
+from lockstep.runtime.strategy import Strategy, make_strategy
+from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
+
+
+class Runtime:
+    """Processes, devices, strategy, precision, data and collectives for one training job.
+
+    Every rank creates one ``Runtime`` with the same arguments. Creating it joins the process
+    group (blocking until every rank has arrived, at most ``timeout`` seconds); a single process
+    creates no group and every collective is then the identity.
+
+    Args:
+        accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        devices: per node, a count (GPUs with CUDA, processes with the CPU), GPU indices such as
+            ``[0, 2]`` (what ``CUDA_VISIBLE_DEVICES=0,2`` means) or ``"auto"`` (what the launcher
+            started). It must match the processes the launcher started on this node.
+        strategy: ``"auto"`` (DDP with several processes), ``"ddp"``, ``"dp"``, ``"single"``, or a
+            configured object such as ``lockstep.DDP(find_unused_parameters=True)``.
+        precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``
+            (aliases ``32``, ``64``, ``16``, ``bf16``).
+        seed: seeds python, numpy and torch on every rank, and the data order (default order seed 0).
+        deterministic: deterministic kernels (slower); ``benchmark``: cuDNN autotuning.
+        timeout: seconds any collective may wait (default ``LOCKSTEP_TIMEOUT`` or 300).
+        backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default NCCL on CUDA, Gloo on CPU.
+        init_method: ``"tcp://host:port"`` or ``"env://"``; default a TCP store on the master.
+        env: where this process sits; default read from the launcher's environment.
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: str = "auto",
+        devices: Devices = "auto",
+        strategy: str | Strategy = "auto",
+        precision: str | int = "32-true",
+        seed: int | None = None,
+        deterministic: bool = False,
+        benchmark: bool | None = None,
+        timeout: float | None = None,
+        backend: str | None = None,
+        init_method: str | None = None,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.env = env if env is not None else DistEnv.from_environ()
+        self.strategy = make_strategy(strategy, self.env.world_size)
+        self.placement = resolve_placement(
+            accelerator, devices, self.env, self.strategy.one_process_many_devices
+        )
+        self.precision = make_precision(precision, self.placement.device)
+        self.timeout = timeout if timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
+        if self.timeout <= 0:
+            raise ValueError(f"timeout={timeout}: give a positive number of seconds.")
+        backend_name = choose_backend(self.placement.accelerator, backend)
+        set_determinism(deterministic, benchmark)
+        self.seed = 0 if seed is None else seed_everything(seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._owns_group = False
+        if self.env.is_distributed:
+            self._owns_group = init_process_group(
+                self.env, backend_name, self.timeout, init_method, self.device
+            )
+            atexit.register(self.close)
+        self._loss_scale = 1.0
+        self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
+
+    # -- where this process sits -------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: create tensors on it directly (``torch.zeros(3, device=rt.device)``)."""
+        return self.placement.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.env.num_nodes
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.is_global_zero
+
+    @property
+    def is_local_zero(self) -> bool:
+        return self.env.is_local_zero
+
+    # -- model and optimizers ---------------------------------------------------------------
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Convert, place and wrap ``model``; route each optimizer's ``step`` through the precision.
+
+        Returns the wrapped model, or ``(model, *optimizers)`` when optimizers are given. Create the
+        optimizers before calling it, from ``model.parameters()``. Every rank must call it (DDP
+        broadcasts rank 0's weights, so all ranks start equal whatever their seed).
+        """
+        module = self.precision.convert_module(model)
+        forward_module = self.strategy.wrap(module, self.placement)
+        eval_module = self.strategy.eval_module(forward_module)
+        wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
+        for optimizer in optimizers:
+            patch_optimizer_step(optimizer, self.precision)
+        return (wrapped, *optimizers) if optimizers else wrapped
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with loss scaling and the global-batch correction.
+
+        ``loss`` must be the mean over this rank's share of the batch from a ``rt.loader``. When the
+        global batch is split unevenly (a short last batch), it is reweighted so the gradients equal
+        those of the mean loss over the whole global batch.
+        """
+        self.precision.backward(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+
+    def no_sync(self, model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce inside this block (gradient accumulation micro-steps).
+
+        Gradients accumulate locally; the first backward outside the block reduces them all.
+        """
+        if not enabled or not isinstance(model, WrappedModule):
+            return contextlib.nullcontext()
+        return self.strategy.no_sync(model._forward_module)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
+        self.precision.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last ``optimizer.step()`` was skipped for inf/NaN gradients (``16-mixed``)."""
+        return self.precision.last_step_skipped
+
+    # -- data --------------------------------------------------------------------------------
+    def loader(
+        self, data: Any, batch_size: int | None = None, shuffle: bool | None = None,
+        drop_last: bool | None = None, **options: Any,
+    ) -> DistributedLoader:
+        """A training loader: ``batch_size`` is the GLOBAL batch, split over the ranks.
+
+        Each step's global batch is a contiguous slice of one permutation seeded by (seed, epoch);
+        each ``iter()`` is the next epoch. ``data`` is a map-style dataset or a DataLoader, which is
+        re-created with the same dataset, collate_fn and options. Other keyword arguments go to
+        DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``, ...).
+        """
+        dataset, opts = self._loader_options(data, batch_size, options)
+        use_shuffle = bool(opts.pop("shuffle", False)) if shuffle is None else shuffle
+        use_drop_last = bool(opts.pop("drop_last", False)) if drop_last is None else drop_last
+        opts.pop("shuffle", None)
+        opts.pop("drop_last", None)
+        sampler = GlobalBatchSampler(
+            dataset_length(dataset), opts.pop("batch_size"), self.rank, self.world_size,
+            use_shuffle, self.seed, use_drop_last,
+        )
+        return DistributedLoader(
+            dataset, sampler, opts, self.device, self.seed, self.rank, self._set_batch_sizes
+        )
+
+    def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
+        """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
+
+        Rank ``r`` gets the ``r``-th contiguous shard in batches of ``batch_size / world_size``, so
+        ``rt.gather`` of the outputs returns them in dataset order. Ranks may hold different numbers
+        of batches: issue no collective per batch, gather once after the loop.
+        """
+        dataset, opts = self._loader_options(data, batch_size, options)
+        for unused in ("shuffle", "drop_last"):
+            opts.pop(unused, None)
+        per_rank = opts.pop("batch_size") // self.world_size
+        sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank)
+
+    def _loader_options(
+        self, data: Any, batch_size: int | None, options: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        if isinstance(data, DataLoader):
+            dataset, opts = options_of(data)
+        else:
+            dataset, opts = data, {}
+            if batch_size is None:
+                raise ValueError("give batch_size (the global batch size) with a dataset.")
+        opts.update(options)
+        if batch_size is not None:
+            opts["batch_size"] = batch_size
+        check_batch_size(opts["batch_size"], self.world_size)
+        if "num_workers" not in opts:
+            opts["num_workers"] = default_num_workers(self.env.local_world_size)
+        opts.setdefault("pin_memory", self.device.type == "cuda")
+        if opts["num_workers"] > 0:
+            opts.setdefault("persistent_workers", True)
+        return dataset, opts
+
+    def _set_batch_sizes(self, local: int, global_: int) -> None:
+        self._loss_scale = local * self.world_size / global_
+
+    # -- collectives (every rank must call, in the same order) -------------------------------
+    def barrier(self) -> None:
+        """Block until every rank arrives here."""
+        collectives.barrier(self.device)
+
+    def all_reduce(self, data: Any, op: str = "mean") -> Any:
+        """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``); every rank gets the result."""
+        return collectives.all_reduce(data, op, self.device)
+
+    def all_gather(self, data: Any) -> list[Any]:
+        """Every rank's ``data`` as a list indexed by rank, on every rank. Shapes may differ by rank."""
+        return collectives.all_gather(data, self.device)
+
+    def gather(self, data: Any) -> Any:
+        """Evaluation outputs of all ranks, concatenated in rank order, on every rank.
+
+        Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
+        outputs) and joined first; other lists concatenate; dicts and tuples are gathered per entry.
+        With ``rt.eval_loader`` this is dataset order, one row per sample. A rank with no rows may
+        pass an empty list.
+        """
+        return collectives.gather_rows(data, self.device)
+
+    def broadcast(self, data: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``data`` on every rank."""
+        return collectives.broadcast(data, src, self.device)
+
+    # -- printing and ordering ---------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only; other ranks print nothing."""
+        if self.is_global_zero:
+            builtins.print(*args, **kwargs)
+
+    @property
+    def log(self) -> _RankLogger:
+        """The ``lockstep`` logger, prefixing each message with this process's rank."""
+        return self._logger
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
+        """Rank 0 (``local=True``: each node's local rank 0) runs the block first; the others wait.
+
+        For work such as downloading or preprocessing a dataset once. Every rank must enter it.
+        """
+        first = self.is_local_zero if local else self.is_global_zero
+        if not first:
+            self.barrier()
+        yield
+        if first:
+            self.barrier()
+
+    def close(self) -> None:
+        """Leave the process group this Runtime created (safe to call twice)."""
+        if self._owns_group:
+            self._owns_group = False
+            destroy_process_group()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank'] if self.extra else 0}] {msg}", kwargs
+
+
+__all__ = ["Runtime", "unwrap"]

@@ -1,0 +1,48 @@
+"""Seeding and determinism switches for python, numpy and torch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+
+import torch
+
+
+def seed_everything(seed: int) -> int:
+    """Seed python's ``random``, numpy (when installed) and torch on CPU and every CUDA device.
+
+    Every rank calling this with the same seed creates the same initial weights; DDP also
+    broadcasts rank 0's weights when it wraps the model, so they agree either way.
+    """
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed {seed} must be in [0, 2**32).")
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # numpy is optional
+        pass
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return seed
+
+
+def set_determinism(deterministic: bool, benchmark: bool | None) -> None:
+    """``deterministic=True`` trades speed for bitwise repeatable kernels; ``benchmark`` autotunes cuDNN."""
+    if deterministic:
+        if benchmark:
+            raise ValueError("deterministic=True and benchmark=True contradict each other: pick one.")
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    elif benchmark is not None:
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from several integers; different tuples give unrelated streams."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -1,0 +1,211 @@
+"""Start N local worker processes from Python (``lockstep.launch``), each with a ready process group.
+
+Functions travel by value (cloudpickle), so functions defined in a notebook or a test work with
+the ``spawn`` start method, which is safe with CUDA. Processes are started and supervised by
+``torch.multiprocessing``; on the first failure the others are stopped, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessException
+
+from lockstep.env import DistEnv
+from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+
+GRACE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; ``rank`` names it and the message holds its traceback."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class RankOutcome:
+    """What one rank ended with: ``value`` when ``ok``, else ``error`` (a traceback or a reason)."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    exception: BaseException | None = None
+    failed_at: float = float("inf")
+    pid: int | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _child(
+    local_rank: int, payload: bytes, nprocs: int, port: int, workdir: str, backend: str,
+    keep_all: bool,
+) -> None:
+    os.environ.update({
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_LAUNCHER": "lockstep.launch",
+    })
+    if "OMP_NUM_THREADS" not in os.environ:  # N processes would otherwise each take every core
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    result = Path(workdir) / f"rank{local_rank}.pt"
+    try:
+        fn, args = cloudpickle.loads(payload)
+        env = DistEnv.from_environ(argv=[])
+        if env.is_distributed:
+            init_process_group(env, backend, DEFAULT_TIMEOUT_S)
+        value = fn(*args)
+        if keep_all or local_rank == 0:
+            _save(result, {"ok": True, "value": value})
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit non-zero
+        report: dict[str, Any] = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
+        try:
+            report["exception"] = cloudpickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an unpicklable exception still has its traceback
+            pass
+        _save(result, report)
+        sys.exit(1)
+    finally:
+        destroy_process_group()
+
+
+def _save(path: Path, obj: Any) -> None:
+    partial = path.with_suffix(".partial")
+    torch.save(obj, partial, pickle_module=cloudpickle)
+    partial.rename(path)
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    return dict(torch.load(path, map_location="cpu", weights_only=False))
+
+
+def spawn(
+    fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, backend: str = "auto",
+    timeout: float | None = None, keep_all: bool = True,
+) -> list[RankOutcome]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; return every rank's outcome.
+
+    Blocks until all ranks finish, one fails (the others are then stopped within a few seconds),
+    or ``timeout`` seconds pass (then all are stopped). Never leaves a process running.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs}: start at least one process.")
+    if backend == "auto":
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    payload = cloudpickle.dumps((fn, tuple(args)))
+    with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir:
+        context = tmp.start_processes(
+            _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all),
+            nprocs=nprocs, join=False, start_method="spawn",
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        try:
+            while True:
+                try:
+                    if context.join(timeout=0.1, grace_period=GRACE_S):
+                        break
+                except ProcessException:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        finally:
+            stopped = _stop_all(context.processes)
+        return [
+            _outcome(rank, process, _load(Path(workdir) / f"rank{rank}.pt"), rank in stopped,
+                     timed_out, timeout)
+            for rank, process in enumerate(context.processes)
+        ]
+
+
+def _stop_all(processes: Sequence[Any]) -> set[int]:
+    """Stop the processes still running (SIGTERM, then SIGKILL); return their ranks."""
+    stopped = {rank for rank, process in enumerate(processes) if process.is_alive()}
+    for rank in stopped:
+        processes[rank].terminate()
+    end = time.monotonic() + GRACE_S
+    for rank in stopped:
+        process = processes[rank]
+        process.join(max(0.0, end - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return stopped
+
+
+def _outcome(
+    rank: int, process: Any, report: dict[str, Any] | None, stopped: bool, timed_out: bool,
+    timeout: float | None,
+) -> RankOutcome:
+    pid = process.pid
+    if report is not None and report["ok"]:
+        return RankOutcome(rank, True, value=report["value"], pid=pid)
+    if report is not None:
+        exception = None
+        if "exception" in report:
+            try:
+                exception = cloudpickle.loads(report["exception"])
+            except Exception:  # noqa: BLE001 - the traceback text is enough
+                exception = None
+        return RankOutcome(rank, False, error=report["error"], exception=exception,
+                           failed_at=report["time"], pid=pid)
+    code = process.exitcode
+    if code == 0:
+        return RankOutcome(rank, True, pid=pid)
+    if stopped:
+        reason = f"did not finish within {timeout}s" if timed_out else "was stopped after another rank failed"
+        return RankOutcome(rank, False, error=f"rank {rank} {reason}", pid=pid)
+    # Died on its own without a Python traceback (a signal, os._exit, a crash): the likely cause.
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return RankOutcome(rank, False, error=f"rank {rank} {how}", failed_at=0.0, pid=pid)
+
+
+def first_failure(outcomes: Sequence[RankOutcome]) -> RankOutcome | None:
+    """The failure that came first: the likely cause, where the others only lost their peer."""
+    failed = [o for o in outcomes if not o.ok]
+    return min(failed, key=lambda o: (o.failed_at, o.rank)) if failed else None
+
+
+def launch(
+    fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout: float | None = None,
+) -> Any:
+    """Run ``fn(*args)`` on ``nprocs`` local processes and return rank 0's return value.
+
+    Each process gets a ready process group (Gloo on CPU, NCCL and Gloo with enough GPUs) and the
+    usual variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), so ``lockstep.Runtime()``
+    inside ``fn`` just works. Rank 0's value comes back with its tensors on the CPU. When a worker
+    raises, a ``WorkerError`` naming its rank (with the original exception as ``__cause__``) is
+    raised here within seconds, and every worker is stopped.
+    """
+    outcomes = spawn(fn, nprocs, args, timeout=timeout, keep_all=False)
+    failed = first_failure(outcomes)
+    if failed is not None:
+        summary = failed.error.strip().splitlines()[-1] if failed.error else "failed"
+        raise WorkerError(
+            f"rank {failed.rank} of {nprocs} failed: {summary}\n\n{failed.error}", failed.rank
+        ) from failed.exception
+    return outcomes[0].value

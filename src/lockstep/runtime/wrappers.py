@@ -1,0 +1,83 @@
+"""What ``Runtime.setup`` hands back: the model behind a thin wrapper, the optimizer patched in place."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.runtime.precision import Precision
+
+
+class WrappedModule(nn.Module):
+    """Runs the strategy's module (e.g. DDP) under the precision's forward context.
+
+    Attribute access, ``state_dict`` and ``load_state_dict`` go to your own module, so names and
+    checkpoint keys are exactly those of the unwrapped model. With gradients disabled (evaluation),
+    ``forward`` calls ``eval_module`` instead, which for DDP is your module itself: evaluation then
+    issues no collective, so ranks holding different numbers of batches cannot hang.
+    """
+
+    def __init__(
+        self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
+        precision: Precision,
+    ) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        self.__dict__["_eval_module"] = eval_module
+        self.__dict__["module"] = module
+        self.__dict__["_precision"] = precision
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        precision: Precision = self.__dict__["_precision"]
+        args, kwargs = precision.convert_input((args, kwargs))
+        target = self._forward_module if torch.is_grad_enabled() else self.__dict__["_eval_module"]
+        with precision.forward_context():
+            output = target(*args, **kwargs)
+        return precision.convert_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["module"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["module"].state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.__dict__["module"].load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Your own module behind what ``Runtime.setup`` returned (the module itself otherwise)."""
+    return module.__dict__.get("module", module) if isinstance(module, WrappedModule) else module
+
+
+def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+    """Make ``optimizer.step()`` go through the precision (GradScaler for ``16-mixed``).
+
+    The optimizer stays the same object, so LR schedulers and ``isinstance`` checks keep working.
+    GradScaler calls ``optimizer.step()`` itself, so a re-entrant call runs the original step.
+    """
+    if getattr(optimizer.step, "_lockstep_patched", False):
+        return
+    original = optimizer.step
+    inside = False
+
+    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        nonlocal inside
+        if inside:
+            return original() if closure is None else original(closure)
+        inside = True
+        try:
+            return precision.optimizer_step(
+                self, lambda: original() if closure is None else original(closure)
+            )
+        finally:
+            inside = False
+
+    step._lockstep_patched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
