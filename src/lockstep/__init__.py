@@ -2,7 +2,15 @@
 
 from lockstep.env import DistEnv, EnvError
 from lockstep.runtime import (
-    DDP, DP, DistributedLoader, Runtime, SingleDevice, WorkerError, launch, seed_everything, unwrap,
+    DDP,
+    DP,
+    DistributedLoader,
+    Runtime,
+    SingleDevice,
+    WorkerError,
+    launch,
+    seed_everything,
+    unwrap,
 )
 
 __version__ = "0.1.0"

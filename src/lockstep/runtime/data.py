@@ -14,8 +14,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
-from torch.utils.data import SequentialSampler, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from lockstep.runtime.seed import mix_seed
 from lockstep.runtime.tree import to_device

@@ -93,12 +93,12 @@ def resolve_placement(
         ids: tuple[int, ...] = ()
     else:
         available = torch.cuda.device_count()
-        if wanted == "auto":
-            ids = tuple(range(available if one_process_many_devices else env.local_world_size))
+        if isinstance(wanted, tuple):
+            ids = wanted
         elif isinstance(wanted, int):
             ids = tuple(range(wanted))
-        else:
-            ids = wanted
+        else:  # "auto"
+            ids = tuple(range(available if one_process_many_devices else env.local_world_size))
         missing = [i for i in ids if i >= available]
         if missing:
             raise ValueError(

@@ -16,13 +16,21 @@ from torch.utils.data import DataLoader
 from lockstep.env import DistEnv, timeout_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.data import (
-    DistributedLoader, GlobalBatchSampler, ShardSampler, check_batch_size, dataset_length,
-    default_num_workers, options_of,
+    DistributedLoader,
+    GlobalBatchSampler,
+    ShardSampler,
+    check_batch_size,
+    dataset_length,
+    default_num_workers,
+    options_of,
 )
 from lockstep.runtime.devices import Devices, resolve_placement
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.process_group import (
-    DEFAULT_TIMEOUT_S, choose_backend, destroy_process_group, init_process_group,
+    DEFAULT_TIMEOUT_S,
+    choose_backend,
+    destroy_process_group,
+    init_process_group,
 )
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.strategy import Strategy, make_strategy
@@ -240,7 +248,10 @@ class Runtime:
         collectives.barrier(self.device)
 
     def all_reduce(self, data: Any, op: str = "mean") -> Any:
-        """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``); every rank gets the result."""
+        """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``) over all ranks.
+
+        Every rank gets the result.
+        """
         return collectives.all_reduce(data, op, self.device)
 
     def all_gather(self, data: Any) -> list[Any]:

@@ -15,13 +15,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.multiprocessing as tmp
-from torch.multiprocessing.spawn import ProcessException
 
 from lockstep.env import DistEnv
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
@@ -122,17 +122,8 @@ def spawn(
             nprocs=nprocs, join=False, start_method="spawn",
         )
         deadline = None if timeout is None else time.monotonic() + timeout
-        timed_out = False
         try:
-            while True:
-                try:
-                    if context.join(timeout=0.1, grace_period=GRACE_S):
-                        break
-                except ProcessException:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    timed_out = True
-                    break
+            timed_out = _wait(context.processes, deadline)
         finally:
             stopped = _stop_all(context.processes)
         return [
@@ -140,6 +131,25 @@ def spawn(
                      timed_out, timeout)
             for rank, process in enumerate(context.processes)
         ]
+
+
+def _wait(processes: Sequence[Any], deadline: float | None) -> bool:
+    """Wait until all exit, one fails (then GRACE_S more for the rest), or the deadline passes.
+
+    Returns True when the deadline passed.
+    """
+    running = {process.sentinel: process for process in processes}
+    while running:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return True
+        for sentinel in wait(list(running), timeout=0.2 if left is None else min(0.2, left)):
+            process = running.pop(sentinel)
+            process.join()
+            if process.exitcode != 0:
+                wait(list(running), timeout=GRACE_S)  # peers may notice and exit by themselves
+                return False
+    return False
 
 
 def _stop_all(processes: Sequence[Any]) -> set[int]:

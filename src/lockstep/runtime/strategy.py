@@ -14,8 +14,10 @@ from lockstep.runtime.devices import Placement
 
 
 class Strategy(Protocol):
-    name: str
-    one_process_many_devices: bool
+    @property
+    def name(self) -> str: ...
+    @property
+    def one_process_many_devices(self) -> bool: ...
 
     def wrap(self, module: nn.Module, placement: Placement) -> nn.Module: ...
     def eval_module(self, wrapped: nn.Module) -> nn.Module: ...
@@ -51,7 +53,6 @@ class DDP:
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     sync_batchnorm: bool = False
-    broadcast_buffers: bool = True
     name: str = "ddp"
     one_process_many_devices: bool = False
 
@@ -65,11 +66,11 @@ class DDP:
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            broadcast_buffers=self.broadcast_buffers,
         )
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
-        return wrapped.module  # DDP's forward may sync buffers; evaluation must not
+        assert isinstance(wrapped, DistributedDataParallel)
+        return wrapped.module  # type: ignore[no-any-return]  # DDP's forward may sync buffers
 
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
         assert isinstance(wrapped, DistributedDataParallel)

@@ -1,0 +1,189 @@
+"""Functions the multi-process tests run on every rank (importable by the spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lockstep
+
+
+def make_model(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def make_data(n: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=generator)
+    y = torch.randint(0, 4, (n,), generator=generator)
+    return TensorDataset(x, y)
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in lockstep.unwrap(model).parameters()])
+
+
+def train_lockstep(rt: lockstep.Runtime, dataset, batch_size: int, epochs: int, shuffle: bool):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=0)
+    for _ in range(epochs):
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    return flat_weights(model)
+
+
+def train_plain_ddp(rank: int, world: int, dataset, batch_size: int, bf16: bool) -> torch.Tensor:
+    """A hand-written DDP loop: step s, rank r takes the r-th contiguous part of global batch s."""
+    model = nn.parallel.DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x_all, y_all = dataset.tensors
+    per_rank = batch_size // world
+    for first in range(0, len(dataset), batch_size):
+        part = slice(first + rank * per_rank, first + (rank + 1) * per_rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x_all[part])
+        loss = F.cross_entropy(out.float(), y_all[part])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat_weights(model.module)
+
+
+def parity_with_plain_ddp(precision: str) -> float:
+    rt = lockstep.Runtime(accelerator="cpu", precision=precision, seed=0)
+    dataset = make_data(16 * 20)  # 20 steps of global batch 16
+    ours = train_lockstep(rt, dataset, 16, epochs=1, shuffle=False)
+    theirs = train_plain_ddp(rt.rank, rt.world_size, dataset, 16, bf16=precision == "bf16-mixed")
+    return float((ours - theirs).abs().max())
+
+
+def world_size_invariance() -> torch.Tensor:
+    """2 epochs, global batch 16 over 103 samples: a short last batch of 7, split unevenly."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    return train_lockstep(rt, make_data(103), 16, epochs=2, shuffle=True)
+
+
+def gathered_evaluation(batch_size: int) -> dict:
+    """Evaluate 1,001 samples; ranks hold different numbers of batches; gather once at the end."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = rt.setup(make_model())
+    x, y = make_data(1001).tensors
+    dataset = TensorDataset(torch.arange(1001), x, y)
+    outputs, indices, batches = [], [], 0
+    model.eval()
+    with torch.no_grad():
+        for index, xb, _ in rt.eval_loader(dataset, batch_size=batch_size, num_workers=0):
+            outputs.append(model(xb))
+            indices.append(index)
+            batches += 1
+    return {"outputs": rt.gather(outputs), "indices": rt.gather(indices),
+            "batches": rt.all_gather(batches)}
+
+
+def inf_gradient_skips_step() -> dict:
+    """16-mixed: an inf gradient on one rank only makes every rank skip the step."""
+    rt = lockstep.Runtime(accelerator="cpu", precision="16-mixed", seed=0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    x, y = make_data(8).tensors
+    before = flat_weights(model).clone()
+    poisoned = x.clone()
+    if rt.rank == 1:
+        poisoned[0, 0] = float("inf")  # inf gradients on rank 1 only, before the all-reduce
+    rt.backward(F.cross_entropy(model(poisoned), y))
+    optimizer.step()
+    skipped = rt.step_was_skipped
+    unchanged = torch.equal(before, flat_weights(model))
+    optimizer.zero_grad()
+    rt.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    return {"skipped": skipped, "unchanged": unchanged, "then_stepped": not rt.step_was_skipped,
+            "then_changed": not torch.equal(before, flat_weights(model))}
+
+
+def accumulation_skips_allreduce(micro_steps: int = 4) -> dict:
+    """no_sync on all but the last micro-step: one all-reduce per bucket, same gradients."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = rt.setup(make_model())
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        tensor = bucket.buffer().div_(rt.world_size)
+        work = torch.distributed.all_reduce(tensor, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    model._forward_module.register_comm_hook(None, counting_hook)
+    x, y = make_data(64).tensors
+    per_rank = 64 // rt.world_size
+    mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+    xs, ys = x[mine].chunk(micro_steps), y[mine].chunk(micro_steps)
+    for i in range(micro_steps):
+        with rt.no_sync(model, enabled=i < micro_steps - 1):
+            rt.backward(F.cross_entropy(model(xs[i]), ys[i]) / micro_steps)
+    accumulated = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    reference = make_model()  # the full global batch in one step, one process
+    F.cross_entropy(reference(x), y).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    buckets = len(set(calls))
+    return {"allreduce_calls": len(calls), "buckets": buckets,
+            "grad_error": float((accumulated - expected).abs().max())}
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each item is a fresh random draw, like a random augmentation, plus the worker's id."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        return torch.rand(1), torch.utils.data.get_worker_info().id
+
+
+def worker_seeds(num_workers: int = 2) -> dict:
+    """Random augmentations drawn in DataLoader workers, per epoch, on this rank."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=3)
+
+    def draws():
+        loader = rt.loader(Augmented(), batch_size=4, num_workers=num_workers)
+        return [[(float(v), int(w)) for noise, worker in loader for v, w in zip(noise, worker, strict=True)]
+                for _epoch in range(2)]
+
+    return {"first": draws(), "second": draws()}
+
+
+def rank_zero_goes_first(path: str) -> list[str]:
+    import time
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    with rt.rank_zero_first():
+        if rt.is_global_zero:
+            time.sleep(0.5)
+        with open(path, "a") as handle:
+            handle.write(f"{rt.rank}\n")
+    rt.barrier()
+    with open(path) as handle:
+        return handle.read().split()
+
+
+def dataloader_is_recreated() -> dict:
+    rt = lockstep.Runtime(accelerator="cpu")
+    seen = []
+
+    def collate(rows):
+        seen.append(len(rows))
+        return torch.stack([r[0] for r in rows])
+
+    original = DataLoader(make_data(40), batch_size=8, shuffle=False, collate_fn=collate)
+    loader = rt.loader(original)
+    batches = [b for b in loader]
+    return {"collate_calls": len(seen), "rows": sum(len(b) for b in batches),
+            "local_rows": [len(b) for b in batches]}

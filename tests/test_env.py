@@ -1,0 +1,168 @@
+"""DistEnv parsing: one case per launcher, and the inconsistent environments it must refuse."""
+
+import pytest
+
+from lockstep.env import DistEnv, EnvError, expand_nodelist, expand_tasks_per_node
+
+
+def test_nothing_is_a_single_process():
+    env = DistEnv.from_environ({}, argv=[])
+    assert (env.rank, env.world_size, env.local_world_size, env.launcher) == (0, 1, 1, "none")
+    assert not env.is_distributed
+
+
+def test_torchrun_variables():
+    env = DistEnv.from_environ(
+        {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400",
+         "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        argv=[],
+    )
+    assert env == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
+                          num_nodes=2, master_addr="10.1.2.3", master_port=29400,
+                          launcher="torchrun", agent_store=True)
+
+
+def test_plain_rank_variables_without_group_infer_node():
+    env = DistEnv.from_environ(
+        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_PORT": "1234"}, argv=[])
+    assert (env.node_rank, env.num_nodes, env.launcher) == (1, 2, "env")
+
+
+def test_legacy_launch_local_rank_in_argv():
+    base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    env = DistEnv.from_environ(base, argv=["--local_rank=1", "--lr", "0.1"])
+    assert (env.local_rank, env.local_world_size, env.launcher) == (1, 2, "torch.distributed.launch")
+    env = DistEnv.from_environ(base, argv=["--local-rank", "1"])
+    assert env.local_rank == 1
+
+
+def test_legacy_local_rank_without_world_is_refused():
+    with pytest.raises(EnvError, match="RANK and WORLD_SIZE are not set"):
+        DistEnv.from_environ({}, argv=["--local_rank=0"])
+
+
+def test_legacy_local_rank_disagreeing_with_env_is_refused():
+    with pytest.raises(EnvError, match="disagrees with LOCAL_RANK"):
+        DistEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                              "MASTER_PORT": "1"}, argv=["--local_rank=1"])
+
+
+SLURM = {
+    "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8", "SLURM_JOB_NODELIST": "gpu[01-04]",
+    "SLURM_STEP_NODELIST": "gpu[01-02,07],cpu3", "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+}
+
+
+def test_slurm_under_srun():
+    env = DistEnv.from_environ(SLURM, argv=[])
+    assert env == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=2, node_rank=1,
+                          num_nodes=4, master_addr="gpu01", master_port=10000 + 123456 % 20000,
+                          launcher="slurm")
+
+
+def test_slurm_master_port_from_environment_wins():
+    assert DistEnv.from_environ({**SLURM, "MASTER_PORT": "4242"}, argv=[]).master_port == 4242
+
+
+def test_slurm_uneven_tasks_per_node():
+    env = DistEnv.from_environ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "3,3,1,1", "SLURM_NODEID": "2",
+                                "SLURM_PROCID": "6", "SLURM_LOCALID": "0"}, argv=[])
+    assert (env.local_world_size, env.node_rank) == (1, 2)
+
+
+def test_slurm_several_tasks_without_srun_is_refused():
+    batch_step = {k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_ID",)}
+    with pytest.raises(EnvError, match="without srun"):
+        DistEnv.from_environ(batch_step, argv=[])
+
+
+def test_slurm_one_task_without_srun_is_a_single_process():
+    env = DistEnv.from_environ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, argv=[])
+    assert env.launcher == "none"
+
+
+def test_slurm_interactive_shell_is_ignored():
+    env = DistEnv.from_environ({**SLURM, "SLURM_JOB_NAME": "bash"}, argv=[])
+    assert env.launcher == "none"
+
+
+def test_slurm_tasks_per_node_disagreeing_with_ntasks():
+    with pytest.raises(EnvError, match="--ntasks equal --nodes x --ntasks-per-node"):
+        DistEnv.from_environ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, argv=[])
+
+
+def test_torchrun_inside_slurm_wins_over_slurm():
+    env = DistEnv.from_environ({**SLURM, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                                "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"},
+                               argv=[])
+    assert env.launcher == "torchrun"
+
+
+def test_open_mpi():
+    env = DistEnv.from_environ(
+        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+         "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29501"}, argv=[])
+    assert env == DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
+                          num_nodes=2, master_addr="node1", master_port=29501, launcher="mpi")
+
+
+def test_mpich_single_node_defaults_to_loopback():
+    env = DistEnv.from_environ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+                                "MPI_LOCALNRANKS": "2"}, argv=[])
+    assert (env.rank, env.master_addr, env.master_port, env.launcher) == (1, "127.0.0.1", 29500, "mpi")
+
+
+def test_mpi_multi_node_without_master_addr_is_refused():
+    with pytest.raises(EnvError, match="MASTER_ADDR is not set"):
+        DistEnv.from_environ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+                              "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, argv=[])
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1"}, "rank 4 does not fit"),
+        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1"},
+         "local rank 2 does not fit"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_PORT": "1"},
+         "4 processes on this node do not fit"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "no master port"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+        ({"RANK": "0"}, "WORLD_SIZE is not set"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "70000"}, "not a valid TCP port"),
+    ],
+)
+def test_inconsistent_environments_are_refused(environ, message):
+    with pytest.raises(EnvError, match=message):
+        DistEnv.from_environ(environ, argv=[])
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("gpu[01-04,07],cpu3", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]),
+        ("node1", ["node1"]),
+        ("a[8-11]", ["a8", "a9", "a10", "a11"]),
+        ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+        ("x-[1,3],y", ["x-1", "x-3", "y"]),
+        ("n[009-011]", ["n009", "n010", "n011"]),
+    ],
+)
+def test_nodelist_expansion(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[1-", "gpu[3-1]", "gpu]1["])
+def test_bad_nodelists_are_refused(bad):
+    with pytest.raises(ValueError, match="node list"):
+        expand_nodelist(bad)
+
+
+def test_tasks_per_node_expansion():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(ValueError):
+        expand_tasks_per_node("two")

@@ -1,0 +1,137 @@
+"""Real ranks over Gloo on loopback, compared with single-process and plain-PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_checks as checks
+from lockstep import DistEnv, Runtime
+from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def single_process_runtime(**kwargs) -> Runtime:
+    return Runtime(accelerator="cpu", env=DistEnv(), **kwargs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_runtime_ddp_equals_hand_written_ddp(world, precision):
+    errors = run_ranks(checks.parity_with_plain_ddp, world, precision)
+    assert max(errors) <= 1e-6, errors
+
+
+def test_same_weights_on_1_2_and_4_processes():
+    # 103 samples, global batch 16: the last batch (7) splits 4+3 and 2+2+2+1.
+    reference = checks.train_lockstep(single_process_runtime(seed=0), checks.make_data(103), 16, 2, True)
+    for world in (2, 4):
+        weights = run_ranks(checks.world_size_invariance, world)
+        for rank_weights in weights:
+            assert torch.allclose(rank_weights, reference, atol=1e-5, rtol=0), world
+
+
+def _single_process_evaluation():
+    rt = single_process_runtime(seed=0)
+    model = rt.setup(checks.make_model())
+    model.eval()
+    with torch.no_grad():
+        return model(checks.make_data(1001).tensors[0])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gathered_evaluation_is_exact_and_in_dataset_order(world):
+    expected = _single_process_evaluation()
+    results = run_ranks(checks.gathered_evaluation, world, 10 * world)
+    for result in results:
+        assert result["outputs"].shape == (1001, 4)
+        assert torch.equal(result["indices"], torch.arange(1001))
+        assert torch.allclose(result["outputs"], expected, atol=1e-6)
+    if world == 4:  # 251 + 250 + 250 + 250 rows in batches of 10: rank 0 has one batch more
+        assert results[0]["batches"] == [26, 25, 25, 25]
+
+
+def test_gather_when_a_rank_has_no_rows():
+    def few_rows():
+        rt = Runtime(accelerator="cpu")
+        dataset = torch.utils.data.TensorDataset(torch.arange(2))
+        rows = [batch[0] for batch in rt.eval_loader(dataset, batch_size=3, num_workers=0)]
+        return rt.gather(rows)
+
+    for gathered in run_ranks(few_rows, 3):
+        assert torch.equal(gathered, torch.arange(2))
+
+
+def test_16_mixed_skips_step_on_inf_gradient_on_every_rank():
+    for result in run_ranks(checks.inf_gradient_skips_step, 2):
+        assert result == {"skipped": True, "unchanged": True, "then_stepped": True, "then_changed": True}
+
+
+def test_accumulation_all_reduces_once_with_the_full_batch_gradient():
+    for result in run_ranks(checks.accumulation_skips_allreduce, 2):
+        assert result["allreduce_calls"] == result["buckets"] >= 1
+        assert result["grad_error"] < 1e-6
+
+
+def test_worker_seeds_differ_by_rank_worker_epoch_and_repeat():
+    results = run_ranks(checks.worker_seeds, 2)
+    for result in results:
+        assert result["first"] == result["second"]  # repeat run to run
+        epoch0, epoch1 = result["first"]
+        assert {w for _, w in epoch0} == {0, 1}
+        assert {v for v, _ in epoch0}.isdisjoint({v for v, _ in epoch1})
+        by_worker = [{v for v, w in epoch0 if w == k} for k in (0, 1)]
+        assert by_worker[0].isdisjoint(by_worker[1])
+    rank0 = {v for epoch in results[0]["first"] for v, _ in epoch}
+    rank1 = {v for epoch in results[1]["first"] for v, _ in epoch}
+    assert rank0.isdisjoint(rank1)
+
+
+def test_rank_zero_goes_first(tmp_path):
+    orders = run_ranks(checks.rank_zero_goes_first, 3, str(tmp_path / "order.txt"))
+    assert orders[0][0] == "0" and sorted(orders[0]) == ["0", "1", "2"]
+
+
+def test_existing_dataloader_is_recreated_with_its_collate_fn():
+    for result in run_ranks(checks.dataloader_is_recreated, 2):
+        # global batch 8 over 2 ranks: 5 steps of 4 rows each, through the user's collate_fn
+        assert result == {"collate_calls": 5, "rows": 20, "local_rows": [4] * 5}
+
+
+def test_collectives_on_nested_data():
+    def collect():
+        rt = Runtime(accelerator="cpu")
+        r = rt.rank
+        return {
+            "sum": rt.all_reduce({"n": r + 1, "t": torch.tensor([r, 1.0]), "s": "kept"}, op="sum"),
+            "mean": rt.all_reduce(r, op="mean"),
+            "max": rt.all_reduce(torch.tensor(r), op="max"),
+            "min": rt.all_reduce([float(r)], op="min"),
+            "gather": rt.all_gather((r, torch.ones(r + 1))),
+            "bcast": rt.broadcast({"from": r}, src=2),
+            "rows": rt.gather({"x": torch.full((r,), r), "names": [f"s{r}"] * r}),
+        }
+
+    for out in run_ranks(collect, 3):
+        assert out["sum"]["n"] == 6 and out["sum"]["s"] == "kept"
+        assert torch.equal(out["sum"]["t"], torch.tensor([3.0, 3.0]))
+        assert out["mean"] == 1.0 and int(out["max"]) == 2 and out["min"] == [0.0]
+        assert [g[0] for g in out["gather"]] == [0, 1, 2]
+        assert [len(g[1]) for g in out["gather"]] == [1, 2, 3]
+        assert out["bcast"] == {"from": 2}
+        assert torch.equal(out["rows"]["x"], torch.tensor([1, 2, 2]))
+        assert out["rows"]["names"] == ["s1", "s2", "s2"]
+
+
+def test_devices_disagreeing_with_the_launcher_is_an_error():
+    def wrong_devices():
+        try:
+            Runtime(accelerator="cpu", devices=4)
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    for message in run_ranks(wrong_devices, 2):
+        assert "devices=4 asks for 4 processes per node" in message
+        assert "started 2 on this node" in message

@@ -1,0 +1,222 @@
+"""The runtime in one process: precision, validation errors, loaders, resume position."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dist_checks as checks
+import lockstep
+from lockstep import DistEnv, Runtime
+from lockstep.runtime.data import GlobalBatchSampler, ShardSampler, check_batch_size, split_evenly
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def runtime(**kwargs) -> Runtime:
+    return Runtime(accelerator="cpu", env=DistEnv(), **kwargs)
+
+
+def test_16_mixed_skips_the_step_on_an_inf_gradient_and_lowers_the_scale():
+    rt = runtime(precision="16-mixed", seed=0)
+    model = checks.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    x, y = checks.make_data(8).tensors
+    before = checks.flat_weights(model).clone()
+    scale = rt.precision.scaler.get_scale()
+    rt.backward(F.cross_entropy(model(x), y))
+    next(model.parameters()).grad[0, 0] = float("inf")
+    optimizer.step()
+    assert rt.step_was_skipped
+    assert torch.equal(before, checks.flat_weights(model))
+    assert rt.precision.scaler.get_scale() == scale / 2
+    optimizer.zero_grad()
+    rt.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    assert not rt.step_was_skipped
+    assert not torch.equal(before, checks.flat_weights(model))
+
+
+def test_16_mixed_step_equals_unscaled_step():
+    rt = runtime(precision="16-mixed", seed=0)
+    model = checks.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    reference = checks.make_model()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = checks.make_data(8).tensors
+    rt.backward(F.cross_entropy(model(x), y))
+    norm = rt.clip_grad_norm_(model, optimizer, max_norm=0.5)
+    optimizer.step()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = reference(x)
+    F.cross_entropy(out.float(), y).backward()
+    ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ref_optimizer.step()
+    assert torch.allclose(norm, ref_norm, rtol=1e-3)
+    assert torch.allclose(checks.flat_weights(model), checks.flat_weights(reference), atol=1e-5)
+
+
+def test_bf16_mixed_outputs_float32_and_runs_under_autocast():
+    rt = runtime(precision="bf16")
+    model = rt.setup(nn.Linear(4, 2))
+    out = model(torch.randn(3, 4))
+    assert out.dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+def test_true_precisions_convert_weights_and_inputs(precision, dtype):
+    rt = runtime(precision=precision)
+    model = rt.setup(nn.Linear(4, 2))
+    assert next(model.parameters()).dtype == dtype
+    assert model(torch.randn(3, 4)).dtype == dtype
+
+
+def test_scheduler_works_with_the_patched_optimizer():
+    rt = runtime(precision="16-mixed")
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = rt.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    assert isinstance(optimizer, torch.optim.SGD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.backward(model(torch.randn(2, 4)).sum())
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_wrapped_model_keeps_names_and_checkpoint_keys():
+    rt = runtime()
+    model = checks.make_model()
+    keys = list(model.state_dict())
+    wrapped = rt.setup(model)
+    assert list(wrapped.state_dict()) == keys
+    wrapped.load_state_dict(model.state_dict())
+    assert getattr(wrapped, "0") is model[0]  # attribute access reaches the user's module
+    assert lockstep.unwrap(wrapped) is model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
+        ({"devices": 0}, "devices=0: ask for at least one device"),
+        ({"devices": [0, 1]}, "lists GPU indices but the accelerator is the CPU"),
+        ({"devices": 2}, "devices=2 asks for 2 processes, but this process was started alone"),
+        ({"timeout": -1}, "positive number of seconds"),
+        ({"backend": "nccl"}, "backend 'nccl'"),
+        ({"strategy": "dp"}, "strategy 'dp' needs CUDA GPUs"),
+        ({"deterministic": True, "benchmark": True}, "contradict"),
+    ],
+)
+def test_bad_arguments_say_what_to_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rt = runtime(**kwargs)
+        rt.setup(nn.Linear(1, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        Runtime(accelerator="cuda", env=DistEnv())
+
+
+def test_global_batch_not_divisible_by_world_size():
+    with pytest.raises(ValueError, match="batch_size=10 is not divisible by the world size 4.*8 or 12"):
+        check_batch_size(10, 4)
+
+
+def test_split_evenly_covers_every_item_once():
+    for total in range(0, 12):
+        for parts in range(1, 5):
+            pieces = [split_evenly(total, parts, p) for p in range(parts)]
+            assert pieces[0][0] == 0 and pieces[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+            assert max(b - a for a, b in pieces) - min(b - a for a, b in pieces) <= 1
+
+
+def _stream(world: int, shuffle: bool = True) -> list[list[int]]:
+    """The global batches of one epoch, re-assembled from every rank's share."""
+    samplers = [GlobalBatchSampler(23, 8, r, world, shuffle, 0, False) for r in range(world)]
+    shares = [list(s) for s in samplers]
+    return [sorted(i for r in range(world) for _, i in shares[r][step]) for step in range(len(shares[0]))]
+
+
+def test_sample_stream_does_not_depend_on_world_size():
+    assert _stream(1) == _stream(2) == _stream(4)
+    assert sorted(i for batch in _stream(2) for i in batch) == list(range(23))
+
+
+def test_shard_sampler_gives_contiguous_shards():
+    shards = [[i for batch in ShardSampler(10, 2, r, 3) for _, i in batch] for r in range(3)]
+    assert shards == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def test_loader_resumes_mid_epoch_at_the_same_batch():
+    rt = runtime(seed=5)
+    dataset = torch.utils.data.TensorDataset(torch.arange(50))
+    loader = rt.loader(dataset, batch_size=8, shuffle=True, num_workers=0)
+    full = [b[0].tolist() for b in loader] + [b[0].tolist() for b in loader]
+    interrupted = rt.loader(dataset, batch_size=8, shuffle=True, num_workers=0)
+    seen = []
+    for i, batch in enumerate(interrupted):
+        seen.append(batch[0].tolist())
+        if i == 2:
+            state = interrupted.state_dict()
+            break
+    resumed = rt.loader(dataset, batch_size=8, shuffle=True, num_workers=0)
+    resumed.load_state_dict(state)
+    seen += [b[0].tolist() for b in resumed] + [b[0].tolist() for b in resumed]
+    assert seen == full
+    assert resumed.epoch == 1
+
+
+def test_loader_resume_with_another_batch_size_is_refused():
+    rt = runtime()
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    loader = rt.loader(dataset, batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match="same global batch size"):
+        loader.load_state_dict({"epoch": 0, "batches_done": 1, "batch_size": 4})
+
+
+def test_loader_refuses_custom_samplers_and_iterable_datasets():
+    rt = runtime()
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    weighted = torch.utils.data.DataLoader(
+        dataset, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 10, 10))
+    with pytest.raises(ValueError, match="custom sampler"):
+        rt.loader(weighted)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        rt.loader(torch.utils.data.DataLoader(Stream(), batch_size=1))
+
+
+def test_seed_everything_repeats_initial_weights():
+    lockstep.seed_everything(11)
+    first = nn.Linear(3, 3).weight.clone()
+    lockstep.seed_everything(11)
+    assert torch.equal(first, nn.Linear(3, 3).weight)
+
+
+def test_single_process_collectives_are_the_identity():
+    rt = runtime()
+    data = {"a": torch.ones(2), "b": 3}
+    assert rt.all_reduce(data) is data
+    assert rt.all_gather(5) == [5]
+    assert torch.equal(rt.gather([torch.ones(2), torch.zeros(1)]), torch.tensor([1.0, 1.0, 0.0]))
+    rt.barrier()
+    with rt.rank_zero_first():
+        pass
