@@ -70,11 +70,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args()
-    job = (args.epochs, args.batch_size, args.accelerator)
-    if lockstep.DistEnv.from_environ().is_distributed:  # torchrun, srun, lockstep run, ...
-        accuracy = train(*job)
-    else:
-        accuracy = lockstep.launch(train, nprocs=args.devices, args=job)
+    # Starts the processes; under torchrun, srun or another launcher it runs train() as this rank.
+    accuracy = lockstep.launch(train, nprocs=args.devices, args=(args.epochs, args.batch_size, args.accelerator))
     if lockstep.DistEnv.from_environ().is_global_zero:
         print(f"final validation accuracy: {accuracy:.4f}")
     return 0 if accuracy >= 0.9 else 1

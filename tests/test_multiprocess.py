@@ -135,3 +135,24 @@ def test_devices_disagreeing_with_the_launcher_is_an_error():
     for message in run_ranks(wrong_devices, 2):
         assert "devices=4 asks for 4 processes per node" in message
         assert "started 2 on this node" in message
+
+
+def test_print_on_rank_zero_only_and_rank_prefixed_logs():
+    def talk():
+        import contextlib
+        import io
+        import logging
+
+        rt = Runtime(accelerator="cpu")
+        printed, logged = io.StringIO(), io.StringIO()
+        handler = logging.StreamHandler(logged)
+        logging.getLogger("lockstep").addHandler(handler)
+        logging.getLogger("lockstep").setLevel(logging.INFO)
+        with contextlib.redirect_stdout(printed):
+            rt.print("hello")
+        rt.log.info("step done")
+        return printed.getvalue(), logged.getvalue()
+
+    outputs = run_ranks(talk, 2)
+    assert outputs[0] == ("hello\n", "[rank 0] step done\n")
+    assert outputs[1] == ("", "[rank 1] step done\n")

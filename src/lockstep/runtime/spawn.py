@@ -69,6 +69,7 @@ def _child(
     if "OMP_NUM_THREADS" not in os.environ:  # N processes would otherwise each take every core
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     result = Path(workdir) / f"rank{local_rank}.pt"
+    code = 0
     try:
         fn, args = cloudpickle.loads(payload)
         env = DistEnv.from_environ(argv=[])
@@ -77,6 +78,10 @@ def _child(
         value = fn(*args)
         if keep_all or local_rank == 0:
             _save(result, {"ok": True, "value": value})
+        if env.is_distributed:
+            # Rank 0 hosts the store: nobody tears down before everybody is done with it.
+            torch.distributed.barrier()
+        destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit non-zero
         report: dict[str, Any] = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
         try:
@@ -84,9 +89,12 @@ def _child(
         except Exception:  # noqa: BLE001 - an unpicklable exception still has its traceback
             pass
         _save(result, report)
-        sys.exit(1)
-    finally:
-        destroy_process_group()
+        code = 1
+    # The result is on disk. Skip the interpreter's teardown: C++ static destructors of
+    # still-joinable backend threads can abort() a finished worker at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _save(path: Path, obj: Any) -> None:
@@ -210,7 +218,12 @@ def launch(
     inside ``fn`` just works. Rank 0's value comes back with its tensors on the CPU. When a worker
     raises, a ``WorkerError`` naming its rank (with the original exception as ``__cause__``) is
     raised here within seconds, and every worker is stopped.
+
+    Under a launcher (torchrun, srun, ``lockstep run``, ...) this process already is one rank:
+    ``fn(*args)`` then runs here, once, and each rank gets its own return value.
     """
+    if DistEnv.from_environ().is_distributed:  # already one rank of a launched job: run here
+        return fn(*args)
     outcomes = spawn(fn, nprocs, args, timeout=timeout, keep_all=False)
     failed = first_failure(outcomes)
     if failed is not None:

@@ -1,0 +1,38 @@
+"""The demo, as a user runs it: its own processes, and the same script under torchrun."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*command: str) -> str:
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _epochs(output: str) -> list[str]:
+    return re.findall(r"^epoch .*$", output, flags=re.MULTILINE)
+
+
+def test_digits_demo_reaches_90_percent_on_2_processes_and_matches_torchrun():
+    launched = _run(sys.executable, "examples/digits.py", "--devices", "2", "--accelerator", "cpu")
+    accuracy = float(re.search(r"final validation accuracy: ([0-9.]+)", launched).group(1))
+    assert accuracy >= 0.9
+    assert "(360 samples)" in launched  # every validation sample counted once
+    torchrun = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "examples/digits.py", "--accelerator", "cpu", "--epochs", "3")
+    assert _epochs(torchrun) == _epochs(launched)[:3]
+
+
+def test_quickstart_gathers_every_sample_on_2_processes():
+    out = _run(sys.executable, "examples/quickstart.py")
+    assert out.strip() == "1000 predictions in dataset order from 2 processes"
