@@ -156,3 +156,21 @@ def test_print_on_rank_zero_only_and_rank_prefixed_logs():
     outputs = run_ranks(talk, 2)
     assert outputs[0] == ("hello\n", "[rank 0] step done\n")
     assert outputs[1] == ("", "[rank 1] step done\n")
+
+
+def test_ddp_options_reach_distributed_data_parallel():
+    def configured():
+        import lockstep
+
+        rt = Runtime(accelerator="cpu", strategy=lockstep.DDP(static_graph=True, find_unused_parameters=True,
+                                                               gradient_as_bucket_view=True))
+        ddp = rt.setup(torch.nn.Linear(3, 4))._forward_module
+        try:
+            Runtime(accelerator="cpu", strategy=lockstep.DDP(sync_batchnorm=True)).setup(torch.nn.BatchNorm1d(4))
+        except ValueError as error:
+            message = str(error)
+        return type(ddp).__name__, ddp.static_graph, ddp.find_unused_parameters, ddp.gradient_as_bucket_view, message
+
+    for name, static, unused, bucket_view, message in run_ranks(configured, 2):
+        assert (name, static, unused, bucket_view) == ("DistributedDataParallel", True, True, True)
+        assert "sync_batchnorm=True needs CUDA devices" in message

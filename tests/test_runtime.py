@@ -220,3 +220,14 @@ def test_single_process_collectives_are_the_identity():
     rt.barrier()
     with rt.rank_zero_first():
         pass
+
+
+def test_deterministic_switches_torch_to_deterministic_kernels():
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        runtime(deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(previous)
+        torch.backends.cudnn.deterministic = False

@@ -58,6 +58,11 @@ class DDP:
 
     def wrap(self, module: nn.Module, placement: Placement) -> nn.Module:
         if self.sync_batchnorm:
+            if placement.accelerator != "cuda":
+                raise ValueError(
+                    "sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm runs on GPUs only); "
+                    "on the CPU leave it off."
+                )
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         module = module.to(placement.device)
         return DistributedDataParallel(
