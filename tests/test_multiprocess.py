@@ -174,3 +174,14 @@ def test_ddp_options_reach_distributed_data_parallel():
     for name, static, unused, bucket_view, message in run_ranks(configured, 2):
         assert (name, static, unused, bucket_view) == ("DistributedDataParallel", True, True, True)
         assert "sync_batchnorm=True needs CUDA devices" in message
+
+
+def test_tcp_init_method():
+    from lockstep.runtime.spawn import free_port
+
+    def over_tcp(port):
+        torch.distributed.destroy_process_group()  # drop the harness's group, make our own
+        rt = Runtime(accelerator="cpu", init_method=f"tcp://127.0.0.1:{port}")
+        return rt.all_reduce(rt.rank + 1, op="sum")
+
+    assert run_ranks(over_tcp, 2, free_port()) == [3, 3]
