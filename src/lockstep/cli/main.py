@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 import lockstep
+from lockstep.cli.run import add_parser as add_run_parser
 from lockstep.env import DistEnv, EnvError
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="print the launcher environment (ranks, master) as detected")
     env.set_defaults(func=_env)
+    add_run_parser(commands)
     return parser
 
 

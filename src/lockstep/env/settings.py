@@ -19,3 +19,19 @@ def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | No
     if value <= 0:
         raise ValueError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive number of seconds.")
     return value
+
+
+RUNTIME_VARIABLES = {
+    "accelerator": "LOCKSTEP_ACCELERATOR",
+    "strategy": "LOCKSTEP_STRATEGY",
+    "precision": "LOCKSTEP_PRECISION",
+}
+
+
+def runtime_choices_from_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The choices ``lockstep run`` passes to the script (accelerator, strategy, precision).
+
+    They fill in the ``Runtime`` arguments that the script leaves unset; arguments in code win.
+    """
+    env = os.environ if environ is None else environ
+    return {name: env[var] for name, var in RUNTIME_VARIABLES.items() if env.get(var)}

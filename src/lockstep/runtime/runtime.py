@@ -5,7 +5,9 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import gc
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lockstep.env import DistEnv, timeout_from_environ
+from lockstep.env import DistEnv, runtime_choices_from_environ, timeout_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -25,6 +27,7 @@ from lockstep.runtime.data import (
     options_of,
 )
 from lockstep.runtime.devices import Devices, resolve_placement
+from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -43,6 +46,9 @@ class Runtime:
     Every rank creates one ``Runtime`` with the same arguments. Creating it joins the process
     group (blocking until every rank has arrived, at most ``timeout`` seconds); a single process
     creates no group and every collective is then the identity.
+
+    Arguments left unset (None) take what ``lockstep run --accelerator/--strategy/--precision``
+    passed (``LOCKSTEP_ACCELERATOR``, ``LOCKSTEP_STRATEGY``, ``LOCKSTEP_PRECISION``), else the default.
 
     Args:
         accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
@@ -64,10 +70,10 @@ class Runtime:
     def __init__(
         self,
         *,
-        accelerator: str = "auto",
+        accelerator: str | None = None,
         devices: Devices = "auto",
-        strategy: str | Strategy = "auto",
-        precision: str | int = "32-true",
+        strategy: str | Strategy | None = None,
+        precision: str | int | None = None,
         seed: int | None = None,
         deterministic: bool = False,
         benchmark: bool | None = None,
@@ -77,11 +83,15 @@ class Runtime:
         env: DistEnv | None = None,
     ) -> None:
         self.env = env if env is not None else DistEnv.from_environ()
-        self.strategy = make_strategy(strategy, self.env.world_size)
+        if self.env.launcher == "torchrun":
+            record_uncaught_exceptions()
+        chosen = runtime_choices_from_environ()  # what `lockstep run --strategy ...` asked for
+        self.strategy = make_strategy(strategy or chosen.get("strategy", "auto"), self.env.world_size)
         self.placement = resolve_placement(
-            accelerator, devices, self.env, self.strategy.one_process_many_devices
+            accelerator or chosen.get("accelerator", "auto"), devices, self.env,
+            self.strategy.one_process_many_devices,
         )
-        self.precision = make_precision(precision, self.placement.device)
+        self.precision = make_precision(precision or chosen.get("precision", "32-true"), self.placement.device)
         self.timeout = timeout if timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
         if self.timeout <= 0:
             raise ValueError(f"timeout={timeout}: give a positive number of seconds.")
@@ -97,6 +107,7 @@ class Runtime:
             )
             atexit.register(self.close)
         self._loss_scale = 1.0
+        self._wrapped: list[weakref.ref[nn.Module]] = []
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
 
     # -- where this process sits -------------------------------------------------------------
@@ -145,6 +156,7 @@ class Runtime:
         forward_module = self.strategy.wrap(module, self.placement)
         eval_module = self.strategy.eval_module(forward_module)
         wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
+        self._wrapped.append(weakref.ref(forward_module))
         for optimizer in optimizers:
             patch_optimizer_step(optimizer, self.precision)
         return (wrapped, *optimizers) if optimizers else wrapped
@@ -297,9 +309,17 @@ class Runtime:
             self.barrier()
 
     def close(self) -> None:
-        """Leave the process group this Runtime created (safe to call twice)."""
+        """Leave the process group this Runtime created (safe to call twice; also done at exit).
+
+        Models set up by this Runtime stop synchronising gradients: call it when training is over.
+        """
         if self._owns_group:
             self._owns_group = False
+            for ref in self._wrapped:
+                module = ref()
+                if module is not None:
+                    self.strategy.release(module)
+            gc.collect()  # pending work objects sit in reference cycles: free them while the group lives
             destroy_process_group()
 
     def __enter__(self) -> Runtime:

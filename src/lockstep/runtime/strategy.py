@@ -21,6 +21,7 @@ class Strategy(Protocol):
 
     def wrap(self, module: nn.Module, placement: Placement) -> nn.Module: ...
     def eval_module(self, wrapped: nn.Module) -> nn.Module: ...
+    def release(self, wrapped: nn.Module) -> None: ...
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]: ...
 
 
@@ -36,6 +37,9 @@ class SingleDevice:
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         return wrapped
+
+    def release(self, wrapped: nn.Module) -> None:
+        return None
 
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -77,6 +81,12 @@ class DDP:
         assert isinstance(wrapped, DistributedDataParallel)
         return wrapped.module  # type: ignore[no-any-return]  # DDP's forward may sync buffers
 
+    def release(self, wrapped: nn.Module) -> None:
+        # The reducer holds Gloo work objects; freed after the group, at interpreter teardown,
+        # they can abort() the process (SIGABRT: "terminate called without an active exception").
+        if hasattr(wrapped, "reducer"):
+            del wrapped.reducer
+
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
         assert isinstance(wrapped, DistributedDataParallel)
         return wrapped.no_sync()
@@ -101,6 +111,9 @@ class DP:
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         return wrapped
+
+    def release(self, wrapped: nn.Module) -> None:
+        return None
 
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # gradients are already reduced on device 0

@@ -1,0 +1,214 @@
+"""``lockstep run``: check the request, then start the workers through the torch elastic agent."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lockstep.env import RUNTIME_VARIABLES
+
+
+class PreflightError(Exception):
+    """A request that cannot work; the message is one line saying what to fix."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "run",
+        help="start a training script on N processes per node (torch elastic underneath)",
+        description="Start SCRIPT on --devices processes on this node (and --nodes nodes), with "
+        "the environment that lockstep.Runtime, torch.distributed and torchrun scripts read. "
+        "Option names follow torchrun's where the two overlap.",
+    )
+    parser.add_argument("--devices", default="auto",
+                        help="per node: a count (GPUs with cuda, processes with cpu), GPU indices "
+                        "such as 0,2 (sets CUDA_VISIBLE_DEVICES), or auto: every GPU, or 1 CPU process")
+    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="passed to the script's Runtime; auto = cuda when a GPU is visible")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nodes-1")
+    parser.add_argument("--master", metavar="HOST:PORT",
+                        help="address of node 0 for a static rendezvous (several nodes); a free "
+                        "loopback port is chosen for a single node")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="dynamic (c10d) rendezvous endpoint, in place of --master/--node-rank")
+    parser.add_argument("--rdzv-id", default="lockstep", help="job id shared by the nodes (c10d)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole group up to K times after a worker fails")
+    parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, dp, single)")
+    parser.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for the script")
+    parser.set_defaults(func=run_command)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the agent will start on this node."""
+
+    nproc: int
+    visible_devices: str | None
+    master_addr: str
+    master_port: int | None
+    torchrun_args: list[str]
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _split_host_port(value: str, option: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PreflightError(f"{option} {value!r}: give HOST:PORT, e.g. 10.0.0.1:29500.")
+    return host, int(port)
+
+
+def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:
+    """Processes per node, and the CUDA_VISIBLE_DEVICES value to set (None: leave it)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if accelerator in ("auto", "cuda") else 0
+    if accelerator == "cuda" and gpus == 0:
+        raise PreflightError("--accelerator cuda, but torch sees no CUDA GPU on this node.")
+    text = devices.strip().lower()
+    if text == "auto":
+        return (gpus or 1), None
+    if text.isdigit():
+        count = int(text)
+        if count < 1:
+            raise PreflightError(f"--devices {devices}: ask for at least one device.")
+        if gpus and count > gpus:
+            raise PreflightError(f"--devices {count}, but only {gpus} GPU(s) are visible on this node.")
+        return count, None
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PreflightError(f"--devices {devices!r}: give a count, auto, or GPU indices like 0,2.") from None
+    if not gpus:
+        raise PreflightError(f"--devices {devices}: GPU indices need CUDA GPUs; on the CPU give a count.")
+    missing = [i for i in ids if i >= gpus]
+    if missing:
+        raise PreflightError(f"--devices {devices}: GPU(s) {missing} do not exist ({gpus} visible).")
+    return len(ids), ",".join(str(i) for i in ids)
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Every check that can fail before a process starts; raises PreflightError."""
+    if args.module:
+        if importlib.util.find_spec(args.script) is None:
+            raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
+    elif not Path(args.script).is_file():
+        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
+        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {args.nodes} (0..{args.nodes - 1}).")
+    if args.max_restarts < 0:
+        raise PreflightError("--max-restarts must be 0 or more.")
+    nproc, visible = _resolve_devices(args.devices, args.accelerator)
+    common = ["--nnodes", str(args.nodes), "--nproc-per-node", str(nproc),
+              "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1"]
+    if args.rdzv_endpoint:
+        _split_host_port(args.rdzv_endpoint, "--rdzv-endpoint")
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+        host, port = "", None
+    else:
+        if args.master:
+            host, port = _split_host_port(args.master, "--master")
+        elif args.nodes > 1:
+            raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
+        else:
+            host, port = "127.0.0.1", _free_port()
+        if args.node_rank == 0 and args.master and not _port_is_free(host, port):
+            raise PreflightError(
+                f"port {port} on {host} is in use by another program: pick a free --master port "
+                "(or leave --master out on a single node)."
+            )
+        rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
+                      "--node-rank", str(args.node_rank)]
+    target = (["-m"] if args.module else []) + [args.script, *args.script_args]
+    return Plan(nproc, visible, host, port, common + rendezvous + target)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        job = plan(args)
+    except PreflightError as error:
+        print(f"lockstep run: {error}", file=sys.stderr)
+        return 2
+    choices = {"accelerator": None if args.accelerator == "auto" else args.accelerator,
+               "strategy": args.strategy, "precision": args.precision}
+    for name, value in choices.items():
+        if value:  # the workers inherit this environment: the documented contract
+            os.environ[RUNTIME_VARIABLES[name]] = value
+    if job.visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = job.visible_devices
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.nproc)))
+    return _launch(job.torchrun_args)
+
+
+def _launch(torchrun_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as elastic_run
+
+    try:
+        elastic_run(parse_args(torchrun_args))
+    except ChildFailedError as failed:
+        rank, failure = _root_cause(failed.failures)
+        how = f"exit code {failure.exitcode}"
+        if failure.exitcode < 0:
+            try:
+                how = f"signal {signal.Signals(-failure.exitcode).name}"
+            except ValueError:
+                how = f"signal {-failure.exitcode}"
+        print(f"lockstep run: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} "
+              f"failed with {how}; every worker of the job was stopped.", file=sys.stderr)
+        trace = _traceback_of(failure.error_file_data)
+        if trace:
+            print(trace, file=sys.stderr)
+        return 1
+    return 0
+
+
+# What a rank says when it only lost a peer that failed first.
+_CONSEQUENCES = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others: not a lost-peer error, then the earliest, then the lowest rank."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        text = (_traceback_of(failure.error_file_data) or str(failure.message)).lower()
+        return any(c in text for c in _CONSEQUENCES), failure.timestamp, rank
+
+    return min(failures.items(), key=key)
+
+
+def _traceback_of(data: object) -> str:
+    try:
+        extra = data["message"]["extraInfo"]  # type: ignore[index]
+        return str(extra.get("py_callstack", "")).rstrip()
+    except (KeyError, TypeError):
+        return ""

@@ -1,0 +1,19 @@
+"""Workers that keep synchronising until stopped; each writes its pid; rank 1 can raise on request."""
+
+import os
+import sys
+import time
+
+import lockstep
+
+rt = lockstep.Runtime(accelerator="cpu", timeout=60)
+with open(os.path.join(sys.argv[1], f"{rt.rank}.pid"), "w") as handle:
+    handle.write(str(os.getpid()))
+deadline = time.monotonic() + 60
+step = 0
+while time.monotonic() < deadline:
+    if len(sys.argv) > 2 and sys.argv[2] == "raise" and rt.rank == 1 and step == 5:
+        raise RuntimeError("rank one gives up at step 5")
+    rt.barrier()
+    time.sleep(0.05)
+    step += 1

@@ -1,0 +1,139 @@
+"""`lockstep run` as a user runs it: a subprocess, real workers, real failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_checks as checks
+from lockstep import DistEnv, Runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKSTEP = [sys.executable, "-m", "lockstep.cli.main"]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _lockstep(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LOCKSTEP, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    rt = Runtime(accelerator="cpu", seed=0, env=DistEnv())
+    return checks.train_lockstep(rt, checks.make_data(103), 16, epochs=2, shuffle=True)
+
+
+@pytest.mark.parametrize("devices", ["2", "4"])
+def test_run_on_n_processes_equals_single_process(devices, reference, tmp_path):
+    out = tmp_path / "result.pt"
+    done = _lockstep("run", "--devices", devices, "--accelerator", "cpu", "--strategy", "ddp",
+                     "--precision", "32-true", "tests/scripts/train_tiny.py", str(out))
+    assert done.returncode == 0, done.stderr
+    result = torch.load(out)
+    assert (result["world_size"], result["accelerator"], result["precision"]) == (int(devices), "cpu", "32-true")
+    assert torch.allclose(result["weights"], reference, atol=1e-5, rtol=0)
+
+
+def test_torchrun_runs_the_same_script_to_the_same_weights(reference, tmp_path):
+    out = tmp_path / "result.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/scripts/train_tiny.py",
+         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "LOCKSTEP_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert torch.allclose(torch.load(out)["weights"], reference, atol=1e-5, rtol=0)
+
+
+def test_precision_passes_through_the_contract(tmp_path):
+    out = tmp_path / "result.pt"
+    done = _lockstep("run", "--devices", "2", "--accelerator", "cpu", "--precision", "bf16-mixed",
+                     "tests/scripts/train_tiny.py", str(out))
+    assert done.returncode == 0, done.stderr
+    assert torch.load(out)["precision"] == "bf16-mixed"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--devices", "2", "missing.py"], "missing.py: no such script"),
+        (["run", "-m", "no_such_module_here", "x"], "-m no_such_module_here: no such module"),
+        (["run", "--devices", "0", "--accelerator", "cpu", "tests/scripts/spin.py"], "ask for at least one device"),
+        (["run", "--devices", "0,2", "--accelerator", "cpu", "tests/scripts/spin.py"], "GPU indices need CUDA"),
+        (["run", "--nodes", "2", "tests/scripts/spin.py"], "--nodes > 1 needs --master"),
+        (["run", "--nodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1", "tests/scripts/spin.py"],
+         "--node-rank 2 does not fit --nodes 2"),
+        (["run", "--master", "nohostport", "tests/scripts/spin.py"], "give HOST:PORT"),
+    ],
+)
+def test_preflight_failures_say_what_to_fix_within_5_seconds(args, message):
+    start = time.monotonic()
+    done = _lockstep(*args)
+    assert time.monotonic() - start < 5
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_preflight_refuses_a_master_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _lockstep("run", "--devices", "2", "--accelerator", "cpu", "--master", f"127.0.0.1:{port}",
+                         "tests/scripts/spin.py", "/tmp")
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is in use" in done.stderr
+
+
+def test_devices_in_code_disagreeing_with_the_launcher_names_both(tmp_path):
+    script = tmp_path / "wants4.py"
+    script.write_text("import lockstep\nlockstep.Runtime(accelerator='cpu', devices=4)\n")
+    done = _lockstep("run", "--devices", "2", "--accelerator", "cpu", str(script))
+    assert done.returncode == 1
+    assert "devices=4 asks for 4 processes per node, but the launcher (torchrun) started 2" in done.stderr
+
+
+def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
+    start = time.monotonic()
+    done = _lockstep("run", "--devices", "2", "--accelerator", "cpu", "tests/scripts/spin.py", str(tmp_path), "raise")
+    assert time.monotonic() - start < 30
+    assert done.returncode == 1
+    assert "lockstep run: rank 1 (local rank 1)" in done.stderr
+    assert done.stderr.count("RuntimeError: rank one gives up at step 5") >= 1
+    assert not any(_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
+
+
+def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
+    job = subprocess.Popen([*LOCKSTEP, "run", "--devices", "3", "--accelerator", "cpu", "tests/scripts/spin.py",
+                            str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = {int(p.stem): int(p.read_text()) for p in tmp_path.glob("*.pid")}
+        assert len(pids) == 3
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        _, stderr = job.communicate(timeout=30)
+        assert time.monotonic() - killed_at < 10
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert "rank 1 (local rank 1)" in stderr and "signal SIGKILL" in stderr
+    assert not any(_alive(pid) for pid in pids.values())
