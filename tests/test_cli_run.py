@@ -114,7 +114,7 @@ def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
     done = _lockstep("run", "--devices", "2", "--accelerator", "cpu", "tests/scripts/spin.py", str(tmp_path), "raise")
     assert time.monotonic() - start < 30
     assert done.returncode == 1
-    assert "lockstep run: rank 1 (local rank 1)" in done.stderr
+    assert "lockstep: rank 1 (local rank 1)" in done.stderr
     assert done.stderr.count("RuntimeError: rank one gives up at step 5") >= 1
     assert not any(_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
 
@@ -137,3 +137,32 @@ def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
     assert job.returncode != 0
     assert "rank 1 (local rank 1)" in stderr and "signal SIGKILL" in stderr
     assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_self_launch_lockstep_run_and_torchrun_agree(reference, tmp_path):
+    """devices=2 in code: `python script` launches 2 workers itself; the launchers do not launch again."""
+    results = {}
+    commands = {
+        "python": [sys.executable, "tests/scripts/self_launch.py"],
+        "lockstep run": [*LOCKSTEP, "run", "--devices", "2", "--accelerator", "cpu", "tests/scripts/self_launch.py"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "tests/scripts/self_launch.py"],
+    }
+    for name, command in commands.items():
+        out = tmp_path / f"{name}.pt"
+        done = subprocess.run([*command, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100)
+        assert done.returncode == 0, done.stderr
+        starts = done.stdout.count("started pid=")
+        assert starts == (3 if name == "python" else 2), (name, done.stdout)  # one launcher + 2 workers
+        results[name] = torch.load(out)
+        assert results[name]["world_size"] == 2
+        assert torch.allclose(results[name]["weights"], reference, atol=1e-5, rtol=0), name
+
+
+def test_legacy_torch_distributed_launch_with_local_rank(tmp_path):
+    out = tmp_path / "legacy.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
+         "tests/scripts/legacy_local_rank.py", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert torch.load(out) == {"total": 3.0, "launcher": "torch.distributed.launch", "world_size": 2}

@@ -177,7 +177,7 @@ def test_ddp_options_reach_distributed_data_parallel():
 
 
 def test_tcp_init_method():
-    from lockstep.runtime.spawn import free_port
+    from lockstep.runtime.elastic import free_port
 
     def over_tcp(port):
         torch.distributed.destroy_process_group()  # drop the harness's group, make our own

@@ -111,7 +111,7 @@ def test_wrapped_model_keeps_names_and_checkpoint_keys():
         ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
         ({"devices": 0}, "devices=0: ask for at least one device"),
         ({"devices": [0, 1]}, "lists GPU indices but the accelerator is the CPU"),
-        ({"devices": 2}, "devices=2 asks for 2 processes, but this process was started alone"),
+        ({"devices": 2, "strategy": "single"}, "devices=2 asks for 2 processes, but this process was started alone"),
         ({"timeout": -1}, "positive number of seconds"),
         ({"backend": "nccl"}, "backend 'nccl'"),
         ({"strategy": "dp"}, "strategy 'dp' needs CUDA GPUs"),

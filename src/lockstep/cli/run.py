@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import signal
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lockstep.env import RUNTIME_VARIABLES
+from lockstep.runtime.elastic import free_port, run_elastic
 
 
 class PreflightError(Exception):
@@ -70,12 +69,6 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _split_host_port(value: str, option: str) -> tuple[str, int]:
@@ -138,7 +131,7 @@ def plan(args: argparse.Namespace) -> Plan:
         elif args.nodes > 1:
             raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
         else:
-            host, port = "127.0.0.1", _free_port()
+            host, port = "127.0.0.1", free_port()
         if args.node_rank == 0 and args.master and not _port_is_free(host, port):
             raise PreflightError(
                 f"port {port} on {host} is in use by another program: pick a free --master port "
@@ -164,51 +157,4 @@ def run_command(args: argparse.Namespace) -> int:
     if job.visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.visible_devices
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.nproc)))
-    return _launch(job.torchrun_args)
-
-
-def _launch(torchrun_args: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
-    from torch.distributed.run import run as elastic_run
-
-    try:
-        elastic_run(parse_args(torchrun_args))
-    except ChildFailedError as failed:
-        rank, failure = _root_cause(failed.failures)
-        how = f"exit code {failure.exitcode}"
-        if failure.exitcode < 0:
-            try:
-                how = f"signal {signal.Signals(-failure.exitcode).name}"
-            except ValueError:
-                how = f"signal {-failure.exitcode}"
-        print(f"lockstep run: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} "
-              f"failed with {how}; every worker of the job was stopped.", file=sys.stderr)
-        trace = _traceback_of(failure.error_file_data)
-        if trace:
-            print(trace, file=sys.stderr)
-        return 1
-    return 0
-
-
-# What a rank says when it only lost a peer that failed first.
-_CONSEQUENCES = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
-
-
-def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failure that caused the others: not a lost-peer error, then the earliest, then the lowest rank."""
-
-    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
-        rank, failure = item
-        text = (_traceback_of(failure.error_file_data) or str(failure.message)).lower()
-        return any(c in text for c in _CONSEQUENCES), failure.timestamp, rank
-
-    return min(failures.items(), key=key)
-
-
-def _traceback_of(data: object) -> str:
-    try:
-        extra = data["message"]["extraInfo"]  # type: ignore[index]
-        return str(extra.get("py_callstack", "")).rstrip()
-    except (KeyError, TypeError):
-        return ""
+    return run_elastic(job.torchrun_args)

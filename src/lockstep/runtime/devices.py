@@ -72,6 +72,30 @@ def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
     return ids
 
 
+def _refuse_gpu_indices_on_cpu(wanted: int | str | tuple[int, ...]) -> None:
+    if isinstance(wanted, tuple):
+        raise ValueError(
+            f"devices={list(wanted)} lists GPU indices but the accelerator is the CPU: give a "
+            "process count instead (devices=2), or use accelerator='cuda'."
+        )
+
+
+def processes_asked_for(accelerator: str, devices: Devices) -> int:
+    """Processes per node that ``devices`` asks for when no launcher started any (one per device).
+
+    ``"auto"`` means every visible GPU with CUDA, and one process on the CPU.
+    """
+    kind = resolve_accelerator(accelerator)
+    wanted = parse_devices(devices)
+    if kind == "cpu":
+        _refuse_gpu_indices_on_cpu(wanted)
+    if isinstance(wanted, tuple):
+        return len(wanted)
+    if isinstance(wanted, int):
+        return wanted
+    return max(1, torch.cuda.device_count()) if kind == "cuda" else 1
+
+
 def resolve_placement(
     accelerator: str, devices: Devices, env: DistEnv, one_process_many_devices: bool = False
 ) -> Placement:
@@ -84,11 +108,7 @@ def resolve_placement(
     kind = resolve_accelerator(accelerator)
     wanted = parse_devices(devices)
     if kind == "cpu":
-        if isinstance(wanted, tuple):
-            raise ValueError(
-                f"devices={list(wanted)} lists GPU indices but the accelerator is the CPU: give a "
-                "process count instead (devices=2), or use accelerator='cuda'."
-            )
+        _refuse_gpu_indices_on_cpu(wanted)
         count = env.local_world_size if wanted == "auto" else int(wanted)
         ids: tuple[int, ...] = ()
     else:
@@ -97,8 +117,10 @@ def resolve_placement(
             ids = wanted
         elif isinstance(wanted, int):
             ids = tuple(range(wanted))
-        else:  # "auto"
-            ids = tuple(range(available if one_process_many_devices else env.local_world_size))
+        elif one_process_many_devices or env.launcher == "none":  # "auto": every visible GPU
+            ids = tuple(range(available))
+        else:  # "auto" under a launcher: one GPU per process it started
+            ids = tuple(range(env.local_world_size))
         missing = [i for i in ids if i >= available]
         if missing:
             raise ValueError(

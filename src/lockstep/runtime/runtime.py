@@ -26,7 +26,8 @@ from lockstep.runtime.data import (
     default_num_workers,
     options_of,
 )
-from lockstep.runtime.devices import Devices, resolve_placement
+from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
+from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.process_group import (
@@ -36,7 +37,7 @@ from lockstep.runtime.process_group import (
     init_process_group,
 )
 from lockstep.runtime.seed import seed_everything, set_determinism
-from lockstep.runtime.strategy import Strategy, make_strategy
+from lockstep.runtime.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
 
 
@@ -86,9 +87,16 @@ class Runtime:
         if self.env.launcher == "torchrun":
             record_uncaught_exceptions()
         chosen = runtime_choices_from_environ()  # what `lockstep run --strategy ...` asked for
-        self.strategy = make_strategy(strategy or chosen.get("strategy", "auto"), self.env.world_size)
+        strategy = strategy or chosen.get("strategy", "auto")
+        accelerator = accelerator or chosen.get("accelerator", "auto")
+        one_per_device = strategy in ("auto", "ddp") or isinstance(strategy, DDP)
+        if self.env.launcher == "none" and one_per_device:
+            nproc = processes_asked_for(accelerator, devices)
+            if nproc > 1:  # `python train.py` asking for several devices: become their launcher
+                self_launch(nproc)
+        self.strategy = make_strategy(strategy, self.env.world_size)
         self.placement = resolve_placement(
-            accelerator or chosen.get("accelerator", "auto"), devices, self.env,
+            accelerator, devices, self.env,
             self.strategy.one_process_many_devices,
         )
         self.precision = make_precision(precision or chosen.get("precision", "32-true"), self.placement.device)

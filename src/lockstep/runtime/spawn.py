@@ -8,7 +8,6 @@ the ``spawn`` start method, which is safe with CUDA. Processes are started and s
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
+from lockstep.runtime.elastic import free_port
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 
 GRACE_S = 2.0
@@ -48,13 +48,6 @@ class RankOutcome:
     exception: BaseException | None = None
     failed_at: float = float("inf")
     pid: int | None = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(

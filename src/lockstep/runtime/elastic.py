@@ -1,0 +1,95 @@
+"""Start workers through the torch elastic agent (the engine behind torchrun) and report failures.
+
+Used by ``lockstep run`` and by scripts that ask for several devices but were started with plain
+``python`` (self-launch): the agent supervises the workers and stops them all when one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Any, NoReturn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def run_elastic(torchrun_args: list[str]) -> int:
+    """Run torchrun's launch with ``torchrun_args``; 0 on success, 1 after reporting the failure.
+
+    The root cause is printed once: the failing rank, its host, how it ended, its traceback.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as elastic_run
+
+    try:
+        elastic_run(parse_args(torchrun_args))
+    except ChildFailedError as failed:
+        rank, failure = _root_cause(failed.failures)
+        how = f"exit code {failure.exitcode}"
+        if failure.exitcode < 0:
+            try:
+                how = f"signal {signal.Signals(-failure.exitcode).name}"
+            except ValueError:
+                how = f"signal {-failure.exitcode}"
+        print(f"lockstep: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} "
+              f"failed with {how}; every worker of the job was stopped.", file=sys.stderr)
+        trace = _traceback_of(failure.error_file_data)
+        if trace:
+            print(trace, file=sys.stderr)
+        return 1
+    return 0
+
+
+# What a rank says when it only lost a peer that failed first.
+_CONSEQUENCES = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others: not a lost-peer error, then the earliest, then the lowest rank."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        text = (_traceback_of(failure.error_file_data) or str(failure.message)).lower()
+        return any(c in text for c in _CONSEQUENCES), failure.timestamp, rank
+
+    return min(failures.items(), key=key)
+
+
+def _traceback_of(data: object) -> str:
+    try:
+        extra = data["message"]["extraInfo"]  # type: ignore[index]
+        return str(extra.get("py_callstack", "")).rstrip()
+    except (KeyError, TypeError):
+        return ""
+
+
+def self_launch(nproc: int) -> NoReturn:
+    """Re-run this script as ``nproc`` workers on this node, then exit with their status.
+
+    The calling process becomes the agent: it never returns to the script.
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        target = ["-m", spec.name.removesuffix(".__main__")]
+    elif main is not None and isinstance(getattr(main, "__file__", None), str):
+        target = [os.path.abspath(str(main.__file__))]
+    else:
+        raise RuntimeError(
+            f"asked for {nproc} processes from an interactive session: use "
+            f"lockstep.launch(fn, nprocs={nproc}), which works in notebooks."
+        )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0",
+            "--monitor-interval", "0.1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "--node-rank", "0", *target, *sys.argv[1:]]
+    sys.stdout.flush()
+    sys.exit(run_elastic(args))
