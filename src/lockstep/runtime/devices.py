@@ -109,7 +109,7 @@ def resolve_placement(
     wanted = parse_devices(devices)
     if kind == "cpu":
         _refuse_gpu_indices_on_cpu(wanted)
-        count = env.local_world_size if wanted == "auto" else int(wanted)
+        count = wanted if isinstance(wanted, int) else env.local_world_size  # "auto"
         ids: tuple[int, ...] = ()
     else:
         available = torch.cuda.device_count()
