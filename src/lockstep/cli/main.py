@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 import lockstep
+from lockstep.cli.doctor import add_parser as add_doctor_parser
 from lockstep.cli.run import add_parser as add_run_parser
 from lockstep.env import DistEnv, EnvError
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = commands.add_parser("env", help="print the launcher environment (ranks, master) as detected")
     env.set_defaults(func=_env)
     add_run_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 

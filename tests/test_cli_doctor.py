@@ -1,0 +1,49 @@
+"""`lockstep doctor` and `lockstep doctor --bench` as a user runs them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "doctor", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100, env=env)
+
+
+def test_doctor_reports_versions_devices_launcher_network():
+    done = _doctor()
+    assert done.returncode == 0, done.stderr
+    import torch
+
+    for expected in (f"torch {torch.__version__}", "Gloo: yes", "CPUs usable:", "launcher environment",
+                     "none: rank 0 of 1", "lo: 127.0.0.1", "Gloo would use:", "NCCL would use:", "problems"):
+        assert expected in done.stdout, expected
+
+
+def test_doctor_spots_an_unresolvable_master_and_an_inconsistent_launcher():
+    import os
+
+    env = {**os.environ, "MASTER_ADDR": "no-such-host.invalid", "RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_PORT": "29500"}
+    done = _doctor(env=env)
+    assert "MASTER_ADDR=no-such-host.invalid does not resolve" in done.stdout
+    assert "inconsistent: rank 3 does not fit world size 2" in done.stdout
+
+
+def test_doctor_bench_reports_bandwidth_per_size():
+    done = _doctor("--bench", "--devices", "2", "--accelerator", "cpu", "--max-bytes", "1M", "--iters", "5")
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", done.stdout, flags=re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [1024, 4096, 16384, 65536, 262144, 1048576]
+    for size, micros, algbw, busbw in rows:
+        assert float(micros) > 0
+        assert abs(int(size) / (float(micros) * 1e-6) / 1e9 - float(algbw)) <= 0.002 + 0.01 * float(algbw)
+        assert float(busbw) == float(algbw)  # 2 processes: busbw = algbw * 2 * (2 - 1) / 2
