@@ -36,3 +36,12 @@ def test_digits_demo_reaches_90_percent_on_2_processes_and_matches_torchrun():
 def test_quickstart_gathers_every_sample_on_2_processes():
     out = _run(sys.executable, "examples/quickstart.py")
     assert out.strip() == "1000 predictions in dataset order from 2 processes"
+
+
+def test_train_example_gives_the_same_accuracy_on_1_process_and_under_lockstep_run():
+    alone = _run(sys.executable, "examples/train.py", "--epochs", "2")
+    launched = _run(sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator", "cpu",
+                    "examples/train.py", "--epochs", "2")
+    accuracy = [re.findall(r"val acc ([0-9.]+) over 400 samples", out) for out in (alone, launched)]
+    assert accuracy[0] == accuracy[1] and len(accuracy[0]) == 2
+    assert "2 process(es) via torchrun" in launched
