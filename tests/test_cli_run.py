@@ -25,13 +25,6 @@ def _lockstep(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[s
     return subprocess.run([*LOCKSTEP, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 @pytest.fixture(scope="module")
 def reference() -> torch.Tensor:
@@ -116,7 +109,7 @@ def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
     assert done.returncode == 1
     assert "lockstep: rank 1 (local rank 1)" in done.stderr
     assert done.stderr.count("RuntimeError: rank one gives up at step 5") >= 1
-    assert not any(_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
+    assert not any(checks.pid_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
 
 
 def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
@@ -136,7 +129,7 @@ def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
         job.kill()
     assert job.returncode != 0
     assert "rank 1 (local rank 1)" in stderr and "signal SIGKILL" in stderr
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(checks.pid_alive(pid) for pid in pids.values())
 
 
 def test_self_launch_lockstep_run_and_torchrun_agree(reference, tmp_path):

@@ -8,17 +8,11 @@ import time
 import pytest
 import torch
 
+import dist_checks as checks
 import lockstep
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _sum_of_ranks(scale: float) -> torch.Tensor:
@@ -50,7 +44,7 @@ def test_worker_exception_names_the_rank_fast_and_leaves_no_process(tmp_path):
     assert isinstance(info.value.__cause__, ValueError)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 3
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(checks.pid_alive(pid) for pid in pids)
 
 
 def test_launch_rejects_zero_processes():
