@@ -112,6 +112,12 @@ def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
     assert not any(checks.pid_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
 
 
+def _listening_addresses(pid: int) -> set[str]:
+    """Addresses on which process ``pid`` listens for TCP connections (from `ss`)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if f"pid={pid}," in line}
+
+
 def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
     job = subprocess.Popen([*LOCKSTEP, "run", "--devices", "3", "--accelerator", "cpu", "tests/scripts/spin.py",
                             str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -121,6 +127,7 @@ def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
             time.sleep(0.1)
         pids = {int(p.stem): int(p.read_text()) for p in tmp_path.glob("*.pid")}
         assert len(pids) == 3
+        assert _listening_addresses(job.pid) == {"127.0.0.1"}  # the rendezvous store: loopback only
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         _, stderr = job.communicate(timeout=30)
@@ -159,3 +166,12 @@ def test_legacy_torch_distributed_launch_with_local_rank(tmp_path):
          "tests/scripts/legacy_local_rank.py", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
     assert torch.load(out) == {"total": 3.0, "launcher": "torch.distributed.launch", "world_size": 2}
+
+
+def test_run_a_module_with_dash_m(reference, tmp_path):
+    out = tmp_path / "result.pt"
+    done = subprocess.run([*LOCKSTEP, "run", "--devices", "2", "--accelerator", "cpu", "-m", "train_tiny", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "scripts")})
+    assert done.returncode == 0, done.stderr
+    assert torch.allclose(torch.load(out)["weights"], reference, atol=1e-5, rtol=0)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES
-from lockstep.runtime.elastic import free_port, run_elastic
+from lockstep.runtime.elastic import host_store, run_elastic
 
 
 class PreflightError(Exception):
@@ -60,15 +59,7 @@ class Plan:
     master_addr: str
     master_port: int | None
     torchrun_args: list[str]
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+    store: object | None  # the rendezvous store hosted here (node 0), bound to master_addr only
 
 
 def _split_host_port(value: str, option: str) -> tuple[str, int]:
@@ -125,22 +116,28 @@ def plan(args: argparse.Namespace) -> Plan:
         _split_host_port(args.rdzv_endpoint, "--rdzv-endpoint")
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
         host, port = "", None
+        store = None
     else:
+        store = None
         if args.master:
             host, port = _split_host_port(args.master, "--master")
         elif args.nodes > 1:
             raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
         else:
-            host, port = "127.0.0.1", free_port()
-        if args.node_rank == 0 and args.master and not _port_is_free(host, port):
-            raise PreflightError(
-                f"port {port} on {host} is in use by another program: pick a free --master port "
-                "(or leave --master out on a single node)."
-            )
+            host, port = "127.0.0.1", 0  # single node: loopback only, a free port
+        if args.node_rank == 0:
+            try:
+                store, port = host_store(host, port)
+            except OSError as error:
+                raise PreflightError(
+                    f"port {port} on {host} is in use by another program or not an address of this "
+                    f"node ({error.strerror}): pick a free --master port, or leave --master out on a "
+                    "single node."
+                ) from None
         rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
                       "--node-rank", str(args.node_rank)]
     target = (["-m"] if args.module else []) + [args.script, *args.script_args]
-    return Plan(nproc, visible, host, port, common + rendezvous + target)
+    return Plan(nproc, visible, host, port, common + rendezvous + target, store)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -20,6 +20,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def host_store(host: str, port: int = 0) -> tuple[Any, int]:
+    """Host the rendezvous store on ``host:port`` only (port 0: a free one); returns (store, port).
+
+    torch's TCPStore server listens on every interface. This one listens on the socket bound here,
+    and the torch elastic agent in this process reuses it (``multi_tenant``): a single-node job's
+    store is then reachable from loopback only. Keep the store alive while the job runs.
+    """
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    port = int(listener.getsockname()[1])
+    store = dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, port
+
+
 def run_elastic(torchrun_args: list[str]) -> int:
     """Run torchrun's launch with ``torchrun_args``; 0 on success, 1 after reporting the failure.
 
@@ -88,8 +110,11 @@ def self_launch(nproc: int) -> NoReturn:
             f"lockstep.launch(fn, nprocs={nproc}), which works in notebooks."
         )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    store, port = host_store("127.0.0.1")
     args = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0",
             "--monitor-interval", "0.1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "--node-rank", "0", *target, *sys.argv[1:]]
+            "--master-port", str(port), "--node-rank", "0", *target, *sys.argv[1:]]
     sys.stdout.flush()
-    sys.exit(run_elastic(args))
+    code = run_elastic(args)
+    del store
+    sys.exit(code)
