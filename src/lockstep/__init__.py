@@ -12,8 +12,28 @@ from lockstep.runtime import (
     seed_everything,
     unwrap,
 )
+from lockstep.train import (
+    AdvancedProfiler,
+    Callback,
+    CheckpointError,
+    CSVLogger,
+    EarlyStopping,
+    JSONLinesLogger,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    Module,
+    ProgressBar,
+    PyTorchProfiler,
+    SimpleProfiler,
+    TensorBoardLogger,
+    ThroughputMonitor,
+    Trainer,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DP", "DistEnv", "DistributedLoader", "EnvError", "Runtime", "SingleDevice",
-           "WorkerError", "__version__", "launch", "seed_everything", "unwrap"]
+__all__ = ["DDP", "DP", "AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "DistEnv",
+           "DistributedLoader", "EarlyStopping", "EnvError", "JSONLinesLogger", "LearningRateMonitor",
+           "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "Runtime", "SimpleProfiler",
+           "SingleDevice", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "WorkerError", "__version__",
+           "launch", "seed_everything", "unwrap"]

@@ -1,0 +1,179 @@
+"""Callbacks: typed hooks the Trainer calls on every rank, and the built-in ones."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lockstep.train.module import Module
+    from lockstep.train.trainer import Trainer
+
+
+class Callback:
+    """Override the hooks you need; the others do nothing. Every rank runs every hook.
+
+    A hook that issues a collective (saving a checkpoint does) must make the same decision on every
+    rank: decide from ``trainer.global_step``, ``trainer.current_epoch`` or
+    ``trainer.callback_metrics``, which are identical on all ranks.
+    """
+
+    def on_fit_start(self, trainer: Trainer, module: Module) -> None: ...
+    def on_fit_end(self, trainer: Trainer, module: Module) -> None: ...
+    def on_train_start(self, trainer: Trainer, module: Module) -> None: ...
+    def on_train_end(self, trainer: Trainer, module: Module) -> None: ...
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None: ...
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
+    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        ...
+    def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
+    def on_save_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
+    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+def _better(mode: str, value: float, than: float, min_delta: float = 0.0) -> bool:
+    return value < than - min_delta if mode == "min" else value > than + min_delta
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r}: use 'min' or 'max'.")
+    return mode
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints every ``every_n_steps`` steps and/or ``every_n_epochs`` epochs.
+
+    With ``monitor``, keep the ``save_top_k`` best by that metric (``mode`` min or max); without,
+    keep the newest ``save_top_k``. ``save_last`` also keeps ``last.ckpt``. ``dirpath`` defaults to
+    the Trainer's ``checkpoint_dir``. Files are written atomically by rank 0.
+    """
+
+    def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
+                 save_top_k: int = 1, save_last: bool = True, every_n_steps: int | None = None,
+                 every_n_epochs: int | None = 1) -> None:
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.monitor, self.mode = monitor, _check_mode(mode)
+        self.save_top_k, self.save_last = save_top_k, save_last
+        self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
+        self.kept: dict[str, float] = {}  # path -> score (monitor value, or the step)
+        self.best_model_path: str | None = None
+
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+
+    def save(self, trainer: Trainer) -> None:
+        """Every rank calls it (the RNG states of all ranks go into the file)."""
+        folder = self.dirpath or trainer.checkpoint_dir
+        if folder is None:
+            raise ValueError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
+        path = Path(folder) / f"epoch={trainer.current_epoch}-step={trainer.global_step:08d}.ckpt"
+        if str(path) in self.kept:
+            return  # already saved at this step (e.g. by both the step and the epoch rule)
+        if self.monitor is not None:
+            score = trainer.callback_metrics.get(self.monitor, math.nan)
+            if math.isnan(score):
+                raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
+                                 f"metrics are {sorted(trainer.callback_metrics)}.")
+        else:
+            score = float(trainer.global_step)
+        mode = self.mode if self.monitor is not None else "max"
+        keep = self.save_top_k != 0 and (
+            self.save_top_k < 0 or len(self.kept) < self.save_top_k
+            or _better(mode, score, min(self.kept.values()) if mode == "max" else max(self.kept.values())))
+        if keep:
+            trainer.save_checkpoint(path)
+            self.kept[str(path)] = score
+            if self.save_top_k > 0 and len(self.kept) > self.save_top_k:
+                worst = (min if mode == "max" else max)(self.kept, key=lambda p: self.kept[p])
+                del self.kept[worst]
+                if trainer.is_global_zero and os.path.exists(worst):
+                    os.remove(worst)
+            pick = max if mode == "max" else min
+            self.best_model_path = pick(self.kept, key=lambda p: self.kept[p])
+        if self.save_last:
+            last = Path(folder) / "last.ckpt"
+            if keep and trainer.is_global_zero:
+                partial = last.with_name(".last.ckpt.partial")
+                shutil.copyfile(path, partial)
+                os.replace(partial, last)
+            elif not keep:
+                trainer.save_checkpoint(last)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": dict(self.kept), "best_model_path": self.best_model_path}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept = dict(state.get("kept", {}))
+        self.best_model_path = state.get("best_model_path")
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` validations.
+
+    The metric is reduced over all ranks before it is compared, so every rank decides the same and
+    stops at the same step.
+    """
+
+    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+        self.monitor, self.mode = monitor, _check_mode(mode)
+        self.patience, self.min_delta = patience, min_delta
+        self.best: float | None = None
+        self.wait = 0
+        self.stopped_at_step: int | None = None
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.monitor not in trainer.callback_metrics:
+            raise ValueError(f"EarlyStopping(monitor={self.monitor!r}): no such metric; logged metrics are "
+                             f"{sorted(trainer.callback_metrics)}.")
+        value = trainer.callback_metrics[self.monitor]
+        if self.best is None or _better(self.mode, value, self.best, self.min_delta):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            trainer.should_stop = True
+            self.stopped_at_step = trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait = state.get("best"), int(state.get("wait", 0))
+
+
+class LearningRateMonitor(Callback):
+    """Log each optimizer param group's learning rate as ``lr-<optimizer>-<group>``."""
+
+    def __init__(self, logging_interval: str = "step") -> None:
+        if logging_interval not in ("step", "epoch"):
+            raise ValueError(f"logging_interval={logging_interval!r}: use 'step' or 'epoch'.")
+        self.logging_interval = logging_interval
+
+    def _rates(self, trainer: Trainer) -> dict[str, float]:
+        return {f"lr-{i}-{j}": float(group["lr"]) for i, optimizer in enumerate(trainer.optimizers)
+                for j, group in enumerate(optimizer.param_groups)}
+
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.logging_interval == "step" and trainer.at_step_boundary and trainer.is_logging_step:
+            trainer.log_metrics(self._rates(trainer))
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.logging_interval == "epoch":
+            trainer.log_metrics(self._rates(trainer))

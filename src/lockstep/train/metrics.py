@@ -1,0 +1,59 @@
+"""Metrics logged with ``self.log``: accumulated on the device, reduced across ranks on demand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: dim 0 of its first tensor (1 when it holds none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size:
+                return size
+    return 0
+
+
+class MetricStore:
+    """Sample-weighted sums and counts per metric name, as device tensors (adding never syncs)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> None:
+        value = torch.as_tensor(value).detach().to(device=device, dtype=torch.float64)
+        if value.numel() != 1:
+            raise ValueError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(value.shape)}.")
+        weighted = value.reshape(()) * weight
+        count = torch.tensor(float(weight), dtype=torch.float64, device=device)
+        if name in self._sums:
+            self._sums[name] += weighted
+            self._counts[name] += count
+        else:
+            self._sums[name], self._counts[name] = weighted, count
+
+    def reduce(self, runtime: Any) -> dict[str, float]:
+        """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
+
+        Every rank must call it; a rank that logged nothing (no batches) still takes part.
+        """
+        names = sorted({n for rank_names in runtime.all_gather(sorted(self._sums)) for n in rank_names})
+        if not names:
+            return {}
+        zero = torch.zeros((), dtype=torch.float64, device=runtime.device)
+        stacked = torch.stack([torch.stack([self._sums.get(n, zero) for n in names]),
+                               torch.stack([self._counts.get(n, zero) for n in names])])
+        sums, counts = runtime.all_reduce(stacked, op="sum").tolist()
+        return {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+
+    def reset(self) -> None:
+        self._sums.clear()
+        self._counts.clear()

@@ -1,0 +1,65 @@
+"""The Trainer against the runtime loop, single-process references, and its own promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_checks as checks
+import trainer_checks as tc
+import lockstep
+from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_fit_on_2_processes_equals_the_runtime_loop():
+    for fit, loop in run_ranks(lambda: (tc.fit_weights(), tc.runtime_loop_weights()), 2):
+        assert (fit - loop).abs().max() <= 1e-6
+
+
+def test_validation_accuracy_on_3_processes_equals_one_process():
+    single = tc.validation_metrics()
+    assert single["val_acc"] == pytest.approx(240 / 1001, abs=1e-7)  # a hand count of the same model
+    for metrics in run_ranks(tc.validation_metrics, 3):
+        assert abs(metrics["val_acc"] - single["val_acc"]) <= 1e-7
+        assert abs(metrics["val_loss"] - single["val_loss"]) <= 1e-6
+
+
+def test_predict_returns_every_sample_in_dataset_order():
+    single = tc.predictions()
+    assert single.shape == (1001, 4)
+    for rows in run_ranks(tc.predictions, 3):
+        assert rows.shape == (1001, 4)
+        assert torch.allclose(rows, single, atol=1e-6)
+
+
+def test_early_stopping_stops_every_rank_at_the_same_step():
+    results = run_ranks(tc.early_stopping_step, 2, timeout=120)
+    assert results[0] == results[1]
+    steps, stopped_at, epochs = results[0]
+    # 64 samples / global batch 16 = 4 steps per epoch; the first validation sets the best, the next two
+    # do not improve (lr=0): patience 2 runs out after the third epoch
+    assert stopped_at == steps == 3 * 4
+    assert epochs == 3
+
+
+def test_logging_does_no_host_sync_per_step():
+    for counts in run_ranks(tc.count_host_syncs, 2):
+        assert counts["steps"] == 100
+        # three reductions (steps 50 and 100, the epoch end), each one name gather and one all-reduce:
+        # a few syncs per reduction, none per step (100 steps would make at least 100)
+        assert counts["all_reduce"] == 3 and counts["all_gather_object"] == 3, counts
+        assert counts["item"] + counts["tolist"] <= 4 * 3, counts
+
+
+def test_fit_on_one_process_equals_the_runtime_loop():
+    assert torch.equal(tc.fit_weights(), tc.runtime_loop_weights())
+    assert checks.flat_weights(tc.Classifier()).shape == tc.fit_weights().shape
+
+
+def test_trainer_needs_a_stop_condition_and_a_module():
+    with pytest.raises(ValueError, match="give max_epochs or max_steps"):
+        lockstep.Trainer()
+    with pytest.raises(TypeError, match="runs a lockstep.Module"):
+        tc.quiet_trainer(max_epochs=1).fit(torch.nn.Linear(2, 2), checks.make_data(8), batch_size=4)

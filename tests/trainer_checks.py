@@ -1,0 +1,115 @@
+"""Modules and rank functions for the Trainer tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dist_checks as checks
+import lockstep
+
+
+class Classifier(lockstep.Module):
+    def __init__(self, dropout: float = 0.0, lr: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 4))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def quiet_trainer(**kwargs) -> lockstep.Trainer:
+    options = dict(accelerator="cpu", enable_progress_bar=False, enable_throughput_monitor=False, loggers=(),
+                   num_workers=0, seed=0)
+    options.update(kwargs)
+    return lockstep.Trainer(**options)
+
+
+def fit_weights(epochs: int = 2) -> torch.Tensor:
+    module = Classifier()
+    quiet_trainer(max_epochs=epochs).fit(module, checks.make_data(103), batch_size=16)
+    return checks.flat_weights(module)
+
+
+def runtime_loop_weights(epochs: int = 2) -> torch.Tensor:
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    module = Classifier()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    model, optimizer = rt.setup(module, optimizer)
+    loader = rt.loader(checks.make_data(103), batch_size=16, shuffle=True, num_workers=0)
+    for _ in range(epochs):
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    return checks.flat_weights(module)
+
+
+def validation_metrics() -> dict[str, float]:
+    module = Classifier()
+    trainer = quiet_trainer(max_epochs=1)
+    return trainer.validate(module, checks.make_data(1001), batch_size=30)
+
+
+def early_stopping_step() -> tuple[int, int | None, int]:
+    stopper = lockstep.EarlyStopping(monitor="val_loss", patience=2)
+    module = Classifier(lr=0.0)  # never improves: stops after 1 + patience validations
+    trainer = quiet_trainer(max_epochs=50, callbacks=[stopper])
+    trainer.fit(module, checks.make_data(64), checks.make_data(40, seed=1), batch_size=16)
+    return trainer.global_step, stopper.stopped_at_step, trainer.current_epoch
+
+
+def count_host_syncs(steps: int = 100) -> dict[str, int]:
+    """Host-synchronising calls made by fit over ``steps`` steps with log_every_n_steps=50."""
+    import torch.distributed as dist
+
+    counts = {"item": 0, "tolist": 0, "all_reduce": 0, "all_gather_object": 0}
+    originals = {"item": torch.Tensor.item, "tolist": torch.Tensor.tolist,
+                 "all_reduce": dist.all_reduce, "all_gather_object": dist.all_gather_object}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    module = Classifier()
+    trainer = quiet_trainer(max_steps=steps, log_every_n_steps=50)
+    data = checks.make_data(16 * steps)  # one epoch of exactly `steps` steps
+    torch.Tensor.item, torch.Tensor.tolist = counting("item"), counting("tolist")
+    dist.all_reduce, dist.all_gather_object = counting("all_reduce"), counting("all_gather_object")
+    try:
+        trainer.fit(module, data, batch_size=16)
+    finally:
+        torch.Tensor.item, torch.Tensor.tolist = originals["item"], originals["tolist"]
+        dist.all_reduce, dist.all_gather_object = originals["all_reduce"], originals["all_gather_object"]
+    counts["steps"] = trainer.global_step
+    return counts
+
+
+def predictions() -> torch.Tensor:
+    module = Classifier()
+    return quiet_trainer(max_epochs=1).predict(module, checks.make_data(1001), batch_size=30)
