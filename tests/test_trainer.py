@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import dist_checks as checks
-import trainer_checks as tc
 import lockstep
+import trainer_checks as tc
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)

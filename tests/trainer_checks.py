@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dist_checks as checks
+import dist_checks as checks  # noqa: F401 - re-exported for tests
 import lockstep
 
 

@@ -1,0 +1,28 @@
+"""Trainer run with dropout, checkpoints every 3 steps; rank 1 SIGKILLs itself at a chosen step."""
+
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import dist_checks as checks  # noqa: E402
+import lockstep  # noqa: E402
+import trainer_checks as tc  # noqa: E402
+
+checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+class KillAt(lockstep.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == kill_at and trainer.runtime.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+module = tc.Classifier(dropout=0.3)
+trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
+    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt()])
+trainer.fit(module, checks.make_data(103), batch_size=16)
+if trainer.is_global_zero:
+    torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step}, out)

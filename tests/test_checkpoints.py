@@ -1,0 +1,103 @@
+"""Checkpoints: a killed run resumes to the bitwise-same model; damaged files never win."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer_checks as tc
+from lockstep.train.checkpoint import CheckpointError, load, newest_valid, save_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator",
+                           "cpu", "tests/scripts/trainer_resume.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    whole = _run(str(tmp_path / "whole"), str(tmp_path / "whole.pt"), "-1")
+    assert whole.returncode == 0, whole.stderr
+    killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "8")  # 7 steps/epoch: mid-epoch 2
+    assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
+    assert not (tmp_path / "resumed.pt").exists()
+    resumed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "-1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step 6" in resumed.stdout
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert a["steps"] == b["steps"] == 21
+    assert torch.equal(a["weights"], b["weights"])
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys, torch
+from pathlib import Path
+from lockstep.train.checkpoint import save_atomic
+path = Path(sys.argv[1])
+save_atomic({"value": 1}, path)
+def dying_save(obj, handle):
+    handle.write(b"PK" + b"x" * 4096)  # part of a file, then the process dies
+    handle.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+save_atomic({"value": 2}, path)
+"""
+
+
+def test_a_kill_during_checkpoint_writing_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    done = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(path)], capture_output=True, timeout=60)
+    assert done.returncode == -9
+    assert load(path)["value"] == 1
+    assert list(tmp_path.glob(".last.ckpt.*.partial"))  # the interrupted write, never renamed
+
+
+def test_newest_valid_skips_a_truncated_newer_checkpoint(tmp_path):
+    save_atomic({"value": 1, "loop": {"global_step": 5}}, tmp_path / "epoch=0-step=00000005.ckpt")
+    save_atomic({"value": 2, "loop": {"global_step": 9}}, tmp_path / "epoch=1-step=00000009.ckpt")
+    full = (tmp_path / "epoch=1-step=00000009.ckpt").read_bytes()
+    (tmp_path / "epoch=1-step=00000009.ckpt").write_bytes(full[: len(full) // 2])
+    path, state = newest_valid(tmp_path)
+    assert path.name == "epoch=0-step=00000005.ckpt" and state["value"] == 1
+
+
+def test_unusable_checkpoints_say_why(tmp_path):
+    truncated = tmp_path / "truncated.ckpt"
+    save_atomic({"value": 1}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated, damaged or not a lockstep checkpoint"):
+        load(truncated)
+    newer = tmp_path / "newer.ckpt"
+    torch.save({"format": 99}, newer)
+    with pytest.raises(CheckpointError, match="written by a newer lockstep .* format 99"):
+        load(newer)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load(tmp_path / "missing.ckpt")
+    code = tmp_path / "code.ckpt"
+    torch.save({"format": 1, "payload": print}, code)  # a pickled callable: refused, never run
+    with pytest.raises(CheckpointError, match="cannot read it"):
+        load(code)
+
+
+def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
+    trainer = tc.quiet_trainer(max_steps=2, checkpoint_dir=tmp_path)
+    module = tc.Classifier()
+    trainer.fit(module, tc.checks.make_data(32), batch_size=16)
+    trainer.save_checkpoint(tmp_path / "small.ckpt")
+
+    class Wider(tc.Classifier):
+        def __init__(self):
+            super().__init__()
+            self.net[0] = torch.nn.Linear(8, 64)
+            self.net[3] = torch.nn.Linear(64, 4)
+
+    other = tc.quiet_trainer(max_steps=4, resume=tmp_path / "small.ckpt")
+    with pytest.raises(CheckpointError, match="different model .*different shapes for \\['net.0.weight'"):
+        other.fit(Wider(), tc.checks.make_data(32), batch_size=16)
