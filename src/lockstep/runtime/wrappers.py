@@ -80,4 +80,7 @@ def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision)
             inside = False
 
     step._lockstep_patched = True  # type: ignore[attr-defined]
+    if getattr(original, "_wrapped_by_lr_sched", False):
+        # A scheduler made before setup wrapped step() to see it called; ours calls that wrapper.
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

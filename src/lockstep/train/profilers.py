@@ -35,14 +35,14 @@ class SimpleProfiler:
 
     def report(self, folder: Path, rank: int) -> str:
         wall = time.perf_counter() - self.started
-        lines = [f"{'hook':<28}{'count':>8}{'mean (ms)':>12}{'total (s)':>12}{'percent':>9}"]
+        lines = [f"{'hook':<40}{'count':>8}{'mean (ms)':>12}{'total (s)':>12}{'percent':>9}"]
         for hook, times in sorted(self.durations.items(), key=lambda kv: -sum(kv[1])):
             total = sum(times)
-            lines.append(f"{hook:<28}{len(times):>8}{1000 * total / len(times):>12.3f}{total:>12.3f}"
+            lines.append(f"{hook:<40}{len(times):>8}{1000 * total / len(times):>12.4f}{total:>12.6f}"
                          f"{100 * total / wall:>8.1f}%")
-        lines.append(f"{'wall time':<28}{'':>8}{'':>12}{wall:>12.3f}{100.0:>8.1f}%")
+        lines.append(f"{'wall time':<40}{'':>8}{'':>12}{wall:>12.6f}{100.0:>8.1f}%")
         text = "\n".join(lines)
-        _write(folder / f"profile-simple-rank{rank}.txt", text)
+        _write(folder / f"profile-{self.name}-rank{rank}.txt", text)
         return text
 
 
@@ -119,7 +119,7 @@ class PyTorchProfiler(SimpleProfiler):
         if self._profiler is not None:
             self._profiler.stop()
             table = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-            _write(folder / f"profile-pytorch-rank{rank}.txt", table)
+            _write(folder / f"profile-pytorch-ops-rank{rank}.txt", table)
             self._profiler = None
         return super().report(folder, rank) + f"\ntraces: {self.folder}"
 

@@ -1,0 +1,89 @@
+"""What the Trainer writes: logs, profiler reports, checkpoints, scheduler steps, throughput advice."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+import torch
+
+import lockstep
+import trainer_checks as tc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Scheduled(tc.Classifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_loggers_write_csv_jsonl_and_tensorboard_with_hyperparameters(tmp_path):
+    trainer = tc.quiet_trainer(max_epochs=2, log_every_n_steps=2, loggers=("csv", "jsonl", "tensorboard"),
+                               log_dir=tmp_path, callbacks=[lockstep.LearningRateMonitor()])
+    trainer.fit(Scheduled(), tc.checks.make_data(64), tc.checks.make_data(32, seed=1), batch_size=16)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [r["step"] for r in rows if r.get("train_loss")] == ["2", "4", "6", "8"]
+    assert any(r.get("val_acc") for r in rows) and any(r.get("train_loss_epoch") for r in rows)
+    lrs = [float(r["lr-0-0"]) for r in rows if r.get("lr-0-0")]
+    assert lrs == [0.1 * 0.5**2, 0.1 * 0.5**4, 0.1 * 0.5**6, 0.1 * 0.5**8]  # stepped per step
+    assert json.loads(open(tmp_path / "hparams.json").read())["max_epochs"] == 2
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert lines[0]["hparams"]["log_every_n_steps"] == 2 and any("val_loss" in line for line in lines)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train_loss")] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("kind", ["simple", "advanced", "pytorch"])
+def test_each_profiler_writes_its_report(kind, tmp_path, capsys):
+    trainer = tc.quiet_trainer(max_steps=8, profiler=kind, log_dir=tmp_path)
+    trainer.fit(tc.Classifier(), tc.checks.make_data(128), batch_size=16)
+    report = (tmp_path / f"profile-{kind}-rank0.txt").read_text()
+    rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+            for m in re.finditer(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+%$", report, flags=re.MULTILINE)}
+    wall = float(re.search(r"^wall time\s+([\d.]+)", report, flags=re.MULTILINE).group(1))
+    for hook in ("training_step", "backward", "optimizer_step"):
+        count, mean_ms, total = rows[hook]
+        assert count == 8 and 0 < total < wall and mean_ms == pytest.approx(1000 * total / 8, rel=0.01, abs=2e-4)
+    assert "profiler report" in capsys.readouterr().out
+    if kind == "advanced":
+        assert "=== training_step ===" in report or "function calls" in report
+    if kind == "pytorch":
+        assert list((tmp_path / "pytorch-profiler").glob("rank0*.json"))
+        assert "Self CPU" in (tmp_path / "profile-pytorch-ops-rank0.txt").read_text()
+
+
+def test_model_checkpoint_keeps_the_best_by_monitor_and_last(tmp_path):
+    keeper = lockstep.ModelCheckpoint(monitor="val_acc", mode="max", save_top_k=2)
+    trainer = tc.quiet_trainer(max_epochs=4, checkpoint_dir=tmp_path, callbacks=[keeper])
+    trainer.fit(tc.Classifier(), tc.checks.make_data(64), tc.checks.make_data(64, seed=2), batch_size=16)
+    saved = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert "last.ckpt" in saved and len(saved) == 3
+    assert keeper.best_model_path in {str(tmp_path / name) for name in saved}
+    assert lockstep.train.checkpoint.load(tmp_path / "last.ckpt")["loop"]["global_step"] == 16
+
+
+class SlowData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(0.004)
+        return torch.randn(8), index % 4
+
+
+def test_throughput_monitor_reports_and_advises_once_on_slow_data(capsys):
+    trainer = tc.quiet_trainer(max_epochs=2, log_every_n_steps=1, enable_throughput_monitor=True)
+    trainer.fit(tc.Classifier(), SlowData(), batch_size=8)
+    assert trainer.callback_metrics["samples_per_s"] > 0
+    assert 0.2 < trainer.callback_metrics["data_wait_fraction"] <= 1.0
+    assert capsys.readouterr().out.count("is spent waiting for data") == 1
