@@ -23,14 +23,17 @@ def _epochs(output: str) -> list[str]:
     return re.findall(r"^epoch .*$", output, flags=re.MULTILINE)
 
 
-def test_digits_demo_reaches_90_percent_on_2_processes_and_matches_torchrun():
-    launched = _run(sys.executable, "examples/digits.py", "--devices", "2", "--accelerator", "cpu")
-    accuracy = float(re.search(r"final validation accuracy: ([0-9.]+)", launched).group(1))
+def test_digits_demo_reaches_90_percent_on_2_processes_and_matches_torchrun(tmp_path):
+    launched = _run(sys.executable, "examples/digits.py", "--accelerator", "cpu", "--out", str(tmp_path / "a"))
+    accuracy = float(re.search(r"final validation accuracy: ([0-9.]+) \(360 samples, 2 processes\)", launched).group(1))
     assert accuracy >= 0.9
-    assert "(360 samples)" in launched  # every validation sample counted once
-    torchrun = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "examples/digits.py", "--accelerator", "cpu", "--epochs", "3")
+    assert (tmp_path / "a" / "curves.png").stat().st_size > 10_000
+    assert (tmp_path / "a" / "checkpoints" / "last.ckpt").exists()
+    assert "val_acc" in (tmp_path / "a" / "metrics.csv").read_text()
+    torchrun = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/digits.py",
+                    "--accelerator", "cpu", "--epochs", "3", "--out", str(tmp_path / "b"))
     assert _epochs(torchrun) == _epochs(launched)[:3]
+    assert len(_epochs(launched)) == 10
 
 
 def test_quickstart_gathers_every_sample_on_2_processes():
