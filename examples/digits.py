@@ -114,7 +114,8 @@ def main() -> int:
         plot_curves(out / "metrics.csv", out / "curves.png")
         print(f"final validation accuracy: {accuracy:.4f} ({len(val_set)} samples, {trainer.runtime.world_size} "
               f"processes)")
-        print(f"log: {out / 'metrics.csv'}  checkpoint: {out / 'checkpoints' / 'last.ckpt'}  plot: {out / 'curves.png'}")
+        print(f"log: {out / 'metrics.csv'}  checkpoint: {out / 'checkpoints' / 'last.ckpt'}")
+        print(f"plot of the training and validation curves: {out / 'curves.png'}")
     return 0 if accuracy >= 0.9 else 1
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lockstep.runtime import Runtime
+from lockstep.runtime import Runtime, seed_everything
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback
 from lockstep.train.loggers import Logger, make_loggers
@@ -25,6 +25,7 @@ class Trainer:
     ``devices``, ``num_nodes``, ``accelerator``, ``strategy``, ``precision``, ``seed``, ``deterministic``
     and ``timeout`` go to ``lockstep.Runtime``. ``batch_size`` (in ``fit`` etc.) is the global batch.
     Stop after ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first.
+    Creating the Trainer seeds every random generator with ``seed``: build the module after it.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class Trainer:
         self.resume = resume
         self.log_dir = Path(log_dir) if log_dir is not None else (self.checkpoint_dir or Path("runs/lockstep"))
         self.num_workers, self.num_nodes = num_workers, num_nodes
+        seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
         self._runtime_args = dict(accelerator=accelerator, devices=devices, strategy=strategy,
                                   precision=precision, seed=seed, deterministic=deterministic, timeout=timeout)
         self.config = {"max_epochs": max_epochs, "max_steps": max_steps, "devices": devices, "num_nodes": num_nodes,
