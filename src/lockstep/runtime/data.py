@@ -223,7 +223,8 @@ class DistributedLoader:
             self._batches_done = step + 1
             if self._on_batch is not None and isinstance(self.sampler, GlobalBatchSampler):
                 self._on_batch(self.sampler.local_size(step), self.sampler.global_size(step))
-            yield to_device(batch, self.device, self._non_blocking)
+            # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
+            yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out."""

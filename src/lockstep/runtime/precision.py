@@ -14,6 +14,8 @@ from lockstep.runtime.tree import map_tensors
 
 class Precision(Protocol):
     name: str
+    transforms_forward: bool  # False: forward needs no context and no input/output conversion
+    wraps_optimizer_step: bool  # False: optimizer.step() needs no patching
 
     def convert_module(self, module: nn.Module) -> nn.Module: ...
     def convert_input(self, data: Any) -> Any: ...
@@ -35,9 +37,13 @@ def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
 class TruePrecision:
     """Parameters, inputs and maths all in one dtype (``32-true``, ``64-true``, ``bf16-true``)."""
 
+    _nothing = contextlib.nullcontext()
+    wraps_optimizer_step = False
+
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name = name
         self.dtype = dtype
+        self.transforms_forward = dtype != torch.float32
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(self.dtype)
@@ -49,7 +55,7 @@ class TruePrecision:
         return data
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return self._nothing
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -83,6 +89,8 @@ class MixedPrecision(TruePrecision):
         super().__init__(name, dtype)
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        self.transforms_forward = True
+        self.wraps_optimizer_step = self.scaler is not None
         self._unscaled: set[int] = set()
         self._scale_before: float | None = None
         self._scale_after: float | None = None

@@ -31,9 +31,11 @@ class WrappedModule(nn.Module):
         self.__dict__["_precision"] = precision
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        precision: Precision = self.__dict__["_precision"]
-        args, kwargs = precision.convert_input((args, kwargs))
         target = self._forward_module if torch.is_grad_enabled() else self.__dict__["_eval_module"]
+        precision: Precision = self.__dict__["_precision"]
+        if not precision.transforms_forward:  # 32-true: nothing to add on the hot path
+            return target(*args, **kwargs)
+        args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
             output = target(*args, **kwargs)
         return precision.convert_output(output)
@@ -62,7 +64,7 @@ def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision)
     The optimizer stays the same object, so LR schedulers and ``isinstance`` checks keep working.
     GradScaler calls ``optimizer.step()`` itself, so a re-entrant call runs the original step.
     """
-    if getattr(optimizer.step, "_lockstep_patched", False):
+    if not precision.wraps_optimizer_step or getattr(optimizer.step, "_lockstep_patched", False):
         return
     original = optimizer.step
     inside = False

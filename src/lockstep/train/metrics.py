@@ -22,23 +22,22 @@ def batch_size_of(batch: Any) -> int:
 
 
 class MetricStore:
-    """Sample-weighted sums and counts per metric name, as device tensors (adding never syncs)."""
+    """Sample-weighted sums (device tensors) and sample counts (host numbers) per metric name.
+
+    Adding never syncs: the counts are batch sizes the host already knows.
+    """
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, float] = {}
 
-    def add(self, name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> None:
-        value = torch.as_tensor(value).detach().to(device=device, dtype=torch.float64)
-        if value.numel() != 1:
-            raise ValueError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(value.shape)}.")
-        weighted = value.reshape(()) * weight
-        count = torch.tensor(float(weight), dtype=torch.float64, device=device)
+    def add(self, name: str, weighted: torch.Tensor, weight: int) -> None:
+        """Add ``weighted`` (a float64 scalar tensor: value times ``weight``) to ``name``."""
         if name in self._sums:
             self._sums[name] += weighted
-            self._counts[name] += count
+            self._counts[name] += weight
         else:
-            self._sums[name], self._counts[name] = weighted, count
+            self._sums[name], self._counts[name] = weighted.clone(), float(weight)
 
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
@@ -49,11 +48,19 @@ class MetricStore:
         if not names:
             return {}
         zero = torch.zeros((), dtype=torch.float64, device=runtime.device)
-        stacked = torch.stack([torch.stack([self._sums.get(n, zero) for n in names]),
-                               torch.stack([self._counts.get(n, zero) for n in names])])
-        sums, counts = runtime.all_reduce(stacked, op="sum").tolist()
-        return {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+        sums = torch.stack([self._sums.get(n, zero) for n in names])
+        counts = torch.tensor([self._counts.get(n, 0.0) for n in names], dtype=torch.float64, device=runtime.device)
+        total_sums, total_counts = runtime.all_reduce(torch.stack([sums, counts]), op="sum").tolist()
+        return {n: s / c for n, s, c in zip(names, total_sums, total_counts, strict=True) if c > 0}
 
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+
+
+def weighted_value(name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> torch.Tensor:
+    """``value * weight`` as a float64 scalar tensor on ``device`` (no host sync for device tensors)."""
+    tensor = torch.as_tensor(value).detach()
+    if tensor.numel() != 1:
+        raise ValueError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(tensor.shape)}.")
+    return tensor.to(device=device, dtype=torch.float64).reshape(()) * weight

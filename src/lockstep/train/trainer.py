@@ -13,7 +13,7 @@ from lockstep.runtime import Runtime, seed_everything
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback
 from lockstep.train.loggers import Logger, make_loggers
-from lockstep.train.metrics import MetricStore, batch_size_of
+from lockstep.train.metrics import MetricStore, batch_size_of, weighted_value
 from lockstep.train.module import Module, StepRouter
 from lockstep.train.profilers import PyTorchProfiler, make_profiler
 from lockstep.train.progress import ProgressBar, ThroughputMonitor
@@ -335,14 +335,18 @@ class Trainer:
     # -- metrics, callbacks, reports ---------------------------------------------------------------
     def _log_metric(self, name: str, value: Any, prog_bar: bool = False, batch_size: int | None = None) -> None:
         weight = batch_size if batch_size is not None else batch_size_of(self._batch)
+        weighted = weighted_value(name, value, weight, self.runtime.device)
         for store in self._stores:
-            store.add(name, value, weight, self.runtime.device)
+            store.add(name, weighted, weight)
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
     def _fire(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on the callbacks that define it (a per-step call costs nothing otherwise)."""
         module = self._module
         for callback in self.callbacks:
+            if getattr(type(callback), hook) is getattr(Callback, hook):
+                continue
             method: Callable[..., None] = getattr(callback, hook)
             with self.profiler.profile(f"{type(callback).__name__}.{hook}"):
                 method(self, module, *args)

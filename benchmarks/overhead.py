@@ -1,0 +1,136 @@
+"""Overhead of lockstep against a hand-written PyTorch DDP loop, measured as ratios in one run.
+
+The same tiny MLP (32 -> 64 -> 64 -> 10), batch 32 per process, 500 steps, 1 thread per process,
+2 CPU processes (Gloo). The three loops alternate in rounds (the order rotates each round); the
+report gives the median steps/s of each and the ratios to the hand-written loop.
+
+    python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lockstep
+
+PER_PROCESS_BATCH = 32
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def make_data(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(samples, 32, generator=generator), torch.randint(0, 10, (samples,),
+                                                                                       generator=generator))
+
+
+def hand_written(data: TensorDataset, steps: int) -> float:
+    model = nn.parallel.DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(data, batch_size=PER_PROCESS_BATCH, sampler=DistributedSampler(data, shuffle=True))
+    dist.barrier()
+    start = time.perf_counter()
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    return steps / (time.perf_counter() - start)
+
+
+def runtime_api(data: TensorDataset, steps: int) -> float:
+    rt = lockstep.Runtime(accelerator="cpu")
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(data, batch_size=PER_PROCESS_BATCH * rt.world_size, shuffle=True, num_workers=0)
+    rt.barrier()
+    start = time.perf_counter()
+    for x, y in loader:
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    rt.barrier()
+    return steps / (time.perf_counter() - start)
+
+
+class Classifier(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Clock(lockstep.Callback):
+    """Times the training loop itself, from the first batch to the last step (set-up excluded)."""
+
+    def on_train_epoch_start(self, trainer, module):
+        trainer.runtime.barrier()
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, module):
+        trainer.runtime.barrier()
+        self.seconds = time.perf_counter() - self.start
+
+
+def trainer_loop(data: TensorDataset, steps: int) -> float:
+    clock = Clock()
+    trainer = lockstep.Trainer(max_steps=steps, accelerator="cpu", loggers=(), enable_progress_bar=False,
+                               num_workers=0, callbacks=[clock])
+    trainer.fit(Classifier(), data, batch_size=PER_PROCESS_BATCH * dist.get_world_size())
+    return steps / clock.seconds
+
+
+LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api, "lockstep Trainer": trainer_loop}
+
+
+def measure(rounds: int, steps: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    data = make_data(PER_PROCESS_BATCH * dist.get_world_size() * steps)
+    names = list(LOOPS)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds + 1):  # round 0 warms up and is not counted
+        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        for name in order:
+            rate = LOOPS[name](data, steps)
+            if round_index:
+                rates[name].append(rate)
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--processes", type=int, default=2)
+    args = parser.parse_args()
+    rates = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps))
+    base = statistics.median(rates["hand-written DDP"])
+    print(f"{args.processes} CPU processes, 1 thread each, batch {PER_PROCESS_BATCH} per process, "
+          f"{args.steps} steps, {args.rounds} rounds")
+    print(f"{'loop':<20}{'median steps/s':>16}{'ratio':>8}   all rounds")
+    for name, values in rates.items():
+        median = statistics.median(values)
+        print(f"{name:<20}{median:>16.1f}{median / base:>8.3f}   " + " ".join(f"{v:.0f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
