@@ -48,3 +48,15 @@ def test_train_example_gives_the_same_accuracy_on_1_process_and_under_lockstep_r
     accuracy = [re.findall(r"val acc ([0-9.]+) over 400 samples", out) for out in (alone, launched)]
     assert accuracy[0] == accuracy[1] and len(accuracy[0]) == 2
     assert "2 process(es) via torchrun" in launched
+
+
+def test_lstm_text_classifier_learns_the_shipped_reviews(tmp_path):
+    out = _run(sys.executable, "examples/lstm_text_classifier.py", "--accelerator", "cpu", "--out", str(tmp_path))
+    accuracy = float(re.search(r"validation accuracy ([0-9.]+) over 160 reviews on 2 processes", out).group(1))
+    assert accuracy >= 0.85
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_image_classifier_predicts_every_image_in_order(tmp_path):
+    out = _run(sys.executable, "examples/image_classifier.py", "--accelerator", "cpu", "--out", str(tmp_path))
+    assert re.search(r"predict\(\) gave 360 rows in dataset order, accuracy 0\.9\d+", out), out
