@@ -63,3 +63,24 @@ def test_trainer_needs_a_stop_condition_and_a_module():
         lockstep.Trainer()
     with pytest.raises(TypeError, match="runs a lockstep.Module"):
         tc.quiet_trainer(max_epochs=1).fit(torch.nn.Linear(2, 2), checks.make_data(8), batch_size=4)
+
+
+def test_accumulating_2_batches_of_8_equals_batches_of_16_on_2_processes():
+    for difference in run_ranks(tc.accumulation_matches_big_batch, 2):
+        assert difference <= 1e-6
+
+
+def test_val_check_interval_validates_every_n_steps(tmp_path):
+    trainer = tc.quiet_trainer(max_epochs=1, val_check_interval=2, loggers=("jsonl",), log_dir=tmp_path,
+                               gradient_clip_val=0.5)
+    trainer.fit(tc.Classifier(), tc.checks.make_data(96), tc.checks.make_data(20, seed=3), batch_size=16)
+    import json
+
+    steps = [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "val_acc" in r]
+    assert steps == [2, 4, 6]
+
+
+def test_16_mixed_trainer_runs_and_reports_finite_loss():
+    trainer = tc.quiet_trainer(max_epochs=1, precision="16-mixed", log_every_n_steps=2)
+    trainer.fit(tc.Classifier(), tc.checks.make_data(64), batch_size=16)
+    assert 0 < trainer.callback_metrics["train_loss"] < 10

@@ -113,3 +113,11 @@ def count_host_syncs(steps: int = 100) -> dict[str, int]:
 def predictions() -> torch.Tensor:
     module = Classifier()
     return quiet_trainer(max_epochs=1).predict(module, checks.make_data(1001), batch_size=30)
+
+
+def accumulation_matches_big_batch() -> float:
+    small = Classifier()
+    quiet_trainer(max_epochs=2, accumulate_grad_batches=2).fit(small, checks.make_data(96), batch_size=8)
+    big = Classifier()
+    quiet_trainer(max_epochs=2).fit(big, checks.make_data(96), batch_size=16)
+    return float((checks.flat_weights(small) - checks.flat_weights(big)).abs().max())
