@@ -34,6 +34,10 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     assert a["steps"] == b["steps"] == 21
     assert torch.equal(a["weights"], b["weights"])
+    # epoch 0 was interrupted: its epoch metric still covers all of its samples, both halves
+    assert sorted(b["epoch_losses"]) == [0, 1, 2]
+    for epoch in (0, 1, 2):
+        assert b["epoch_losses"][epoch] == pytest.approx(a["epoch_losses"][epoch], rel=1e-12)
 
 
 KILL_DURING_SAVE = """

@@ -20,9 +20,19 @@ class KillAt(lockstep.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class EpochLosses(lockstep.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_epoch_end(self, trainer, module):
+        self.losses[trainer.current_epoch] = trainer.callback_metrics["train_loss_epoch"]
+
+
+losses = EpochLosses()
 module = tc.Classifier(dropout=0.3)
 trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
-    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt()])
+    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt(), losses])
 trainer.fit(module, checks.make_data(103), batch_size=16)
 if trainer.is_global_zero:
-    torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step}, out)
+    torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step,
+                "epoch_losses": losses.losses}, out)

@@ -57,6 +57,15 @@ class MetricStore:
         self._sums.clear()
         self._counts.clear()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": {n: t.detach().cpu() for n, t in self._sums.items()}, "counts": dict(self._counts)}
+
+    def merge(self, states: list[dict[str, Any]], device: torch.device) -> None:
+        """Add saved sums and counts (e.g. every rank's, from a checkpoint): the reduce adds them anyway."""
+        for state in states:
+            for name, value in state["sums"].items():
+                self.add(name, value.to(device=device, dtype=torch.float64), state["counts"][name])
+
 
 def weighted_value(name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> torch.Tensor:
     """``value * weight`` as a float64 scalar tensor on ``device`` (no host sync for device tensors)."""

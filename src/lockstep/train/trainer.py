@@ -81,6 +81,7 @@ class Trainer:
         self._val_loader: Any = None
         self._resume_batches = 0
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
+        self._epoch_store = MetricStore()
         self._batch: Any = None
 
     # -- the runtime and where this rank sits ------------------------------------------------------
@@ -171,6 +172,7 @@ class Trainer:
                      "batches_done_in_epoch": self.batches_done_in_epoch, "samples_seen": self.samples_seen},
             "loader": self._loader.state_dict() if self._loader is not None else {},
             "rng": rt.all_gather(ckpt.capture_rng()),
+            "epoch_metrics": rt.all_gather(self._epoch_store.state_dict()),
             "world_size": rt.world_size,
             "config": {k: str(v) for k, v in self.config.items()},
             "callbacks": {f"{type(c).__name__}-{i}": c.state_dict() for i, c in enumerate(self.callbacks)},
@@ -224,6 +226,9 @@ class Trainer:
         self.samples_seen, self._resume_batches = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
         if self._resume_batches >= self.steps_per_epoch:
             self.current_epoch, self._resume_batches = self.current_epoch + 1, 0
+        self._epoch_store.reset()
+        if rt.is_global_zero and self._resume_batches:  # the epoch's metric sums so far, all ranks' on one
+            self._epoch_store.merge(state.get("epoch_metrics", []), rt.device)
         for i, callback in enumerate(self.callbacks):
             callback.load_state_dict(state["callbacks"].get(f"{type(callback).__name__}-{i}", {}))
         self._fire("on_load_checkpoint", state)
@@ -244,7 +249,9 @@ class Trainer:
         start, self._resume_batches = self._resume_batches, 0
         loader.load_state_dict({"epoch": self.current_epoch, "batches_done": start})
         self.batches_done_in_epoch = start
-        window, epoch_store = MetricStore(), MetricStore()
+        window, epoch_store = MetricStore(), self._epoch_store
+        if start == 0:
+            epoch_store.reset()  # a resumed epoch keeps the sums restored from the checkpoint
         self._stores = [window, epoch_store]
         self._fire("on_train_epoch_start")
         self._wrapped.train()
@@ -286,6 +293,7 @@ class Trainer:
             if interval == "epoch":
                 scheduler.step()
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_store.reduce(rt).items()})
+        epoch_store.reset()
         if self._val_loader is not None and not self.val_check_interval:
             self._validate_during_fit()
         self._fire("on_train_epoch_end")
