@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator",
-                           "cpu", "tests/scripts/trainer_resume.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                           "cpu", "--max-restarts", str(restarts), "tests/scripts/trainer_resume.py", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
@@ -38,6 +39,19 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
     assert sorted(b["epoch_losses"]) == [0, 1, 2]
     for epoch in (0, 1, 2):
         assert b["epoch_losses"][epoch] == pytest.approx(a["epoch_losses"][epoch], rel=1e-12)
+
+
+def test_elastic_restart_after_a_kill_continues_from_the_checkpoint_bitwise(tmp_path):
+    whole = _run(str(tmp_path / "whole"), str(tmp_path / "whole.pt"), "-1")
+    assert whole.returncode == 0, whole.stderr
+    start = time.monotonic()
+    restarted = _run(str(tmp_path / "elastic"), str(tmp_path / "elastic.pt"), "8", restarts=1)
+    assert restarted.returncode == 0, restarted.stderr
+    assert time.monotonic() - start < 60
+    assert "resumed from" in restarted.stdout and "step 6" in restarted.stdout  # the restarted group resumed
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "elastic.pt")
+    assert a["steps"] == b["steps"] == 21
+    assert torch.equal(a["weights"], b["weights"])
 
 
 KILL_DURING_SAVE = """

@@ -16,7 +16,8 @@ checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 class KillAt(lockstep.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == kill_at and trainer.runtime.rank == 1:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # an elastic restart: no kill
+        if trainer.global_step == kill_at and trainer.runtime.rank == 1 and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

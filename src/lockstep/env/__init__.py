@@ -2,7 +2,12 @@
 
 from lockstep.env.distenv import DistEnv, EnvError
 from lockstep.env.nodelist import expand_nodelist, expand_tasks_per_node
-from lockstep.env.settings import RUNTIME_VARIABLES, runtime_choices_from_environ, timeout_from_environ
+from lockstep.env.settings import (
+    RUNTIME_VARIABLES,
+    debug_from_environ,
+    runtime_choices_from_environ,
+    timeout_from_environ,
+)
 
 __all__ = ["RUNTIME_VARIABLES", "DistEnv", "EnvError", "expand_nodelist", "expand_tasks_per_node",
-           "runtime_choices_from_environ", "timeout_from_environ"]
+           "debug_from_environ", "runtime_choices_from_environ", "timeout_from_environ"]

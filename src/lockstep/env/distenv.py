@@ -31,7 +31,8 @@ class DistEnv:
     (the legacy ``--local_rank`` route), ``"lockstep.launch"``, ``"env"`` (``RANK`` and
     ``WORLD_SIZE`` set by hand), ``"slurm"`` (``srun``) or ``"mpi"`` (Open MPI, MPICH, PMI).
     ``agent_store`` is true when a torch elastic agent already hosts the rendezvous store
-    on ``master_addr:master_port``, so that no worker may start one.
+    on ``master_addr:master_port``, so that no worker may start one. ``restart_count`` counts the
+    agent's restarts of the group (``--max-restarts``).
     """
 
     rank: int = 0
@@ -44,6 +45,7 @@ class DistEnv:
     master_port: int | None = None
     launcher: str = "none"
     agent_store: bool = False
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         source = f"(launcher: {self.launcher})"
@@ -183,6 +185,7 @@ def _from_torch_env(env: Mapping[str, str], legacy_local_rank: int | None) -> Di
         master_port=_port(env),
         launcher=launcher,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
     )
 
 

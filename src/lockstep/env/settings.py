@@ -35,3 +35,9 @@ def runtime_choices_from_environ(environ: Mapping[str, str] | None = None) -> di
     """
     env = os.environ if environ is None else environ
     return {name: env[var] for name, var in RUNTIME_VARIABLES.items() if env.get(var)}
+
+
+def debug_from_environ(environ: Mapping[str, str] | None = None) -> bool:
+    """``LOCKSTEP_DEBUG=1`` turns on the collective checks of debug mode."""
+    env = os.environ if environ is None else environ
+    return env.get("LOCKSTEP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")

@@ -72,15 +72,22 @@ def init_process_group(
     return True
 
 
-def _connect_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0 hosts the rendezvous store unless a torch elastic agent already does."""
+def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """Rank 0 hosts the rendezvous store unless a torch elastic agent already does.
+
+    The agent's store outlives a restart of the workers, so each attempt gets its own key prefix
+    (as torch's env:// does), or keys of the failed attempt would mix into the new one.
+    """
     is_master = env.rank == 0 and not env.agent_store
     address = f"{env.master_addr}:{env.master_port}"
     try:
-        return dist.TCPStore(
+        store = dist.TCPStore(
             env.master_addr, int(env.master_port or 0), is_master=is_master, timeout=timeout,
             wait_for_workers=False,
         )
+        if env.agent_store:
+            return dist.PrefixStore(f"/worker/attempt_{env.restart_count}", store)
+        return store
     except (RuntimeError, OSError) as error:
         text = str(error).lower()
         if is_master and ("address already in use" in text or "errno 98" in text):

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lockstep.env import DistEnv, runtime_choices_from_environ, timeout_from_environ
+from lockstep.env import DistEnv, debug_from_environ, runtime_choices_from_environ, timeout_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -38,6 +39,7 @@ from lockstep.runtime.process_group import (
 )
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.strategy import DDP, Strategy, make_strategy
+from lockstep.runtime.watchdog import Watchdog
 from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
 
 
@@ -66,6 +68,8 @@ class Runtime:
         backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default NCCL on CUDA, Gloo on CPU.
         init_method: ``"tcp://host:port"`` or ``"env://"``; default a TCP store on the master.
         env: where this process sits; default read from the launcher's environment.
+        debug: before each collective, check that all ranks call the same one with the same shapes
+            (default ``LOCKSTEP_DEBUG``); costs one small gather per collective.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Runtime:
         backend: str | None = None,
         init_method: str | None = None,
         env: DistEnv | None = None,
+        debug: bool | None = None,
     ) -> None:
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
@@ -116,6 +121,8 @@ class Runtime:
             atexit.register(self.close)
         self._loss_scale = 1.0
         self._wrapped: list[weakref.ref[nn.Module]] = []
+        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout,
+                                  debug_from_environ() if debug is None else debug)
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
 
     # -- where this process sits -------------------------------------------------------------
@@ -176,7 +183,10 @@ class Runtime:
         global batch is split unevenly (a short last batch), it is reweighted so the gradients equal
         those of the mean loss over the whole global batch.
         """
-        self.precision.backward(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+        try:
+            self.precision.backward(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+        except dist.DistError as error:  # the gradient all-reduce failed: say where the others are
+            raise self._watchdog.explain(error, op="backward (gradient all-reduce)") from error
 
     def no_sync(self, model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce inside this block (gradient accumulation micro-steps).
@@ -265,18 +275,21 @@ class Runtime:
     # -- collectives (every rank must call, in the same order) -------------------------------
     def barrier(self) -> None:
         """Block until every rank arrives here."""
-        collectives.barrier(self.device)
+        with self._watchdog.watch("barrier"):
+            collectives.barrier(self.device)
 
     def all_reduce(self, data: Any, op: str = "mean") -> Any:
         """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``) over all ranks.
 
         Every rank gets the result.
         """
-        return collectives.all_reduce(data, op, self.device)
+        with self._watchdog.watch(f"all_reduce({op})", data):
+            return collectives.all_reduce(data, op, self.device)
 
     def all_gather(self, data: Any) -> list[Any]:
         """Every rank's ``data`` as a list indexed by rank, on every rank. Shapes may differ by rank."""
-        return collectives.all_gather(data, self.device)
+        with self._watchdog.watch("all_gather", data, exact_shapes=False):
+            return collectives.all_gather(data, self.device)
 
     def gather(self, data: Any) -> Any:
         """Evaluation outputs of all ranks, concatenated in rank order, on every rank.
@@ -286,11 +299,13 @@ class Runtime:
         With ``rt.eval_loader`` this is dataset order, one row per sample. A rank with no rows may
         pass an empty list.
         """
-        return collectives.gather_rows(data, self.device)
+        with self._watchdog.watch("gather", data, exact_shapes=False):
+            return collectives.gather_rows(data, self.device)
 
     def broadcast(self, data: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``data`` on every rank."""
-        return collectives.broadcast(data, src, self.device)
+        with self._watchdog.watch(f"broadcast(src={src})"):
+            return collectives.broadcast(data, src, self.device)
 
     # -- printing and ordering ---------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -321,6 +336,7 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
+        self._watchdog.mark(f"exited (Runtime.close) after {self._watchdog.last}")
         if self._owns_group:
             self._owns_group = False
             for ref in self._wrapped:

@@ -1,0 +1,139 @@
+"""Where each rank is, kept in the rendezvous store, to explain a collective that fails or times out.
+
+Before each collective that lockstep issues, a rank writes "<collective> #<n> at <file:line>" to the
+store. When a collective fails (a timeout, a peer that left), the error names the ranks that did
+not arrive and where they last were. In debug mode (``LOCKSTEP_DEBUG=1`` or ``Runtime(debug=True)``)
+the ranks also compare, before each collective, which collective they are in and the shapes they
+pass, and a mismatch is an error that names the ranks and their source lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or the ranks disagree about it; the message says which ranks and where."""
+
+
+def caller() -> str:
+    """``file:line in function`` of the first frame outside lockstep (the user's call site)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def signature(data: Any, exact_shapes: bool) -> str:
+    """The tensors' dtypes and shapes (or only dimensions, where shapes may differ by rank)."""
+    parts: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            shape = list(node.shape) if exact_shapes else f"{node.dim()}-d"
+            parts.append(f"{str(node.dtype).removeprefix('torch.')}{shape}")
+        elif isinstance(node, dict):
+            for key in sorted(node, key=str):
+                walk(node[key])
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+        else:
+            parts.append(type(node).__name__)
+
+    walk(data)
+    return ", ".join(parts) if len(parts) < 12 else ", ".join(parts[:12]) + f", ... ({len(parts)} leaves)"
+
+
+class Watchdog:
+    """One per Runtime; inactive (free) with a single process."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, debug: bool) -> None:
+        self.rank, self.world_size, self.timeout_s, self.debug = rank, world_size, timeout_s, debug
+        self.count = 0
+        self.last = "no collective yet"
+        self.store: Any = None
+        if world_size > 1 and dist.is_initialized():
+            with contextlib.suppress(Exception):  # without the store, errors just lack the positions
+                self.store = dist.distributed_c10d._get_default_store()
+
+    def _key(self, rank: int) -> str:
+        return f"lockstep/where/{rank}"
+
+    def mark(self, text: str) -> None:
+        self.last = text
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(self._key(self.rank), text)
+
+    @contextlib.contextmanager
+    def watch(self, op: str, data: Any = None, exact_shapes: bool = True) -> Iterator[None]:
+        """Around one collective: record where this rank is, check in debug mode, explain failures."""
+        if self.world_size == 1:
+            yield
+            return
+        self.count += 1
+        where = caller()
+        self.mark(f"{op} #{self.count} at {where}")
+        if self.debug:
+            self._compare(op, signature(data, exact_shapes), where)
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as error:
+            raise self.explain(error) from error
+
+    def _compare(self, op: str, sig: str, where: str) -> None:
+        mine = (op, self.count, sig, where)
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        if all(entry[:3] == mine[:3] for entry in everyone):
+            return
+        lines = [f"  rank {r}: {o} #{n} with ({s}) at {w}" for r, (o, n, s, w) in enumerate(everyone)]
+        raise CollectiveError(
+            "the ranks disagree about this collective (LOCKSTEP_DEBUG): every rank must call the same "
+            "collectives in the same order, with the same shapes.\n" + "\n".join(lines)
+        )
+
+    def positions(self) -> dict[int, str]:
+        """Where each rank said it was (ranks that never wrote are missing)."""
+        found: dict[int, str] = {}
+        if self.store is None:
+            return found
+        for rank in range(self.world_size):
+            key = self._key(rank)
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    found[rank] = self.store.get(key).decode()
+        return found
+
+    def explain(self, error: BaseException, op: str | None = None) -> CollectiveError:
+        """A CollectiveError naming the ranks that are not where this rank is, and where they were."""
+        here = op or self.last
+        positions = self.positions()
+        elsewhere = {r: p for r, p in positions.items() if r != self.rank and p != self.last}
+        silent = [r for r in range(self.world_size) if r not in positions and r != self.rank]
+        lines = [f"rank {self.rank}: {here} failed ({str(error).splitlines()[0][:200]})."]
+        if elsewhere or silent:
+            lines.append("These ranks did not arrive at it:")
+            lines += [f"  rank {r}: last at {p}" for r, p in sorted(elsewhere.items())]
+            lines += [f"  rank {r}: never reached a lockstep collective" for r in silent]
+        else:
+            lines.append("Every rank reached this collective: a rank may have died inside it, or the "
+                         "network between the nodes failed.")
+        lines.append(f"Collectives wait at most {self.timeout_s:g}s (Runtime(timeout=...), LOCKSTEP_TIMEOUT). "
+                     "Every rank must call the same collectives in the same order; LOCKSTEP_DEBUG=1 checks it.")
+        return CollectiveError("\n".join(lines))
