@@ -1,0 +1,118 @@
+"""The failure suite: each misconfiguration ends with a non-zero exit and a message naming the cause,
+within a bounded time, leaving no process behind. docs/reliability.md tabulates the results."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import DistEnv, Runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _job(script: str, *, timeout_env: str | None = None, debug: bool = False, devices: str = "2"):
+    env = {**os.environ}
+    if timeout_env:
+        env["LOCKSTEP_TIMEOUT"] = timeout_env
+    if debug:
+        env["LOCKSTEP_DEBUG"] = "1"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices, "--accelerator",
+                           "cpu", f"tests/failures/{script}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=100)
+    elapsed = time.monotonic() - start
+    leftover = subprocess.run(["pgrep", "-f", f"tests/failures/{script}"], capture_output=True, text=True).stdout
+    assert leftover.strip() == "", f"processes left behind: {leftover}"
+    assert done.returncode != 0
+    return done.stderr, elapsed
+
+
+def test_1_world_size_in_code_disagrees_with_the_launcher():
+    stderr, elapsed = _job("wants4.py")
+    assert elapsed < 15
+    assert "devices=4 asks for 4 processes per node, but the launcher (torchrun) started 2" in stderr
+
+
+def test_2_a_barrier_on_rank_0_only_names_the_missing_rank_and_its_line():
+    stderr, elapsed = _job("skip_barrier.py", timeout_env="20")
+    assert elapsed < 60
+    assert "did not arrive" in stderr
+    assert "rank 1: last at all_reduce(sum) #2 at skip_barrier.py:8" in stderr
+    assert "rank 0: last at barrier #2 at skip_barrier.py:7" in stderr
+
+
+def test_2b_a_metric_synced_on_rank_0_only_is_caught_at_once_in_debug_mode():
+    stderr, elapsed = _job("metric_on_rank0.py", debug=True)
+    assert elapsed < 15
+    assert "the ranks disagree about this collective" in stderr
+    assert "rank 0: all_reduce(mean) #1 with (float) at metric_on_rank0.py:6" in stderr
+    assert "rank 1: barrier #1 with (NoneType) at metric_on_rank0.py:7" in stderr
+
+
+def test_3_a_rank_with_one_batch_more_in_a_hand_made_loop():
+    stderr, elapsed = _job("uneven_loop.py", timeout_env="20")
+    assert elapsed < 60
+    assert "rank 0: all_reduce(sum) #5 at uneven_loop.py:9 in <module> failed" in stderr
+    assert "rank 1: last at barrier #5 at uneven_loop.py:10" in stderr
+
+
+def test_5b_a_rank_spinning_in_python_while_the_others_wait():
+    stderr, elapsed = _job("spin.py", timeout_env="20")
+    assert elapsed < 60
+    assert "rank 1: last at all_reduce(mean) #1 at spin.py:5" in stderr
+    assert "Timed out" in stderr
+
+
+def test_7_different_shapes_in_one_collective_in_debug_mode():
+    stderr, elapsed = _job("shapes.py", debug=True)
+    assert elapsed < 15
+    assert "rank 0: all_reduce(mean) #1 with (float32[3]) at shapes.py:7" in stderr
+    assert "rank 1: all_reduce(mean) #1 with (float32[4]) at shapes.py:7" in stderr
+
+
+def _rank_environment(rank: int, addr: str, port: int) -> DistEnv:
+    return DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr=addr,
+                   master_port=port, launcher="env")
+
+
+def test_6_the_master_port_is_taken_by_another_program():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"cannot open the rendezvous store on port {port}: another program"):
+            Runtime(accelerator="cpu", env=_rank_environment(0, "127.0.0.1", port), timeout=20)
+        assert time.monotonic() - start < 15
+
+
+def test_6b_the_master_address_does_not_answer():
+    with socket.socket() as probe:  # a port nobody listens on, on a loopback address
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not reach the rendezvous store at 127.0.0.2:.* within 20s"):
+        Runtime(accelerator="cpu", env=_rank_environment(1, "127.0.0.2", port), timeout=20)
+    assert time.monotonic() - start < 60
+
+
+def test_9_16_mixed_on_a_device_without_autocast(monkeypatch):
+    monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device_type: False)
+    with pytest.raises(ValueError, match="precision '16-mixed' needs autocast, which torch lacks on cpu"):
+        Runtime(accelerator="cpu", precision="16-mixed", env=DistEnv())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_9_more_gpus_than_exist():
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "8", "--accelerator",
+                           "cuda", "tests/failures/wants4.py"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "torch sees no CUDA GPU" in done.stderr
