@@ -1,0 +1,8 @@
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+for step in range(100):
+    if dist.get_rank() == 1 and step == 5:
+        raise RuntimeError("rank one gives up at step 5")
+    dist.all_reduce(torch.ones(1))

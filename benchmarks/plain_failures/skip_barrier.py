@@ -1,0 +1,8 @@
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+if dist.get_rank() == 0:
+    dist.barrier()
+dist.all_reduce(torch.ones(1))
