@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent / "plain_failures"
-CASES = ["skip_barrier", "uneven_loop", "spin", "shapes", "raises"]
+CASES = ["skip_barrier", "uneven_loop", "spin", "shapes", "raises", "sigkill"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def main() -> None:
@@ -25,10 +33,23 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=60.0)
     args = parser.parse_args()
     jobs = {}
-    for case in CASES:  # concurrently: each waits on its own timeouts
+    commands = {case: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(HERE / f"{case}.py")] for case in CASES}
+    environments = {case: dict(os.environ) for case in CASES}
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    one_rank = [sys.executable, str(HERE / "single_rank.py")]
+    for case, rank, addr, port in (("port_taken", 0, "127.0.0.1", busy.getsockname()[1]),
+                                   ("master_silent", 1, "127.0.0.2", _free_port())):
+        commands[case] = one_rank
+        environments[case] = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": addr,
+                              "MASTER_PORT": str(port)}
+    for case, command in commands.items():  # concurrently: each waits on its own timeouts
         jobs[case] = (time.monotonic(), subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(HERE / f"{case}.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command, env=environments[case], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True))
     finished: dict[str, float] = {}
     while len(finished) < len(jobs) and time.monotonic() - min(t for t, _ in jobs.values()) < args.cap:
@@ -40,7 +61,7 @@ def main() -> None:
         if case not in finished:
             os.killpg(job.pid, signal.SIGKILL)
             # the agent starts its workers in sessions of their own: stop them by name
-            subprocess.run(["pkill", "-9", "-f", str(HERE / f"{case}.py")], check=False)
+            subprocess.run(["pkill", "-9", "-f", "--", commands[case][-1]], check=False)
             job.communicate(timeout=10)
             print(f"{case}: still waiting after {args.cap:.0f}s (killed)")
             continue
