@@ -6,8 +6,10 @@ from lockstep.env.settings import (
     RUNTIME_VARIABLES,
     debug_from_environ,
     runtime_choices_from_environ,
+    slurm_requeue_from_environ,
     timeout_from_environ,
 )
 
 __all__ = ["RUNTIME_VARIABLES", "DistEnv", "EnvError", "expand_nodelist", "expand_tasks_per_node",
-           "debug_from_environ", "runtime_choices_from_environ", "timeout_from_environ"]
+           "debug_from_environ", "runtime_choices_from_environ", "slurm_requeue_from_environ",
+           "timeout_from_environ"]

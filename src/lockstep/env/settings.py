@@ -41,3 +41,11 @@ def debug_from_environ(environ: Mapping[str, str] | None = None) -> bool:
     """``LOCKSTEP_DEBUG=1`` turns on the collective checks of debug mode."""
     env = os.environ if environ is None else environ
     return env.get("LOCKSTEP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def slurm_requeue_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
+    """The SLURM job id to requeue on preemption, when the job script asked for it (``lockstep slurm``)."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCKSTEP_REQUEUE", "") == "1" and env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"]
+    return None

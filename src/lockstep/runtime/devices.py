@@ -144,6 +144,13 @@ def resolve_placement(
 
 
 def _process_count_message(count: int, env: DistEnv) -> str:
+    if env.launcher == "slurm":
+        return (
+            f"devices={count} asks for {count} processes per node, but this SLURM job runs "
+            f"{env.local_world_size} task(s) on this node: change `#SBATCH --ntasks-per-node="
+            f"{env.local_world_size}` to `#SBATCH --ntasks-per-node={count}` (one task per device; "
+            "`lockstep slurm --devices N` writes it), or set devices to match."
+        )
     if env.launcher == "none":
         return (
             f"devices={count} asks for {count} processes, but this process was started alone. "

@@ -16,7 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lockstep.env import DistEnv, debug_from_environ, runtime_choices_from_environ, timeout_from_environ
+from lockstep.env import (
+    DistEnv,
+    debug_from_environ,
+    runtime_choices_from_environ,
+    slurm_requeue_from_environ,
+    timeout_from_environ,
+)
 from lockstep.runtime import collectives
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -31,6 +37,7 @@ from lockstep.runtime.devices import Devices, processes_asked_for, resolve_place
 from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.precision import make_precision
+from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import (
     DEFAULT_TIMEOUT_S,
     choose_backend,
@@ -123,6 +130,8 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout,
                                   debug_from_environ() if debug is None else debug)
+        # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
+        self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
 
     # -- where this process sits -------------------------------------------------------------
@@ -306,6 +315,22 @@ class Runtime:
         """Rank ``src``'s ``data`` on every rank."""
         with self._watchdog.watch(f"broadcast(src={src})"):
             return collectives.broadcast(data, src, self.device)
+
+    def should_stop(self) -> bool:
+        """True on every rank when any rank received the preemption signal (USR1 or TERM).
+
+        Every rank must call it at the same points (e.g. each step boundary); it is one small
+        all-reduce under SLURM and free elsewhere (always False). On True: save a checkpoint, call
+        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint.
+        """
+        if self.preemption is None:
+            return False
+        return bool(self.all_reduce(self.preemption.local_flag, op="max"))
+
+    def requeue(self) -> str:
+        """After ``should_stop``: rank 0 requeues the SLURM job when USR1 came and the job script
+        asked for it (``lockstep slurm --requeue``). Returns what happened."""
+        return "not under SLURM" if self.preemption is None else self.preemption.requeue(self.rank)
 
     # -- printing and ordering ---------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:

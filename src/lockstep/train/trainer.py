@@ -283,6 +283,8 @@ class Trainer:
             self.batches_done_in_epoch = batch_idx + 1
             self._fire("on_train_batch_end", outputs, batch, batch_idx)
             batch_idx += 1
+            if self.at_step_boundary and rt.should_stop():
+                self._preempted()
             if self.at_step_boundary and self.val_check_interval and self.global_step % self.val_check_interval == 0:
                 self._validate_during_fit()
             if self.at_step_boundary and self._finished():
@@ -298,6 +300,18 @@ class Trainer:
             self._validate_during_fit()
         self._fire("on_train_epoch_end")
         self.current_epoch += 1
+
+    def _preempted(self) -> None:
+        """A preemption signal reached some rank: checkpoint at this step on every rank, requeue, exit."""
+        rt = self.runtime
+        folder = self.checkpoint_dir or self.log_dir
+        path = folder / f"epoch={self.current_epoch}-step={self.global_step:08d}-preempted.ckpt"
+        self.save_checkpoint(path)
+        outcome = rt.requeue()
+        rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}.")
+        self._finish_reports()
+        rt.close()
+        raise SystemExit(0)
 
     def _optimizer_step(self) -> None:
         with self.profiler.profile("optimizer_step"):
