@@ -10,6 +10,7 @@ from dataclasses import asdict
 import lockstep
 from lockstep.cli.doctor import add_parser as add_doctor_parser
 from lockstep.cli.run import add_parser as add_run_parser
+from lockstep.cli.slurm import add_parser as add_slurm_parser
 from lockstep.env import DistEnv, EnvError
 
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=_env)
     add_run_parser(commands)
     add_doctor_parser(commands)
+    add_slurm_parser(commands)
     return parser
 
 

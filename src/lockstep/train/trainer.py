@@ -30,7 +30,7 @@ class Trainer:
 
     def __init__(
         self, *, max_epochs: int | None = None, max_steps: int | None = None, devices: Any = "auto",
-        num_nodes: int = 1, accelerator: str | None = None, strategy: Any = None, precision: Any = None,
+        num_nodes: int | None = None, accelerator: str | None = None, strategy: Any = None, precision: Any = None,
         accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
         val_check_interval: int | None = None, log_every_n_steps: int = 50, seed: int = 0,
         deterministic: bool = False, checkpoint_dir: str | Path | None = None, resume: str | Path | None = None,
@@ -90,7 +90,7 @@ class Trainer:
         """The Runtime, created on first use (this joins the process group, or self-launches)."""
         if self._runtime is None:
             self._runtime = Runtime(**self._runtime_args)
-            if self._runtime.num_nodes != self.num_nodes:
+            if self.num_nodes is not None and self._runtime.num_nodes != self.num_nodes:
                 raise ValueError(f"Trainer(num_nodes={self.num_nodes}) but the launcher started "
                                  f"{self._runtime.num_nodes} node(s): make them agree.")
         return self._runtime

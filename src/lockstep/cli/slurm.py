@@ -1,0 +1,116 @@
+"""``lockstep slurm``: write a readable sbatch script beside the run, and submit it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "slurm", help="write an sbatch script for SCRIPT and submit it (or print it with --dry-run)",
+        description="Write a commented sbatch script that runs SCRIPT on --nodes nodes with one task per "
+        "device, save it under --dir, and submit it with sbatch. See docs/slurm.md.",
+    )
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=1, help="per node: GPUs with cuda, tasks with cpu")
+    parser.add_argument("--accelerator", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--cpus-per-task", type=int, default=None)
+    parser.add_argument("--time", help="time limit, e.g. 04:00:00")
+    parser.add_argument("--partition")
+    parser.add_argument("--account")
+    parser.add_argument("--job-name", default=None, help="default: the script's name")
+    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                        help="on the time-limit warning, checkpoint and requeue the job (default on)")
+    parser.add_argument("--signal-lead", type=int, default=90, help="seconds of warning before the time limit")
+    parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, repeatable, e.g. --sbatch-arg=--mem=64G")
+    parser.add_argument("--dir", default=None, help="where the script and output go (default slurm/JOB_NAME)")
+    parser.add_argument("--dry-run", action="store_true", help="print the script; do not submit")
+    parser.add_argument("script", metavar="SCRIPT")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    parser.set_defaults(func=slurm_command)
+
+
+def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
+    """The job script, commented line by line."""
+    name = args.job_name or Path(args.script).stem
+    lines = [
+        "#!/bin/bash",
+        "# Written by: lockstep slurm " + shlex.join(sys.argv[2:]),
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={args.nodes}",
+        f"#SBATCH --ntasks-per-node={args.devices}   # one task per device; lockstep checks it matches devices",
+    ]
+    if args.accelerator == "cuda":
+        lines.append(f"#SBATCH --gpus-per-node={args.devices}")
+    if args.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={args.cpus_per_task}   # DataLoader workers + the training loop")
+    for option, value in (("time", args.time), ("partition", args.partition), ("account", args.account)):
+        if value:
+            lines.append(f"#SBATCH --{option}={value}")
+    lines.append(f"#SBATCH --output={folder.resolve()}/%x-%j.out   # one file per job id (a requeue appends)")
+    lines.append("#SBATCH --open-mode=append")
+    if args.requeue:
+        lines += ["#SBATCH --requeue   # may be put back in the queue after preemption",
+                  f"#SBATCH --signal=B:USR1@{args.signal_lead}   # warn {args.signal_lead}s before the time limit"]
+    else:
+        lines += ["#SBATCH --no-requeue",
+                  f"#SBATCH --signal=B:USR1@{args.signal_lead}   # still warn: checkpoint and exit cleanly"]
+    lines += [f"#SBATCH {extra}" for extra in args.sbatch_arg]
+    command = shlex.join([python, args.script, *args.script_args])
+    lines += [
+        "",
+        "set -u",
+        "# Rank 0 runs on the first node of the allocation; it hosts the rendezvous store.",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MASTER_PORT=${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}",
+        f"export LOCKSTEP_ACCELERATOR={args.accelerator}",
+        "# One thread pool per task sized to its CPUs (torch would otherwise use every core of the node).",
+        "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
+        f"export LOCKSTEP_REQUEUE={1 if args.requeue else 0}   # rank 0 runs scontrol requeue after USR1",
+        'echo "lockstep: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT,'
+        ' restart ${SLURM_RESTART_COUNT:-0}"',
+        "",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        "# srun starts one task per device on every node. It runs in the background so that this shell",
+        "# can pass the preemption warning (USR1) and TERM on to the tasks: they checkpoint at the next",
+        "# step, rank 0 requeues the job, and the requeued job resumes from that checkpoint.",
+        f"srun --kill-on-bad-exit=1 {command} &",
+        "tasks=$!",
+        'trap \'echo "lockstep: USR1 received, passing it to the tasks"; kill -USR1 $tasks\' USR1',
+        "trap 'kill -TERM $tasks' TERM",
+        "status=0",
+        "while kill -0 $tasks 2>/dev/null; do wait $tasks; status=$?; done",
+        "exit $status",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def slurm_command(args: argparse.Namespace) -> int:
+    if not Path(args.script).is_file():
+        print(f"lockstep slurm: {args.script}: no such script.", file=sys.stderr)
+        return 2
+    if args.nodes < 1 or args.devices < 1:
+        print("lockstep slurm: --nodes and --devices must be at least 1.", file=sys.stderr)
+        return 2
+    name = args.job_name or Path(args.script).stem
+    folder = Path(args.dir or Path("slurm") / name)
+    text = sbatch_script(args, folder, sys.executable)
+    if args.dry_run:
+        print(text)
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.sbatch"
+    path.write_text(text)
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"lockstep slurm: sbatch failed: {done.stderr.strip()}", file=sys.stderr)
+        return 1
+    job = done.stdout.strip().split(";")[0]
+    print(f"submitted job {job}\nscript: {path}\noutput: {folder.resolve()}/{name}-{job}.out")
+    return 0
