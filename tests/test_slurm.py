@@ -120,3 +120,25 @@ def test_tasks_per_node_disagreeing_with_devices_fails_fast_naming_the_sbatch_li
     assert "this SLURM job runs 1 task(s) on this node: change `#SBATCH --ntasks-per-node=1` to " \
            "`#SBATCH --ntasks-per-node=2`" in output
     assert _state(env, job) in ("FAILED", "GONE")
+
+
+@pytest.mark.parametrize("signal_name", ["USR1", "TERM"])
+def test_without_requeue_a_signal_still_checkpoints_and_exits_cleanly(cluster, tmp_path, signal_name):
+    env, _ = cluster
+    marker = tmp_path / "marker"
+    job = _submit(env, tmp_path, "--no-requeue", "--nodes", "2", "--devices", "2", "tests/scripts/trainer_preempt.py",
+                  str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(marker))
+    end = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < end:
+        time.sleep(0.3)
+    assert marker.exists(), "the job never reached step 5"
+    subprocess.run(["scancel", f"--signal={signal_name}", "--batch", job], env=env, check=True, timeout=30)
+    _wait_until_done(env, job, 120)
+    output = next(tmp_path.glob("*.out")).read_text()
+    assert "preempted at step" in output and "not requeued" in output, output
+    assert not (tmp_path / "out.pt").exists()  # training stopped early, on purpose
+    saved = list((tmp_path / "ckpt").glob("*-preempted.ckpt"))
+    assert len(saved) == 1
+    from lockstep.train.checkpoint import load
+
+    assert 6 <= load(saved[0])["loop"]["global_step"] < 21

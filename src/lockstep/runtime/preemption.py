@@ -9,16 +9,18 @@ from typing import Any
 
 
 class Preemption:
-    """Catches USR1 and TERM; ``should_stop`` turns a signal on any rank into a stop on every rank.
+    """Catches USR1, USR2 and TERM; ``should_stop`` turns a signal on any rank into a stop on every rank.
 
-    ``requeue_job`` is the SLURM job id to requeue when USR1 (the time-limit warning) arrived.
+    ``requeue_job`` is the SLURM job id to requeue when USR1 (the time-limit warning) arrived. USR2 is
+    what the ``lockstep slurm`` job script sends the tasks when the job itself gets TERM (srun would
+    kill the tasks on TERM): a last-chance checkpoint, no requeue.
     """
 
     def __init__(self, requeue_job: str | None) -> None:
         self.requeue_job = requeue_job
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals cannot be caught here
