@@ -57,6 +57,13 @@ def _wait_until_done(env, job: str, limit: float, hurry_requeue: bool = False) -
     raise AssertionError(f"job {job} still {_state(env, job)} after {limit}s")
 
 
+def _wait_for(marker: Path, limit: float = 120) -> None:
+    end = time.monotonic() + limit
+    while not marker.exists() and time.monotonic() < end:
+        time.sleep(0.3)
+    assert marker.exists(), "the job never reached step 5"
+
+
 def _reference() -> torch.Tensor:
     return checks.train_lockstep(Runtime(accelerator="cpu", seed=0, env=DistEnv()), checks.make_data(103), 16, 2, True)
 
@@ -88,10 +95,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
     marker = tmp_path / "marker"
     job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", "tests/scripts/trainer_preempt.py",
                   str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(marker))
-    end = time.monotonic() + 120
-    while not marker.exists() and time.monotonic() < end:
-        time.sleep(0.3)
-    assert marker.exists(), "the job never reached step 5"
+    _wait_for(marker)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
     _wait_until_done(env, job, 240, hurry_requeue=True)
     output = next(tmp_path.glob("*.out")).read_text()
@@ -128,10 +132,7 @@ def test_without_requeue_a_signal_still_checkpoints_and_exits_cleanly(cluster, t
     marker = tmp_path / "marker"
     job = _submit(env, tmp_path, "--no-requeue", "--nodes", "2", "--devices", "2", "tests/scripts/trainer_preempt.py",
                   str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(marker))
-    end = time.monotonic() + 120
-    while not marker.exists() and time.monotonic() < end:
-        time.sleep(0.3)
-    assert marker.exists(), "the job never reached step 5"
+    _wait_for(marker)
     subprocess.run(["scancel", f"--signal={signal_name}", "--batch", job], env=env, check=True, timeout=30)
     _wait_until_done(env, job, 120)
     output = next(tmp_path.glob("*.out")).read_text()
