@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES
-from lockstep.runtime.elastic import host_store, run_elastic
+from lockstep.runtime.devices import parse_devices
+from lockstep.runtime.elastic import host_store, run_elastic, threads_per_process
 
 
 class PreflightError(Exception):
@@ -76,20 +77,17 @@ def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:
     gpus = torch.cuda.device_count() if accelerator in ("auto", "cuda") else 0
     if accelerator == "cuda" and gpus == 0:
         raise PreflightError("--accelerator cuda, but torch sees no CUDA GPU on this node.")
-    text = devices.strip().lower()
-    if text == "auto":
-        return (gpus or 1), None
-    if text.isdigit():
-        count = int(text)
-        if count < 1:
-            raise PreflightError(f"--devices {devices}: ask for at least one device.")
-        if gpus and count > gpus:
-            raise PreflightError(f"--devices {count}, but only {gpus} GPU(s) are visible on this node.")
-        return count, None
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PreflightError(f"--devices {devices!r}: give a count, auto, or GPU indices like 0,2.") from None
+        wanted = parse_devices(devices)
+    except ValueError as error:
+        raise PreflightError(f"--devices {devices}: {error}") from None
+    if isinstance(wanted, str):  # "auto"
+        return (gpus or 1), None
+    if isinstance(wanted, int):
+        if gpus and wanted > gpus:
+            raise PreflightError(f"--devices {wanted}, but only {gpus} GPU(s) are visible on this node.")
+        return wanted, None
+    ids = wanted
     if not gpus:
         raise PreflightError(f"--devices {devices}: GPU indices need CUDA GPUs; on the CPU give a count.")
     missing = [i for i in ids if i >= gpus]
@@ -153,5 +151,5 @@ def run_command(args: argparse.Namespace) -> int:
             os.environ[RUNTIME_VARIABLES[name]] = value
     if job.visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.visible_devices
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(job.nproc)))
     return run_elastic(job.torchrun_args)

@@ -20,6 +20,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def threads_per_process(nproc: int) -> int:
+    """CPU threads each of ``nproc`` local processes may use without oversubscribing the cores."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def host_store(host: str, port: int = 0) -> tuple[Any, int]:
     """Host the rendezvous store on ``host:port`` only (port 0: a free one); returns (store, port).
 
@@ -109,7 +114,7 @@ def self_launch(nproc: int) -> NoReturn:
             f"asked for {nproc} processes from an interactive session: use "
             f"lockstep.launch(fn, nprocs={nproc}), which works in notebooks."
         )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     store, port = host_store("127.0.0.1")
     args = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0",
             "--monitor-interval", "0.1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
-from lockstep.runtime.elastic import free_port
+from lockstep.runtime.elastic import free_port, threads_per_process
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 
 GRACE_S = 2.0
@@ -60,7 +60,7 @@ def _child(
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_LAUNCHER": "lockstep.launch",
     })
     if "OMP_NUM_THREADS" not in os.environ:  # N processes would otherwise each take every core
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        torch.set_num_threads(threads_per_process(nprocs))
     result = Path(workdir) / f"rank{local_rank}.pt"
     code = 0
     try:

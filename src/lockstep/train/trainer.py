@@ -309,8 +309,7 @@ class Trainer:
         self.save_checkpoint(path)
         outcome = rt.requeue()
         rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}.")
-        self._finish_reports()
-        rt.close()
+        rt.close()  # fit's `finally` writes the reports
         raise SystemExit(0)
 
     def _optimizer_step(self) -> None:
