@@ -139,6 +139,22 @@ def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
     assert not any(checks.pid_alive(pid) for pid in pids.values())
 
 
+def test_root_cause_is_the_failure_the_agent_saw_first_when_timestamps_tie():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from lockstep.runtime.elastic import _root_cause
+
+    def failure(local_rank: int, sig: signal.Signals) -> ProcessFailure:
+        made = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=-sig, error_file="")
+        made.timestamp = 1_700_000_000  # the same second for all: the agent's timestamps are whole seconds
+        return made
+
+    # The agent records the killed worker first, then the ones it stopped with SIGTERM.
+    failures = {1: failure(1, signal.SIGKILL), 0: failure(0, signal.SIGTERM), 2: failure(2, signal.SIGTERM)}
+    rank, first = _root_cause(failures)
+    assert rank == 1 and first.exitcode == -signal.SIGKILL
+
+
 def test_self_launch_lockstep_run_and_torchrun_agree(reference, tmp_path):
     """devices=2 in code: `python script` launches 2 workers itself; the launchers do not launch again."""
     results = {}

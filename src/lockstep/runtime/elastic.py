@@ -80,12 +80,17 @@ _CONSEQUENCES = ("connection closed by peer", "connection reset by peer", "broke
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failure that caused the others: not a lost-peer error, then the earliest, then the lowest rank."""
+    """The failure that caused the others: not a lost-peer error, then the earliest.
+
+    Timestamps are whole seconds, so ties are common; the agent records failures in the order it
+    saw them (the real ones first, then the workers it stopped), and that order breaks the tie.
+    """
+    order = {rank: position for position, rank in enumerate(failures)}
 
     def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
         text = (_traceback_of(failure.error_file_data) or str(failure.message)).lower()
-        return any(c in text for c in _CONSEQUENCES), failure.timestamp, rank
+        return any(c in text for c in _CONSEQUENCES), failure.timestamp, order[rank]
 
     return min(failures.items(), key=key)
 
