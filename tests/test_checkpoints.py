@@ -39,6 +39,10 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
     assert sorted(b["epoch_losses"]) == [0, 1, 2]
     for epoch in (0, 1, 2):
         assert b["epoch_losses"][epoch] == pytest.approx(a["epoch_losses"][epoch], rel=1e-12)
+    # so was the logging window of steps 5-8: the value logged at step 8 covers all four steps
+    assert sorted(b["step_losses"]) == [8, 12, 16, 20] and sorted(a["step_losses"]) == [4, 8, 12, 16, 20]
+    for step in (8, 12, 16, 20):
+        assert b["step_losses"][step] == pytest.approx(a["step_losses"][step], rel=1e-12)
 
 
 def test_elastic_restart_after_a_kill_continues_from_the_checkpoint_bitwise(tmp_path):

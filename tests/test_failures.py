@@ -36,6 +36,13 @@ def _job(script: str, *, timeout_env: str | None = None, debug: bool = False, de
     return done.stderr, elapsed
 
 
+def _either_rank_explains(stderr: str, where: tuple[str, str]) -> None:
+    """Rank 0 waits at where[0], rank 1 at where[1]; at least one rank's report says so of both."""
+    by_rank_0 = f"rank 0: {where[0]}" in stderr and f"rank 1: last at {where[1]}" in stderr
+    by_rank_1 = f"rank 1: {where[1]}" in stderr and f"rank 0: last at {where[0]}" in stderr
+    assert by_rank_0 or by_rank_1, stderr
+
+
 def test_1_world_size_in_code_disagrees_with_the_launcher():
     stderr, elapsed = _job("wants4.py")
     assert elapsed < 15
@@ -46,8 +53,8 @@ def test_2_a_barrier_on_rank_0_only_names_the_missing_rank_and_its_line():
     stderr, elapsed = _job("skip_barrier.py", timeout_env="20")
     assert elapsed < 60
     assert "did not arrive" in stderr
-    assert "rank 1: last at all_reduce(sum) #2 at skip_barrier.py:8" in stderr
-    assert "rank 0: last at barrier #2 at skip_barrier.py:7" in stderr
+    # Both ranks time out; whichever reports first names the other and where it waits.
+    _either_rank_explains(stderr, ("barrier #2 at skip_barrier.py:7", "all_reduce(sum) #2 at skip_barrier.py:8"))
 
 
 def test_2b_a_metric_synced_on_rank_0_only_is_caught_at_once_in_debug_mode():
@@ -61,14 +68,16 @@ def test_2b_a_metric_synced_on_rank_0_only_is_caught_at_once_in_debug_mode():
 def test_3_a_rank_with_one_batch_more_in_a_hand_made_loop():
     stderr, elapsed = _job("uneven_loop.py", timeout_env="20")
     assert elapsed < 60
-    assert "rank 0: all_reduce(sum) #5 at uneven_loop.py:9 in <module> failed" in stderr
-    assert "rank 1: last at barrier #5 at uneven_loop.py:10" in stderr
+    _either_rank_explains(stderr, ("all_reduce(sum) #5 at uneven_loop.py:9", "barrier #5 at uneven_loop.py:10"))
 
 
 def test_5b_a_rank_spinning_in_python_while_the_others_wait():
     stderr, elapsed = _job("spin.py", timeout_env="20")
     assert elapsed < 60
-    assert "rank 1: last at all_reduce(mean) #1 at spin.py:5" in stderr
+    # rank 1's last collective, its loop position then, and its heartbeat: alive, in the same place
+    assert "rank 1: last at all_reduce(mean) #5 at spin.py:7 in <module> (in my_step, epoch 0, batch 4); alive" \
+        in stderr
+    assert "ago, in my_step, epoch 0, batch 4" in stderr
     assert "Timed out" in stderr
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -185,3 +187,40 @@ def test_tcp_init_method():
         return rt.all_reduce(rt.rank + 1, op="sum")
 
     assert run_ranks(over_tcp, 2, free_port()) == [3, 3]
+
+
+def frozen_peer(_: int) -> str:
+    """Rank 1 freezes (SIGSTOP); rank 0's barrier times out and says rank 1 stopped beating."""
+    import os
+    import signal
+
+    from lockstep.runtime.watchdog import CollectiveError
+
+    rt = Runtime(accelerator="cpu", timeout=6)  # applies to the group the harness made, too
+    pids = rt.all_gather(os.getpid())
+    for _batch in rt.loader(list(range(8)), batch_size=2):
+        rt.mark("my_step")
+        rt.barrier()
+    if rt.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: no Python runs, no heartbeat
+    time.sleep(2.0)  # rank 1's last heartbeat grows old
+    try:
+        rt.barrier()
+    except CollectiveError as error:
+        return str(error)
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+    return "the barrier passed"
+
+
+def test_a_frozen_rank_is_reported_as_silent_also_under_a_launch_made_group():
+    from lockstep.testing import rank_outcomes
+
+    outcomes = rank_outcomes(frozen_peer, 2, 0, timeout=60)
+    assert outcomes[0].ok, outcomes[0].error
+    message = outcomes[0].value
+    assert "rank 0: barrier #6 at test_multiprocess.py" in message
+    assert "rank 1: last at barrier #5 at test_multiprocess.py" in message
+    assert "(in my_step, epoch 0, batch 3)" in message
+    assert "no heartbeat for" in message and "died or is frozen" in message
+    assert not outcomes[1].ok  # killed by rank 0 once it had its answer

@@ -29,11 +29,22 @@ class EpochLosses(lockstep.Callback):
         self.losses[trainer.current_epoch] = trainer.callback_metrics["train_loss_epoch"]
 
 
-losses = EpochLosses()
+class StepLosses(lockstep.Callback):
+    """The train_loss logged every 4 steps: its window spans the checkpoint at step 6."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.at_step_boundary and trainer.is_logging_step:
+            self.losses[trainer.global_step] = trainer.callback_metrics["train_loss"]
+
+
+losses, step_losses = EpochLosses(), StepLosses()
 module = tc.Classifier(dropout=0.3)
-trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
-    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt(), losses])
+trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", log_every_n_steps=4, callbacks=[
+    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt(), losses, step_losses])
 trainer.fit(module, checks.make_data(103), batch_size=16)
 if trainer.is_global_zero:
     torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step,
-                "epoch_losses": losses.losses}, out)
+                "epoch_losses": losses.losses, "step_losses": step_losses.losses}, out)

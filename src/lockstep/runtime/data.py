@@ -188,7 +188,7 @@ class DistributedLoader:
     def __init__(
         self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, options: dict[str, Any],
         device: torch.device, seed: int, rank: int,
-        on_batch: Callable[[int, int], None] | None = None,
+        on_batch: Callable[[DistributedLoader, int], None] | None = None,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
@@ -221,8 +221,8 @@ class DistributedLoader:
         self.sampler.epoch, self.sampler.start_step = epoch, start
         for step, batch in enumerate(self.loader, start):
             self._batches_done = step + 1
-            if self._on_batch is not None and isinstance(self.sampler, GlobalBatchSampler):
-                self._on_batch(self.sampler.local_size(step), self.sampler.global_size(step))
+            if self._on_batch is not None:
+                self._on_batch(self, step)
             # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
             yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
 

@@ -42,8 +42,9 @@ def init_process_group(
 
     Every rank must call it. It blocks until all ``env.world_size`` ranks have arrived, for at
     most ``timeout_s`` seconds. A group that already exists (``lockstep.launch`` made one) is
-    adopted after checking that its size matches.
+    adopted after checking that its size matches, and its collectives get ``timeout_s`` too.
     """
+    timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
@@ -52,8 +53,8 @@ def init_process_group(
                 f"{env.world_size}: create the Runtime before calling init_process_group yourself, "
                 "or not at all."
             )
+        dist.distributed_c10d._set_pg_timeout(timeout)  # the Runtime's timeout governs its collectives
         return False
-    timeout = timedelta(seconds=timeout_s)
     device_id = device if device is not None and device.type == "cuda" else None
     if backend == "mpi":
         dist.init_process_group("mpi", timeout=timeout)

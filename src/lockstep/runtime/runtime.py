@@ -240,9 +240,7 @@ class Runtime:
             dataset_length(dataset), opts.pop("batch_size"), self.rank, self.world_size,
             use_shuffle, self.seed, use_drop_last,
         )
-        return DistributedLoader(
-            dataset, sampler, opts, self.device, self.seed, self.rank, self._set_batch_sizes
-        )
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._on_batch)
 
     def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
         """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
@@ -256,7 +254,7 @@ class Runtime:
             opts.pop(unused, None)
         per_rank = opts.pop("batch_size") // self.world_size
         sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size)
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._on_batch)
 
     def _loader_options(
         self, data: Any, batch_size: int | None, options: dict[str, Any]
@@ -278,8 +276,21 @@ class Runtime:
             opts.setdefault("persistent_workers", True)
         return dataset, opts
 
-    def _set_batch_sizes(self, local: int, global_: int) -> None:
-        self._loss_scale = local * self.world_size / global_
+    def _on_batch(self, loader: DistributedLoader, step: int) -> None:
+        """A loader handed out batch ``step``: weigh the next backward, tell the watchdog the position."""
+        sampler = loader.sampler
+        if isinstance(sampler, GlobalBatchSampler):
+            self._loss_scale = sampler.local_size(step) * self.world_size / sampler.global_size(step)
+            self._watchdog.batch = ("train", loader.epoch, step)
+        else:
+            self._watchdog.batch = ("eval", loader.epoch, step)
+
+    def mark(self, stage: str) -> None:
+        """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
+
+        Costs one attribute write: call it as often as you like.
+        """
+        self._watchdog.stage = stage
 
     # -- collectives (every rank must call, in the same order) -------------------------------
     def barrier(self) -> None:
@@ -361,7 +372,7 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
-        self._watchdog.mark(f"exited (Runtime.close) after {self._watchdog.last}")
+        self._watchdog.stop()
         if self._owns_group:
             self._owns_group = False
             for ref in self._wrapped:

@@ -7,6 +7,7 @@ the ``spawn`` start method, which is safe with CUDA. Processes are started and s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -71,10 +72,6 @@ def _child(
         value = fn(*args)
         if keep_all or local_rank == 0:
             _save(result, {"ok": True, "value": value})
-        if env.is_distributed:
-            # Rank 0 hosts the store: nobody tears down before everybody is done with it.
-            torch.distributed.barrier()
-        destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit non-zero
         report: dict[str, Any] = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
         try:
@@ -83,6 +80,14 @@ def _child(
             pass
         _save(result, report)
         code = 1
+    else:
+        # This rank's work is done. A peer that failed meanwhile breaks the barrier below: that
+        # is the peer's failure, which the parent reports from the peer's own outcome.
+        with contextlib.suppress(Exception):
+            if env.is_distributed:
+                # Rank 0 hosts the store: nobody tears down before everybody is done with it.
+                torch.distributed.barrier()
+            destroy_process_group()
     # The result is on disk. Skip the interpreter's teardown: C++ static destructors of
     # still-joinable backend threads can abort() a finished worker at exit.
     sys.stdout.flush()

@@ -1,10 +1,14 @@
 """Where each rank is, kept in the rendezvous store, to explain a collective that fails or times out.
 
 Before each collective that lockstep issues, a rank writes "<collective> #<n> at <file:line>" to the
-store. When a collective fails (a timeout, a peer that left), the error names the ranks that did
-not arrive and where they last were. In debug mode (``LOCKSTEP_DEBUG=1`` or ``Runtime(debug=True)``)
-the ranks also compare, before each collective, which collective they are in and the shapes they
-pass, and a mismatch is an error that names the ranks and their source lines.
+store, with the loader position (epoch, batch) and the hook it is in. A daemon thread also writes a
+heartbeat with the current position every few seconds. When a collective fails (a timeout, a peer
+that left), the error names the ranks that did not arrive, where they last were, and whether they
+are still alive (a recent heartbeat: stuck in their own code) or silent (dead or frozen).
+
+In debug mode (``LOCKSTEP_DEBUG=1`` or ``Runtime(debug=True)``) the ranks also compare, before
+each collective, which collective they are in and the shapes they pass, and a mismatch is an error that
+names the ranks and their source lines.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,19 +70,54 @@ class Watchdog:
         self.rank, self.world_size, self.timeout_s, self.debug = rank, world_size, timeout_s, debug
         self.count = 0
         self.last = "no collective yet"
+        # Where this rank is, set cheaply by the loaders and the Trainer; read by mark and the heartbeat.
+        self.batch: tuple[str, int, int] | None = None  # (loader kind, epoch, batch index)
+        self.stage = ""
         self.store: Any = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
         if world_size > 1 and dist.is_initialized():
             with contextlib.suppress(Exception):  # without the store, errors just lack the positions
                 self.store = dist.distributed_c10d._get_default_store()
+        self.interval_s = min(5.0, max(0.5, timeout_s / 10))
+        if self.store is not None:
+            self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)
+            self._beat.start()
 
-    def _key(self, rank: int) -> str:
-        return f"lockstep/where/{rank}"
+    def _key(self, rank: int, kind: str = "where") -> str:
+        return f"lockstep/{kind}/{rank}"
+
+    def now(self) -> str:
+        """This rank's position: the hook it is in and the batch its loader handed out last."""
+        parts = [f"in {self.stage}"] if self.stage else []
+        if self.batch is not None:
+            kind, epoch, index = self.batch
+            parts.append(f"epoch {epoch}, batch {index}" if kind == "train" else f"evaluation batch {index}")
+        return ", ".join(parts)
 
     def mark(self, text: str) -> None:
         self.last = text
         if self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.set(self._key(self.rank), text)
+                self.store.set(self._key(self.rank), f"{text}\n{self.now()}")
+
+    def _heartbeat(self) -> None:
+        while True:
+            try:
+                self.store.set(self._key(self.rank, "alive"), f"{time.time():.3f} {self.now()}")
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> None:
+        """Record that this rank left and end the heartbeat (before the group and its store go)."""
+        if self._stop.is_set():
+            return
+        self.mark(f"exited (Runtime.close) after {self.last}")
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2 * self.interval_s)
 
     @contextlib.contextmanager
     def watch(self, op: str, data: Any = None, exact_shapes: bool = True) -> Iterator[None]:
@@ -108,32 +149,48 @@ class Watchdog:
             "collectives in the same order, with the same shapes.\n" + "\n".join(lines)
         )
 
-    def positions(self) -> dict[int, str]:
-        """Where each rank said it was (ranks that never wrote are missing)."""
+    def positions(self, kind: str = "where") -> dict[int, str]:
+        """What each rank last wrote under ``kind`` (ranks that never wrote are missing)."""
         found: dict[int, str] = {}
         if self.store is None:
             return found
         for rank in range(self.world_size):
-            key = self._key(rank)
+            key = self._key(rank, kind)
             with contextlib.suppress(Exception):
                 if self.store.check([key]):
                     found[rank] = self.store.get(key).decode()
         return found
 
+    def _liveness(self, beats: dict[int, str], rank: int) -> str:
+        """'alive 0.4s ago, in training_step, ...' or 'silent for 21s' from a rank's heartbeat."""
+        if rank not in beats:
+            return ""
+        stamp, _, position = beats[rank].partition(" ")
+        age = max(0.0, time.time() - float(stamp))
+        if age <= 3 * self.interval_s:
+            return f"; alive {age:.1f}s ago" + (f", {position}" if position else "")
+        return f"; no heartbeat for {age:.0f}s (the process died or is frozen)"
+
     def explain(self, error: BaseException, op: str | None = None) -> CollectiveError:
         """A CollectiveError naming the ranks that are not where this rank is, and where they were."""
         here = op or self.last
-        positions = self.positions()
-        elsewhere = {r: p for r, p in positions.items() if r != self.rank and p != self.last}
+        positions, beats = self.positions(), self.positions("alive")
+        elsewhere = {r: _shown(p) for r, p in positions.items() if r != self.rank and p.split("\n")[0] != self.last}
         silent = [r for r in range(self.world_size) if r not in positions and r != self.rank]
         lines = [f"rank {self.rank}: {here} failed ({str(error).splitlines()[0][:200]})."]
         if elsewhere or silent:
             lines.append("These ranks did not arrive at it:")
-            lines += [f"  rank {r}: last at {p}" for r, p in sorted(elsewhere.items())]
-            lines += [f"  rank {r}: never reached a lockstep collective" for r in silent]
+            lines += [f"  rank {r}: last at {p}{self._liveness(beats, r)}" for r, p in sorted(elsewhere.items())]
+            lines += [f"  rank {r}: never reached a lockstep collective{self._liveness(beats, r)}" for r in silent]
         else:
             lines.append("Every rank reached this collective: a rank may have died inside it, or the "
                          "network between the nodes failed.")
         lines.append(f"Collectives wait at most {self.timeout_s:g}s (Runtime(timeout=...), LOCKSTEP_TIMEOUT). "
                      "Every rank must call the same collectives in the same order; LOCKSTEP_DEBUG=1 checks it.")
         return CollectiveError("\n".join(lines))
+
+
+def _shown(entry: str) -> str:
+    """A stored position, "<collective>\n<where in the loop>", as one line."""
+    text, _, position = entry.partition("\n")
+    return f"{text} ({position})" if position else text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -81,7 +82,7 @@ class Trainer:
         self._val_loader: Any = None
         self._resume_batches = 0
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
-        self._epoch_store = MetricStore()
+        self._epoch_store, self._window_store = MetricStore(), MetricStore()
         self._batch: Any = None
 
     # -- the runtime and where this rank sits ------------------------------------------------------
@@ -173,6 +174,7 @@ class Trainer:
             "loader": self._loader.state_dict() if self._loader is not None else {},
             "rng": rt.all_gather(ckpt.capture_rng()),
             "epoch_metrics": rt.all_gather(self._epoch_store.state_dict()),
+            "window_metrics": rt.all_gather(self._window_store.state_dict()),
             "world_size": rt.world_size,
             "config": {k: str(v) for k, v in self.config.items()},
             "callbacks": {f"{type(c).__name__}-{i}": c.state_dict() for i, c in enumerate(self.callbacks)},
@@ -226,9 +228,12 @@ class Trainer:
         self.samples_seen, self._resume_batches = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
         if self._resume_batches >= self.steps_per_epoch:
             self.current_epoch, self._resume_batches = self.current_epoch + 1, 0
-        self._epoch_store.reset()
-        if rt.is_global_zero and self._resume_batches:  # the epoch's metric sums so far, all ranks' on one
-            self._epoch_store.merge(state.get("epoch_metrics", []), rt.device)
+        # The metric sums of the interrupted epoch and logging window, every rank's, go to rank 0:
+        # the next reduce adds them up anyway, so the first values logged after resuming are exact.
+        for store, key in ((self._epoch_store, "epoch_metrics"), (self._window_store, "window_metrics")):
+            store.reset()
+            if rt.is_global_zero and self._resume_batches:
+                store.merge(state.get(key, []), rt.device)
         for i, callback in enumerate(self.callbacks):
             callback.load_state_dict(state["callbacks"].get(f"{type(callback).__name__}-{i}", {}))
         self._fire("on_load_checkpoint", state)
@@ -249,9 +254,10 @@ class Trainer:
         start, self._resume_batches = self._resume_batches, 0
         loader.load_state_dict({"epoch": self.current_epoch, "batches_done": start})
         self.batches_done_in_epoch = start
-        window, epoch_store = MetricStore(), self._epoch_store
-        if start == 0:
-            epoch_store.reset()  # a resumed epoch keeps the sums restored from the checkpoint
+        window, epoch_store = self._window_store, self._epoch_store
+        if start == 0:  # a resumed epoch keeps the sums restored from the checkpoint
+            window.reset()
+            epoch_store.reset()
         self._stores = [window, epoch_store]
         self._fire("on_train_epoch_start")
         self._wrapped.train()
@@ -268,11 +274,11 @@ class Trainer:
             self._fire("on_train_batch_start", batch, batch_idx)
             self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
             with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
-                with self.profiler.profile("training_step"):
+                with self._hook("training_step"):
                     outputs = self._wrapped("training_step", batch, batch_idx)
                 loss = _loss_of(outputs)
                 self._log_metric("train_loss", loss.detach(), prog_bar=True)
-                with self.profiler.profile("backward"):
+                with self._hook("backward"):
                     rt.backward(loss / k if k > 1 else loss)
             self.samples_seen += loader.sampler.global_size(batch_idx)
             if self.at_step_boundary:
@@ -313,7 +319,7 @@ class Trainer:
         raise SystemExit(0)
 
     def _optimizer_step(self) -> None:
-        with self.profiler.profile("optimizer_step"):
+        with self._hook("optimizer_step"):
             for optimizer in self.optimizers:
                 if self.gradient_clip_val is not None:
                     self.runtime.clip_grad_norm_(self._wrapped, optimizer, self.gradient_clip_val)
@@ -339,7 +345,7 @@ class Trainer:
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 self._batch = batch
-                with self.profiler.profile(step):
+                with self._hook(step):
                     self._wrapped(step, batch, batch_idx)
         metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
         self.log_metrics(metrics)
@@ -362,6 +368,11 @@ class Trainer:
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
+    def _hook(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Around a hook: tell the runtime where this rank is (for hang reports), and profile it."""
+        self.runtime.mark(name)
+        return self.profiler.profile(name)
+
     def _fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs nothing otherwise)."""
         module = self._module
@@ -369,7 +380,7 @@ class Trainer:
             if getattr(type(callback), hook) is getattr(Callback, hook):
                 continue
             method: Callable[..., None] = getattr(callback, hook)
-            with self.profiler.profile(f"{type(callback).__name__}.{hook}"):
+            with self._hook(f"{type(callback).__name__}.{hook}"):
                 method(self, module, *args)
 
     def _finish_reports(self) -> None:
