@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -46,16 +48,22 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
-def test_two_nodes_of_two_processes_all_reduce_and_train(two_hosts, tmp_path):
-    master = f"{two_hosts[0][2]}:29517"
+def _start_nodes(two_hosts, port: int, script: str, *args: str) -> list[subprocess.Popen]:
+    """`lockstep run --nodes 2` in each namespace, node 0's address as the master."""
+    master = f"{two_hosts[0][2]}:{port}"
     jobs = []
     for node_rank, (namespace, link, _address) in enumerate(two_hosts):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
         command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run",
                    "--nodes", "2", "--node-rank", str(node_rank), "--master", master, "--devices", "2",
-                   "--accelerator", "cpu", "tests/scripts/two_nodes.py", str(tmp_path)]
+                   "--accelerator", "cpu", script, *args]
         jobs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True))
+    return jobs
+
+
+def test_two_nodes_of_two_processes_all_reduce_and_train(two_hosts, tmp_path):
+    jobs = _start_nodes(two_hosts, 29517, "tests/scripts/two_nodes.py", str(tmp_path))
     outputs = []
     try:
         for job in jobs:
@@ -73,3 +81,27 @@ def test_two_nodes_of_two_processes_all_reduce_and_train(two_hosts, tmp_path):
         assert result["ranks"] == expected_ranks
         assert result["total"] == 10.0
         assert torch.allclose(result["weights"], reference, atol=1e-5, rtol=0)
+
+
+def test_sigkill_of_a_worker_on_node_1_stops_both_nodes_within_10_seconds(two_hosts, tmp_path):
+    jobs = _start_nodes(two_hosts, 29518, "tests/scripts/spin.py", str(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = {int(p.stem): int(p.read_text()) for p in tmp_path.glob("*.pid")}
+        assert sorted(pids) == [0, 1, 2, 3]
+        killed_at = time.monotonic()
+        os.kill(pids[3], signal.SIGKILL)  # local rank 1 of node 1
+        outputs = [job.communicate(timeout=30)[0] for job in jobs]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for job in jobs:
+            job.kill()
+    assert elapsed < 10, outputs
+    assert all(job.returncode != 0 for job in jobs), outputs
+    assert "rank 3 (local rank 1)" in outputs[1] and "signal SIGKILL" in outputs[1]
+    assert "a worker on another node failed first" in outputs[0], outputs[0]
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

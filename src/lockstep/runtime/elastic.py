@@ -12,6 +12,8 @@ import socket
 import sys
 from typing import Any, NoReturn
 
+from lockstep.runtime.watchdog import lost_a_peer
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
@@ -68,6 +70,9 @@ def run_elastic(torchrun_args: list[str]) -> int:
                 how = f"signal {-failure.exitcode}"
         print(f"lockstep: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} "
               f"failed with {how}; every worker of the job was stopped.", file=sys.stderr)
+        if all(_lost_a_peer(f) for f in failed.failures.values()):
+            print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
+                  "that node's output names it.", file=sys.stderr)
         trace = _traceback_of(failure.error_file_data)
         if trace:
             print(trace, file=sys.stderr)
@@ -75,8 +80,6 @@ def run_elastic(torchrun_args: list[str]) -> int:
     return 0
 
 
-# What a rank says when it only lost a peer that failed first.
-_CONSEQUENCES = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
@@ -89,10 +92,13 @@ def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
 
     def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
-        text = (_traceback_of(failure.error_file_data) or str(failure.message)).lower()
-        return any(c in text for c in _CONSEQUENCES), failure.timestamp, order[rank]
+        return _lost_a_peer(failure), failure.timestamp, order[rank]
 
     return min(failures.items(), key=key)
+
+
+def _lost_a_peer(failure: Any) -> bool:
+    return lost_a_peer(_traceback_of(failure.error_file_data) or str(failure.message))
 
 
 def _traceback_of(data: object) -> str:

@@ -28,6 +28,16 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
 
 
+# What a rank's error says when it only lost a peer that failed first.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def lost_a_peer(text: str) -> bool:
+    """True when an error text says a peer closed its connection (it crashed or was killed)."""
+    lowered = text.lower()
+    return any(phrase in lowered for phrase in _LOST_PEER)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or the ranks disagree about it; the message says which ranks and where."""
 
@@ -161,9 +171,9 @@ class Watchdog:
                     found[rank] = self.store.get(key).decode()
         return found
 
-    def _liveness(self, beats: dict[int, str], rank: int) -> str:
+    def _liveness(self, beats: dict[int, str], rank: int, lost_peer: bool) -> str:
         """'alive 0.4s ago, in training_step, ...' or 'silent for 21s' from a rank's heartbeat."""
-        if rank not in beats:
+        if rank not in beats or lost_peer:  # a peer that just closed its connection beat a moment ago
             return ""
         stamp, _, position = beats[rank].partition(" ")
         age = max(0.0, time.time() - float(stamp))
@@ -177,11 +187,16 @@ class Watchdog:
         positions, beats = self.positions(), self.positions("alive")
         elsewhere = {r: _shown(p) for r, p in positions.items() if r != self.rank and p.split("\n")[0] != self.last}
         silent = [r for r in range(self.world_size) if r not in positions and r != self.rank]
-        lines = [f"rank {self.rank}: {here} failed ({str(error).splitlines()[0][:200]})."]
+        reason = str(error).splitlines()[0][:200]
+        lost = lost_a_peer(str(error))
+        lines = [f"rank {self.rank}: {here} failed ({reason})."]
+        if lost:
+            lines.append("A peer closed its connection: it crashed or was killed; its own error names the cause.")
         if elsewhere or silent:
             lines.append("These ranks did not arrive at it:")
-            lines += [f"  rank {r}: last at {p}{self._liveness(beats, r)}" for r, p in sorted(elsewhere.items())]
-            lines += [f"  rank {r}: never reached a lockstep collective{self._liveness(beats, r)}" for r in silent]
+            lines += [f"  rank {r}: last at {p}{self._liveness(beats, r, lost)}" for r, p in sorted(elsewhere.items())]
+            lines += [f"  rank {r}: never reached a lockstep collective{self._liveness(beats, r, lost)}"
+                      for r in silent]
         else:
             lines.append("Every rank reached this collective: a rank may have died inside it, or the "
                          "network between the nodes failed.")
