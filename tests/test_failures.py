@@ -111,7 +111,7 @@ def test_6b_the_master_address_does_not_answer():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="could not reach the rendezvous store at 127.0.0.2:.* within 20s"):
         Runtime(accelerator="cpu", env=_rank_environment(1, "127.0.0.2", port), timeout=20)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 30  # a bare TCPStore client would retry for about 2.3 x 20 s
 
 
 def test_9_16_mixed_on_a_device_without_autocast(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -82,10 +83,11 @@ def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     is_master = env.rank == 0 and not env.agent_store
     address = f"{env.master_addr}:{env.master_port}"
     try:
-        store = dist.TCPStore(
-            env.master_addr, int(env.master_port or 0), is_master=is_master, timeout=timeout,
-            wait_for_workers=False,
-        )
+        if is_master:
+            store = dist.TCPStore(env.master_addr, int(env.master_port or 0), is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+        else:
+            store = _connect_within(env.master_addr, int(env.master_port or 0), timeout)
         if env.agent_store:
             return dist.PrefixStore(f"/worker/attempt_{env.restart_count}", store)
         return store
@@ -107,6 +109,27 @@ def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
             f"{timeout.total_seconds():.0f}s: check that MASTER_ADDR/MASTER_PORT name the node "
             "of rank 0, that rank 0 started, and that no firewall blocks the port."
         ) from error
+
+
+def _connect_within(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore client, connected within about ``timeout``, then waiting ``timeout`` per operation.
+
+    A TCPStore client given timeout T tries to connect for T, sleeps a random part of T and
+    tries for T again: up to about 2.6 T when nobody answers. Short tries until the deadline
+    keep the whole wait near T.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        attempt = timedelta(seconds=max(1.0, min(10.0, left / 2.6)))
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=attempt, wait_for_workers=False)
+        except dist.DistNetworkError:
+            if deadline - time.monotonic() < 1.0:
+                raise
+            continue
+        store.set_timeout(timeout)
+        return store
 
 
 def destroy_process_group() -> None:
