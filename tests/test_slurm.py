@@ -113,6 +113,22 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
     assert torch.allclose(whole["weights"], resumed["weights"], atol=1e-6, rtol=0)
 
 
+def test_a_runtime_loop_checkpoints_on_usr1_requeues_and_resumes_to_the_reference(cluster, tmp_path):
+    """rt.should_stop() / rt.requeue() in a user's own loop, as docs/slurm.md shows it."""
+    env, _ = cluster
+    marker = tmp_path / "marker"
+    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", "tests/scripts/loop_preempt.py",
+                  str(tmp_path / "state.pt"), str(tmp_path / "out.pt"), str(marker))
+    _wait_for(marker)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    _wait_until_done(env, job, 240, hurry_requeue=True)
+    output = next(tmp_path.glob("*.out")).read_text()
+    assert "preempted at step" in output and f"job {job} requeued" in output and "resumed from step" in output, output
+    result = torch.load(tmp_path / "out.pt")
+    assert result["restarts"] == "1" and result["steps"] == 14
+    assert torch.allclose(result["weights"], _reference(), atol=1e-5, rtol=0)
+
+
 def test_tasks_per_node_disagreeing_with_devices_fails_fast_naming_the_sbatch_line(cluster, tmp_path):
     env, _ = cluster
     start = time.monotonic()
