@@ -90,15 +90,19 @@ def test_two_nodes_by_two_tasks_train_like_one_process(cluster, tmp_path):
     assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --signal=B:USR1@90" in script
 
 
-def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(cluster, tmp_path):
-    env, _ = cluster
+def _preempted_2x2_job(env, tmp_path: Path, script: str, state: str) -> tuple[str, str]:
+    """Submit ``script STATE OUT MARKER`` on 2 x 2 tasks, USR1 it after step 5, wait through the requeue."""
     marker = tmp_path / "marker"
-    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", "tests/scripts/trainer_preempt.py",
-                  str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(marker))
+    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", script, state, str(tmp_path / "out.pt"), str(marker))
     _wait_for(marker)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
     _wait_until_done(env, job, 240, hurry_requeue=True)
-    output = next(tmp_path.glob("*.out")).read_text()
+    return job, next(tmp_path.glob("*.out")).read_text()
+
+
+def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(cluster, tmp_path):
+    env, _ = cluster
+    _, output = _preempted_2x2_job(env, tmp_path, "tests/scripts/trainer_preempt.py", str(tmp_path / "ckpt"))
     assert "USR1 received" in output and "requeued" in output and "resumed from" in output, output
     resumed = torch.load(tmp_path / "out.pt")
     assert resumed["restarts"] == "1" and resumed["steps"] == 21
@@ -116,13 +120,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
 def test_a_runtime_loop_checkpoints_on_usr1_requeues_and_resumes_to_the_reference(cluster, tmp_path):
     """rt.should_stop() / rt.requeue() in a user's own loop, as docs/slurm.md shows it."""
     env, _ = cluster
-    marker = tmp_path / "marker"
-    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", "tests/scripts/loop_preempt.py",
-                  str(tmp_path / "state.pt"), str(tmp_path / "out.pt"), str(marker))
-    _wait_for(marker)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-    _wait_until_done(env, job, 240, hurry_requeue=True)
-    output = next(tmp_path.glob("*.out")).read_text()
+    job, output = _preempted_2x2_job(env, tmp_path, "tests/scripts/loop_preempt.py", str(tmp_path / "state.pt"))
     assert "preempted at step" in output and f"job {job} requeued" in output and "resumed from step" in output, output
     result = torch.load(tmp_path / "out.pt")
     assert result["restarts"] == "1" and result["steps"] == 14
