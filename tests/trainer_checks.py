@@ -121,3 +121,17 @@ def accumulation_matches_big_batch() -> float:
     big = Classifier()
     quiet_trainer(max_epochs=2).fit(big, checks.make_data(96), batch_size=16)
     return float((checks.flat_weights(small) - checks.flat_weights(big)).abs().max())
+
+
+def resume_from_unshared_folders(base: str) -> str:
+    """Each rank gets its own checkpoint folder, as on nodes without a shared file system."""
+    folder = f"{base}/rank{lockstep.Runtime(accelerator='cpu').rank}"
+    first = quiet_trainer(max_epochs=1, checkpoint_dir=folder,
+                          callbacks=[lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None)])
+    first.fit(Classifier(), checks.make_data(64), batch_size=16)  # rank 0 writes into its folder only
+    again = quiet_trainer(max_epochs=2, checkpoint_dir=folder, resume="auto")
+    try:
+        again.fit(Classifier(), checks.make_data(64), batch_size=16)
+    except lockstep.CheckpointError as error:
+        return str(error)
+    return "resumed"

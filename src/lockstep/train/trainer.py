@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -208,15 +209,11 @@ class Trainer:
         if self.resume is None:
             return
         rt, module = self.runtime, self._require_module()
-        if str(self.resume) == "auto":
-            assert self.checkpoint_dir is not None
-            found = ckpt.newest_valid(self.checkpoint_dir)
-            if found is None:
-                rt.print(f"lockstep: no checkpoint in {self.checkpoint_dir}; starting from scratch.")
-                return
-            path, state = found
-        else:
-            path, state = Path(self.resume), ckpt.load(self.resume)
+        found = self._find_checkpoint()
+        if found is None:
+            rt.print(f"lockstep: no checkpoint in {self.checkpoint_dir}; starting from scratch.")
+            return
+        path, state = found
         ckpt.load_module_state(module, state["module"], path)
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
@@ -243,6 +240,33 @@ class Trainer:
             rt.print(f"lockstep: the checkpoint comes from {len(state['rng'])} processes, this run has "
                      f"{rt.world_size}: random states are not restored (the sample order still is).")
         rt.print(f"lockstep: resumed from {path} at epoch {self.current_epoch}, step {self.global_step}.")
+
+    def _find_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint to resume from, the same on every rank, or an error that says why not.
+
+        Each rank reads it from its own file system: one that the nodes do not share would
+        otherwise resume rank 0 alone and train the others from scratch.
+        """
+        rt, resume, found, problem = self.runtime, self.resume, None, ""
+        assert resume is not None
+        try:
+            if str(resume) == "auto":
+                assert self.checkpoint_dir is not None
+                found = ckpt.newest_valid(self.checkpoint_dir)
+            else:
+                found = Path(resume), ckpt.load(resume)
+        except ckpt.CheckpointError as error:
+            problem = str(error)
+        mine = (problem or (f"{found[0].name} (step {found[1]['loop']['global_step']})" if found else "none"))
+        seen = rt.all_gather((socket.gethostname(), mine))
+        if len({what for _, what in seen}) > 1 or problem:
+            lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
+            raise ckpt.CheckpointError(
+                "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
+                "Rank 0 writes the checkpoints: put checkpoint_dir (or the resume path) on a file system "
+                "that every node shares, or copy the file to every node."
+            )
+        return found
 
     # -- the loops ---------------------------------------------------------------------------------
     def _finished(self) -> bool:
