@@ -12,6 +12,9 @@ import lockstep  # noqa: E402
 import trainer_checks as tc  # noqa: E402
 
 checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+# "one-layout": DDP keeps its first gradient-bucket layout for the whole run (no rebuild), so that a
+# resumed run's first step sums the ranks' gradients in the same order as an uninterrupted run's.
+strategy = lockstep.DDP(find_unused_parameters=True) if sys.argv[4:] == ["one-layout"] else None
 
 
 class KillAt(lockstep.Callback):
@@ -42,7 +45,8 @@ class StepLosses(lockstep.Callback):
 
 losses, step_losses = EpochLosses(), StepLosses()
 module = tc.Classifier(dropout=0.3)
-trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", log_every_n_steps=4, callbacks=[
+trainer = tc.quiet_trainer(max_epochs=3, strategy=strategy, checkpoint_dir=checkpoint_dir, resume="auto",
+                           log_every_n_steps=4, callbacks=[
     lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), KillAt(), losses, step_losses])
 trainer.fit(module, checks.make_data(103), batch_size=16)
 if trainer.is_global_zero:
