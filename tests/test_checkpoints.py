@@ -23,17 +23,27 @@ def _run(*args: str, restarts: int = 0, devices: int = 2) -> subprocess.Complete
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    whole = _run(str(tmp_path / "whole"), str(tmp_path / "whole.pt"), "-1")
+def _whole_then_killed_and_resumed(tmp_path: Path, *extra: str, devices: int = 2) -> tuple[dict, dict]:
+    """An uninterrupted run, then one whose rank 1 SIGKILLs itself at step 8 and is rerun to resume.
+
+    Returns both runs' results after checking that the kill happened and the rerun resumed at step 6.
+    """
+    whole = _run(str(tmp_path / "whole"), str(tmp_path / "whole.pt"), "-1", *extra, devices=devices)
     assert whole.returncode == 0, whole.stderr
-    killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "8")  # 7 steps/epoch: mid-epoch 2
+    killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "8", *extra,  # 7 steps/epoch: mid-epoch 2
+                  devices=devices)
     assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
     assert not (tmp_path / "resumed.pt").exists()
-    resumed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "-1")
+    resumed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "-1", *extra, devices=devices)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step 6" in resumed.stdout
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     assert a["steps"] == b["steps"] == 21
+    return a, b
+
+
+def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    a, b = _whole_then_killed_and_resumed(tmp_path)
     assert torch.equal(a["weights"], b["weights"])
     # epoch 0 was interrupted: its epoch metric still covers all of its samples, both halves
     assert sorted(b["epoch_losses"]) == [0, 1, 2]
@@ -49,13 +59,7 @@ def test_on_4_ranks_a_resume_is_bitwise_when_ddp_keeps_one_bucket_layout(tmp_pat
     """DDP sums a fresh model's first step in one bucket in definition order, later steps in rebuilt
     buckets: with more than 2 ranks the sums round differently, so a resume is bitwise only when DDP
     never rebuilds (find_unused_parameters=True); docs/trainer.md says so."""
-    runs = {}
-    for name, kill_at in (("whole", "-1"), ("resumed", "8"), ("resumed", "-1")):
-        runs[name] = _run(str(tmp_path / name), str(tmp_path / f"{name}.pt"), kill_at, "one-layout", devices=4)
-    assert runs["whole"].returncode == 0 and runs["resumed"].returncode == 0, runs["resumed"].stderr
-    assert "resumed from" in runs["resumed"].stdout and "step 6" in runs["resumed"].stdout
-    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
-    assert a["steps"] == b["steps"] == 21
+    a, b = _whole_then_killed_and_resumed(tmp_path, "one-layout", devices=4)
     assert torch.equal(a["weights"], b["weights"])
 
 

@@ -9,7 +9,7 @@ import torch
 
 import dist_checks as checks
 from lockstep import DistEnv, Runtime
-from lockstep.testing import run_ranks
+from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -214,8 +214,6 @@ def frozen_peer(_: int) -> str:
 
 
 def test_a_frozen_rank_is_reported_as_silent_also_under_a_launch_made_group():
-    from lockstep.testing import rank_outcomes
-
     outcomes = rank_outcomes(frozen_peer, 2, 0, timeout=60)
     assert outcomes[0].ok, outcomes[0].error
     message = outcomes[0].value

@@ -125,7 +125,7 @@ def accumulation_matches_big_batch() -> float:
 
 def resume_from_unshared_folders(base: str) -> str:
     """Each rank gets its own checkpoint folder, as on nodes without a shared file system."""
-    folder = f"{base}/rank{lockstep.Runtime(accelerator='cpu').rank}"
+    folder = f"{base}/rank{lockstep.DistEnv.from_environ().rank}"
     first = quiet_trainer(max_epochs=1, checkpoint_dir=folder,
                           callbacks=[lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None)])
     first.fit(Classifier(), checks.make_data(64), batch_size=16)  # rank 0 writes into its folder only

@@ -80,8 +80,6 @@ def run_elastic(torchrun_args: list[str]) -> int:
     return 0
 
 
-
-
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     """The failure that caused the others: not a lost-peer error, then the earliest.
 

@@ -7,8 +7,8 @@ that left), the error names the ranks that did not arrive, where they last were,
 are still alive (a recent heartbeat: stuck in their own code) or silent (dead or frozen).
 
 In debug mode (``LOCKSTEP_DEBUG=1`` or ``Runtime(debug=True)``) the ranks also compare, before
-each collective, which collective they are in and the shapes they pass, and a mismatch is an error that
-names the ranks and their source lines.
+each collective, which collective they are in and the shapes they pass, and a mismatch is an
+error that names the ranks and their source lines.
 """
 
 from __future__ import annotations
@@ -185,7 +185,11 @@ class Watchdog:
         """A CollectiveError naming the ranks that are not where this rank is, and where they were."""
         here = op or self.last
         positions, beats = self.positions(), self.positions("alive")
-        elsewhere = {r: _shown(p) for r, p in positions.items() if r != self.rank and p.split("\n")[0] != self.last}
+        elsewhere: dict[int, str] = {}
+        for r, entry in positions.items():
+            text, _, where = entry.partition("\n")  # as ``mark`` stored it
+            if r != self.rank and text != self.last:
+                elsewhere[r] = f"{text} ({where})" if where else text
         silent = [r for r in range(self.world_size) if r not in positions and r != self.rank]
         reason = str(error).splitlines()[0][:200]
         lost = lost_a_peer(str(error))
@@ -204,8 +208,3 @@ class Watchdog:
                      "Every rank must call the same collectives in the same order; LOCKSTEP_DEBUG=1 checks it.")
         return CollectiveError("\n".join(lines))
 
-
-def _shown(entry: str) -> str:
-    """A stored position, "<collective>\n<where in the loop>", as one line."""
-    text, _, position = entry.partition("\n")
-    return f"{text} ({position})" if position else text

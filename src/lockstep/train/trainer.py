@@ -257,7 +257,7 @@ class Trainer:
                 found = Path(resume), ckpt.load(resume)
         except ckpt.CheckpointError as error:
             problem = str(error)
-        mine = (problem or (f"{found[0].name} (step {found[1]['loop']['global_step']})" if found else "none"))
+        mine = problem or (f"{found[0].name} (step {found[1]['loop']['global_step']})" if found else "none")
         seen = rt.all_gather((socket.gethostname(), mine))
         if len({what for _, what in seen}) > 1 or problem:
             lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
