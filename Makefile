@@ -1,9 +1,11 @@
 # The two Quickstart targets. Both create .venv when it is missing and work on a fresh clone.
+# `make test TORCH=2.14.1` runs the same suite on another torch, in its own .venv-torch2.14.1.
 PYTHON ?= python3
-VENV   := .venv
+# The torch version lockstep is tested with by default (a CPU build on machines without CUDA).
+DEFAULT_TORCH := 2.13.0
+TORCH  ?= $(DEFAULT_TORCH)
+VENV   := $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 BIN    := $(VENV)/bin
-# The torch version lockstep is tested with (a CPU build on machines without CUDA).
-TORCH  := torch==2.13.0
 
 .PHONY: demo test lint clean
 
@@ -12,12 +14,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q torch==$(TORCH)
 	$(BIN)/pip install -q -e ".[demo]"
 	touch $@
 
 $(VENV)/.dev-installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q torch==$(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
@@ -33,4 +35,4 @@ test: lint
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf .venv .venv-torch* .mypy_cache .ruff_cache .pytest_cache

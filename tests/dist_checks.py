@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
 import torch
@@ -131,7 +133,7 @@ def accumulation_skips_allreduce(micro_steps: int = 4) -> dict:
         work = torch.distributed.all_reduce(tensor, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    model._forward_module.register_comm_hook(None, counting_hook)
+    model.forward_module.register_comm_hook(None, counting_hook)
     x, y = make_data(64).tensors
     per_rank = 64 // rt.world_size
     mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
@@ -197,3 +199,80 @@ def dataloader_is_recreated() -> dict:
     batches = [b for b in loader]
     return {"collate_calls": len(seen), "rows": sum(len(b) for b in batches),
             "local_rows": [len(b) for b in batches]}
+
+
+# -- every container kind through every collective --------------------------------------------------
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class Record:
+    a: torch.Tensor
+    b: float
+
+
+class Encoding(collections.UserDict):
+    """Like transformers' BatchEncoding: a UserDict, not a dict."""
+
+
+@dataclasses.dataclass
+class Output(collections.OrderedDict):
+    """Like transformers' ModelOutput: a dataclass that is an OrderedDict."""
+
+    a: torch.Tensor | None = None
+    b: float | None = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+
+def containers(a, b) -> dict:
+    """One value of each container kind, holding tensor ``a`` (rows) and number ``b``."""
+    return {"dict": {"a": a, "b": b}, "list": [a, b], "tuple": (a, b), "namedtuple": Pair(a, b),
+            "dataclass": Record(a, b), "userdict": Encoding({"a": a, "b": b}), "modeloutput": Output(a=a, b=b)}
+
+
+def parts(value) -> tuple:
+    """(a, b) back out of any container kind, and its type name."""
+    if isinstance(value, (Record, Pair)):
+        return value.a, value.b, type(value).__name__
+    if isinstance(value, (dict, collections.UserDict)):
+        return value["a"], value["b"], type(value).__name__
+    return value[0], value[1], type(value).__name__
+
+
+def collectives_over_containers() -> dict:
+    """Rank r holds a = [[r, r]] * (r + 1) rows and b = r + 1; every collective, every container kind."""
+    rt = lockstep.Runtime(accelerator="cpu")
+    r = rt.rank
+    results = {}
+    for kind in containers(None, None):
+        mine = containers(torch.full((r + 1, 2), float(r)), float(r + 1))[kind]
+        results[kind] = {
+            "all_reduce": parts(rt.all_reduce(containers(torch.full((2,), float(r)), float(r + 1))[kind], op="sum")),
+            "all_gather": [parts(v) for v in rt.all_gather(mine)],
+            "gather": _gathered(rt.gather(containers(torch.full((r + 1, 2), float(r)), [float(r)] * (r + 1))[kind])),
+            "broadcast": parts(rt.broadcast(mine, src=1)),
+        }
+    return results
+
+
+def _gathered(value):
+    return value if isinstance(value, list) else parts(value)
+
+
+def stale_loss_weight(leave: str) -> float:
+    """After a loop whose last global batch split 2+1, a backward not from the loader is plain DDP's."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = rt.setup(nn.Linear(1, 1, bias=False))
+    loader = rt.loader(TensorDataset(torch.ones(7, 1)), batch_size=4, num_workers=0)  # 2+2, then 2+1
+    for (x,) in loader:
+        rt.backward(model(x).mean())
+        if leave == "break":
+            break
+    model.zero_grad()
+    rt.backward(model(torch.full((1, 1), float(rt.rank + 1))).sum())  # rank r: d/dw = r + 1
+    return float(lockstep.unwrap(model).weight.grad)  # plain DDP: mean over ranks of (r + 1) = 1.5

@@ -166,7 +166,7 @@ def test_ddp_options_reach_distributed_data_parallel():
 
         rt = Runtime(accelerator="cpu", strategy=lockstep.DDP(static_graph=True, find_unused_parameters=True,
                                                                gradient_as_bucket_view=True))
-        ddp = rt.setup(torch.nn.Linear(3, 4))._forward_module
+        ddp = rt.setup(torch.nn.Linear(3, 4)).forward_module
         try:
             Runtime(accelerator="cpu", strategy=lockstep.DDP(sync_batchnorm=True)).setup(torch.nn.BatchNorm1d(4))
         except ValueError as error:
@@ -179,7 +179,7 @@ def test_ddp_options_reach_distributed_data_parallel():
 
 
 def test_tcp_init_method():
-    from lockstep.runtime.elastic import free_port
+    from lockstep.runtime.network import free_port
 
     def over_tcp(port):
         torch.distributed.destroy_process_group()  # drop the harness's group, make our own

@@ -92,3 +92,9 @@ def test_resume_refuses_checkpoint_folders_that_the_ranks_do_not_share(tmp_path)
         assert "rank 0 on" in message and "last.ckpt (step 3)" in message
         assert "rank 1 on" in message and ": none" in message
         assert "file system that every node shares" in message
+
+
+def test_a_two_process_fit_raises_no_warning(tmp_path):
+    # Any FutureWarning or DeprecationWarning here would be lockstep's: the fit calls only lockstep.
+    for rank_warnings in run_ranks(tc.warnings_of_a_fit, 2, str(tmp_path)):
+        assert rank_warnings == []

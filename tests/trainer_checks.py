@@ -135,3 +135,19 @@ def resume_from_unshared_folders(base: str) -> str:
     except lockstep.CheckpointError as error:
         return str(error)
     return "resumed"
+
+
+def warnings_of_a_fit(folder: str) -> list[str]:
+    """Every warning a normal fit (validation, checkpoints, loggers, progress bar) raises on this rank."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer(max_epochs=2, checkpoint_dir=folder, resume="auto", log_every_n_steps=2,
+                                loggers=("csv", "jsonl", "tensorboard"), enable_progress_bar=True,
+                                enable_throughput_monitor=True, callbacks=[lockstep.ModelCheckpoint()])
+        module = Classifier()
+        trainer.fit(module, checks.make_data(96), checks.make_data(40, seed=1), batch_size=16)
+        trainer.validate(module, checks.make_data(40, seed=1), batch_size=16)
+        trainer.predict(module, checks.make_data(40, seed=1), batch_size=16)
+    return [f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught]

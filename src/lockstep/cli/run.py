@@ -11,7 +11,8 @@ from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES
 from lockstep.runtime.devices import parse_devices
-from lockstep.runtime.elastic import host_store, run_elastic, threads_per_process
+from lockstep.runtime.elastic import run_elastic, threads_per_process
+from lockstep.runtime.network import host_store
 
 
 class PreflightError(Exception):

@@ -7,24 +7,19 @@ one rank, each is the identity.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.tree import map_tensors
+from lockstep.runtime.tree import Spec, flatten, map_tensors, unflatten
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    return dist.get_world_size() if active() else 1
 
 
 def barrier(device: torch.device) -> None:
@@ -36,11 +31,15 @@ def barrier(device: torch.device) -> None:
         dist.barrier()
 
 
+def _reducible(value: Any) -> bool:
+    return isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)
+
+
 def all_reduce(data: Any, op: str, device: torch.device) -> Any:
     """Reduce every tensor and number in ``data`` across ranks; returns the same structure.
 
     Numbers come back as Python numbers; tensors keep their device and dtype, except that
-    ``mean`` of integers gives floats.
+    ``mean`` of integers gives floats. Other leaves (strings, None, ...) are kept as they are.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}: use one of {', '.join(REDUCE_OPS)}.")
@@ -61,19 +60,13 @@ def all_reduce(data: Any, op: str, device: torch.device) -> Any:
         return work.to(tensor.device)
 
     def reduce(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-            if isinstance(value, Mapping):
-                return type(value)({k: reduce(v) for k, v in value.items()})  # type: ignore[call-arg]
-            if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-                return type(value)(reduce(v) for v in value)
-            return value
         if isinstance(value, torch.Tensor):
             return reduce_tensor(value)
         dtype = torch.float64 if isinstance(value, float) or op == "mean" else torch.int64
-        result = reduce_tensor(torch.tensor(value, dtype=dtype)).item()
-        return result
+        return reduce_tensor(torch.tensor(value, dtype=dtype)).item()
 
-    return reduce(data)
+    leaves, spec = flatten(data)
+    return unflatten([reduce(leaf) if _reducible(leaf) else leaf for leaf in leaves], spec)
 
 
 def broadcast(data: Any, src: int, device: torch.device) -> Any:
@@ -87,34 +80,15 @@ def broadcast(data: Any, src: int, device: torch.device) -> Any:
 
 @dataclass(frozen=True)
 class _TensorSlot:
+    """Where a tensor sits in data sent as a skeleton: its shape and dtype, not its values."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
 
 
-def _flatten(data: Any) -> tuple[Any, list[torch.Tensor]]:
-    tensors: list[torch.Tensor] = []
-
-    def slot(tensor: torch.Tensor) -> _TensorSlot:
-        tensors.append(tensor)
-        return _TensorSlot(tuple(tensor.shape), tensor.dtype)
-
-    return map_tensors(slot, data), tensors
-
-
-def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    return _unflatten_from(skeleton, iter(tensors))
-
-
-def _unflatten_from(skeleton: Any, feed: Any) -> Any:
-    if isinstance(skeleton, _TensorSlot):
-        return next(feed)
-    if isinstance(skeleton, Mapping):
-        return type(skeleton)({k: _unflatten_from(v, feed) for k, v in skeleton.items()})  # type: ignore[call-arg]
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_unflatten_from(v, feed) for v in skeleton))
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_unflatten_from(v, feed) for v in skeleton)
-    return skeleton
+def _skeleton(leaves: list[Any]) -> list[Any]:
+    return [_TensorSlot(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves]
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -131,38 +105,28 @@ def all_gather(data: Any, device: torch.device) -> list[Any]:
     """
     if not active():
         return [data]
-    skeleton, tensors = _flatten(data)
-    skeletons = _all_gather_object(skeleton)
-    counts = [len(_flatten_slots(s)) for s in skeletons]
-    if len(set(counts)) != 1:
+    leaves, spec = flatten(data)
+    # The structure travels as the data itself with slots for its tensors (a TreeSpec would be
+    # pickled through a deprecated torch path); tensors follow through tensor collectives.
+    everyone = [_slot_leaves(s) for s in _all_gather_object(unflatten(_skeleton(leaves), spec))]
+    slots = [[i for i, leaf in enumerate(rank_leaves) if isinstance(leaf, _TensorSlot)] for rank_leaves, _ in everyone]
+    if len({len(s) for s in slots}) != 1:
         raise ValueError(
             "all_gather needs the same structure on every rank, but the ranks passed "
-            + ", ".join(f"rank {r}: {c} tensor(s)" for r, c in enumerate(counts))
+            + ", ".join(f"rank {r}: {len(s)} tensor(s)" for r, s in enumerate(slots))
         )
-    per_rank_slots = [_flatten_slots(s) for s in skeletons]
-    gathered: list[list[torch.Tensor]] = [[] for _ in skeletons]
-    for i, tensor in enumerate(tensors):
-        slots = [slots_of_rank[i] for slots_of_rank in per_rank_slots]
-        for rank, piece in enumerate(_gather_tensor(tensor, slots, device)):
-            gathered[rank].append(piece)
-    return [_unflatten(s, g) for s, g in zip(skeletons, gathered, strict=True)]
+    results = [list(rank_leaves) for rank_leaves, _ in everyone]
+    mine = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    for i, tensor in enumerate(mine):
+        positions = [s[i] for s in slots]
+        pieces = _gather_tensor(tensor, [results[r][p] for r, p in enumerate(positions)], device)
+        for rank, (position, piece) in enumerate(zip(positions, pieces, strict=True)):
+            results[rank][position] = piece
+    return [unflatten(result, rank_spec) for result, (_, rank_spec) in zip(results, everyone, strict=True)]
 
 
-def _flatten_slots(skeleton: Any) -> list[_TensorSlot]:
-    slots: list[_TensorSlot] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, _TensorSlot):
-            slots.append(node)
-        elif isinstance(node, Mapping):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-
-    walk(skeleton)
-    return slots
+def _slot_leaves(skeleton: Any) -> tuple[list[Any], Spec]:
+    return flatten(skeleton, is_leaf=lambda node: isinstance(node, _TensorSlot))
 
 
 def _gather_tensor(
@@ -186,58 +150,44 @@ def _gather_tensor(
     ]
 
 
+def _is_rows(node: Any) -> bool:
+    """In ``gather``, a list holds rows (or chunks of rows): it is a leaf, not a container."""
+    return isinstance(node, list)
+
+
+def _join_chunks(leaf: Any) -> Any:
+    """A list of tensors is a sequence of chunks (e.g. per-batch outputs): join it into one."""
+    if isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
+        return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in leaf])
+    return leaf
+
+
 def gather_rows(data: Any, device: torch.device) -> Any:
     """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract)."""
-    local = _join_chunks(data)
+    leaves, spec = flatten(data, is_leaf=_is_rows)
+    leaves = [_join_chunks(leaf) for leaf in leaves]
     if not active():
-        return local
-    skeletons = _all_gather_object(_flatten(local)[0])
-    local = _fill_empty_rows(local, skeletons)
-    return _concat_ranks(all_gather(local, device))
+        return unflatten(leaves, spec)
+    skeletons = _all_gather_object(_skeleton(leaves))
+    leaves = [_fill_empty_rows(leaf, [s[i] if i < len(s) else None for s in skeletons])
+              for i, leaf in enumerate(leaves)]
+    per_rank = [flatten(d, is_leaf=_is_rows)[0] for d in all_gather(unflatten(leaves, spec), device)]
+    return unflatten([_concat_ranks([rank_leaves[i] for rank_leaves in per_rank]) for i in range(len(leaves))], spec)
 
 
-def _join_chunks(data: Any) -> Any:
-    """A list of tensors is a sequence of chunks (e.g. per-batch outputs): join it into one."""
-    if isinstance(data, list) and data and all(isinstance(v, torch.Tensor) for v in data):
-        return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in data])
-    if isinstance(data, Mapping):
-        return type(data)({k: _join_chunks(v) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple):
-        joined = [_join_chunks(v) for v in data]
-        return type(data)(*joined) if hasattr(data, "_fields") else tuple(joined)
-    return data
-
-
-def _fill_empty_rows(local: Any, skeletons: list[Any]) -> Any:
+def _fill_empty_rows(leaf: Any, others: list[Any]) -> Any:
     """A rank with no rows holds ``[]`` where others hold a tensor: give it a 0-row tensor."""
-    if isinstance(local, list) and not local:
-        for other in skeletons:
+    if isinstance(leaf, list) and not leaf:
+        for other in others:
             if isinstance(other, _TensorSlot):
                 return torch.empty((0, *other.shape[1:]), dtype=other.dtype)
-        return local
-    if isinstance(local, Mapping):
-        return type(local)(  # type: ignore[call-arg]
-            {k: _fill_empty_rows(v, [s[k] if isinstance(s, Mapping) else None for s in skeletons])
-             for k, v in local.items()}
-        )
-    if isinstance(local, tuple):
-        filled = [
-            _fill_empty_rows(v, [s[i] if isinstance(s, tuple) else None for s in skeletons])
-            for i, v in enumerate(local)
-        ]
-        return type(local)(*filled) if hasattr(local, "_fields") else tuple(filled)
-    return local
+    return leaf
 
 
 def _concat_ranks(per_rank: list[Any]) -> Any:
     first = per_rank[0]
     if isinstance(first, torch.Tensor):
         return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in per_rank])
-    if isinstance(first, Mapping):
-        return type(first)({k: _concat_ranks([d[k] for d in per_rank]) for k in first})  # type: ignore[call-arg]
-    if isinstance(first, tuple):
-        joined = [_concat_ranks([t[i] for t in per_rank]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
     if isinstance(first, list):
         return [row for rows in per_rank for row in rows]
     return list(per_rank)

@@ -8,10 +8,13 @@ evenly as possible. Every rank has the same number of steps. Evaluation: rank ``
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import (
@@ -28,6 +31,34 @@ from lockstep.runtime.seed import mix_seed
 from lockstep.runtime.tree import to_device
 
 Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed per epoch
+
+# The DataLoader's own generator only seeds its workers' base seed (lockstep re-seeds them per
+# epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
+_WORKER_BASE_STREAM = 7
+_END = object()
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What a loader tells its observer about the batch it hands out."""
+
+    training: bool
+    epoch: int
+    step: int
+    # This rank's mean loss times ``loss_weight`` has the gradient of the global batch's mean
+    # loss once DDP averages over the ranks: local_size * world_size / global_size.
+    loss_weight: float
+
+
+class BatchObserver(Protocol):
+    """Told when a loader's batch becomes current and when it stops being current.
+
+    A batch is current from the moment the loader hands it out until the loop asks for the next
+    one or leaves the loop: the window in which ``rt.backward`` applies its loss weight.
+    """
+
+    def batch_started(self, loader: DistributedLoader, info: BatchInfo) -> None: ...
+    def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
 def split_evenly(total: int, parts: int, part: int) -> tuple[int, int]:
@@ -181,26 +212,29 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
 class DistributedLoader:
     """Iterates this rank's batches, already on the device; each pass is the next epoch.
 
+    ``wait_s`` adds up the seconds the loop waited for batches: a large share of the step time
+    means the workers cannot keep up (raise ``num_workers``, make ``__getitem__`` cheaper).
+
     ``state_dict``/``load_state_dict`` save and restore the position (epoch, batches done), so a
     resumed run continues the same sample stream, also on a different number of processes.
     """
 
     def __init__(
         self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, options: dict[str, Any],
-        device: torch.device, seed: int, rank: int,
-        on_batch: Callable[[DistributedLoader, int], None] | None = None,
+        device: torch.device, seed: int, rank: int, observer: BatchObserver | None = None,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
-        self._on_batch = on_batch
+        self._observer = observer
         self._epoch, self._batches_done, self._started = 0, 0, False
+        self.wait_s = 0.0  # time spent waiting for batches (data loading not hidden behind compute)
         self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
         self._non_blocking = bool(options.get("pin_memory")) and device.type == "cuda"
         self.loader: DataLoader[Any] = DataLoader(
             EpochSeededDataset(dataset, seed, rank),
             batch_sampler=sampler,
-            generator=torch.Generator().manual_seed(mix_seed(seed, rank, 7)),
+            generator=torch.Generator().manual_seed(mix_seed(seed, rank, _WORKER_BASE_STREAM)),
             **options,
         )
 
@@ -212,6 +246,33 @@ class DistributedLoader:
         """The epoch of the current (or last) pass."""
         return self._epoch
 
+    @property
+    def training(self) -> bool:
+        """True for a training loader (global batches), False for an evaluation loader (shards)."""
+        return isinstance(self.sampler, GlobalBatchSampler)
+
+    def global_batch_size(self, step: int) -> int:
+        """How many samples batch ``step`` holds over all ranks (less than batch_size when short).
+
+        For an evaluation loader, this rank's share of the shard is all that is known: its size.
+        """
+        if isinstance(self.sampler, GlobalBatchSampler):
+            return self.sampler.global_size(step)
+        return self.local_batch_size(step)
+
+    def local_batch_size(self, step: int) -> int:
+        """How many samples of batch ``step`` this rank holds."""
+        if isinstance(self.sampler, GlobalBatchSampler):
+            return self.sampler.local_size(step)
+        first = self.sampler.start + step * self.sampler.batch_size
+        return max(0, min(self.sampler.batch_size, self.sampler.stop - first))
+
+    def _info(self, step: int) -> BatchInfo:
+        weight = 1.0
+        if isinstance(self.sampler, GlobalBatchSampler):
+            weight = self.sampler.local_size(step) * self.sampler.world_size / self.sampler.global_size(step)
+        return BatchInfo(self.training, self._epoch, step, weight)
+
     def __iter__(self) -> Iterator[Any]:
         if self._pending is not None:
             (epoch, start), self._pending = self._pending, None
@@ -219,12 +280,24 @@ class DistributedLoader:
             epoch, start = (self._epoch + 1 if self._started else 0), 0
         self._epoch, self._batches_done, self._started = epoch, start, True
         self.sampler.epoch, self.sampler.start_step = epoch, start
-        for step, batch in enumerate(self.loader, start):
-            self._batches_done = step + 1
-            if self._on_batch is not None:
-                self._on_batch(self, step)
-            # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
-            yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
+        observer, batches = self._observer, iter(self.loader)
+        try:
+            for step in itertools.count(start):
+                waited = time.perf_counter()
+                batch = next(batches, _END)
+                self.wait_s += time.perf_counter() - waited
+                if batch is _END:
+                    return
+                self._batches_done = step + 1
+                if observer is not None:
+                    observer.batch_started(self, self._info(step))
+                # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
+                yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
+                if observer is not None:
+                    observer.batch_ended(self)
+        finally:  # the loop was left early (break, an exception): its batch is no longer current
+            if observer is not None:
+                observer.batch_ended(self)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out."""

@@ -96,6 +96,26 @@ def processes_asked_for(accelerator: str, devices: Devices) -> int:
     return max(1, torch.cuda.device_count()) if kind == "cuda" else 1
 
 
+def _gpu_ids(wanted: int | str | tuple[int, ...], env: DistEnv, one_process_many_devices: bool) -> tuple[int, ...]:
+    """The GPU indices asked for, checked against the visible ones."""
+    available = torch.cuda.device_count()
+    if isinstance(wanted, tuple):
+        ids = wanted
+    elif isinstance(wanted, int):
+        ids = tuple(range(wanted))
+    elif one_process_many_devices or env.launcher == "none":  # "auto": every visible GPU
+        ids = tuple(range(available))
+    else:  # "auto" under a launcher: one GPU per process it started
+        ids = tuple(range(env.local_world_size))
+    missing = [i for i in ids if i >= available]
+    if missing:
+        raise ValueError(
+            f"devices asks for GPU(s) {missing} but only {available} are visible "
+            f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
+        )
+    return ids
+
+
 def resolve_placement(
     accelerator: str, devices: Devices, env: DistEnv, one_process_many_devices: bool = False
 ) -> Placement:
@@ -112,21 +132,7 @@ def resolve_placement(
         count = wanted if isinstance(wanted, int) else env.local_world_size  # "auto"
         ids: tuple[int, ...] = ()
     else:
-        available = torch.cuda.device_count()
-        if isinstance(wanted, tuple):
-            ids = wanted
-        elif isinstance(wanted, int):
-            ids = tuple(range(wanted))
-        elif one_process_many_devices or env.launcher == "none":  # "auto": every visible GPU
-            ids = tuple(range(available))
-        else:  # "auto" under a launcher: one GPU per process it started
-            ids = tuple(range(env.local_world_size))
-        missing = [i for i in ids if i >= available]
-        if missing:
-            raise ValueError(
-                f"devices asks for GPU(s) {missing} but only {available} are visible "
-                f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
-            )
+        ids = _gpu_ids(wanted, env, one_process_many_devices)
         count = len(ids)
     if one_process_many_devices:
         if env.world_size > 1:

@@ -1,4 +1,4 @@
-"""Hand a worker's uncaught exception to torch elastic, so the launcher can print its traceback."""
+"""What failures mean: uncaught exceptions handed to torch elastic, and errors of a lost peer."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def record_uncaught_exceptions() -> None:
 
     hook._lockstep_records = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+# What a rank's error says when it only lost a peer that failed first.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def lost_a_peer(text: str) -> bool:
+    """True when an error text says a peer closed its connection (it crashed or was killed)."""
+    lowered = text.lower()
+    return any(phrase in lowered for phrase in _LOST_PEER)

@@ -54,7 +54,7 @@ def init_process_group(
                 f"{env.world_size}: create the Runtime before calling init_process_group yourself, "
                 "or not at all."
             )
-        dist.distributed_c10d._set_pg_timeout(timeout)  # the Runtime's timeout governs its collectives
+        _set_timeout(timeout)  # the Runtime's timeout governs its collectives
         return False
     device_id = device if device is not None and device.type == "cuda" else None
     if backend == "mpi":
@@ -72,6 +72,14 @@ def init_process_group(
         device_id=device_id,
     )
     return True
+
+
+def _set_timeout(timeout: timedelta) -> None:
+    """The default group's collective timeout: ``dist.set_timeout`` where torch has it (2.14 and later)."""
+    set_timeout = getattr(dist, "set_timeout", None)
+    if set_timeout is None:
+        set_timeout = dist.distributed_c10d._set_pg_timeout  # torch < 2.14: the only way
+    set_timeout(timeout)
 
 
 def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:

@@ -16,15 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lockstep.env import (
-    DistEnv,
-    debug_from_environ,
-    runtime_choices_from_environ,
-    slurm_requeue_from_environ,
-    timeout_from_environ,
-)
+from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
+from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data import (
+    BatchInfo,
     DistributedLoader,
     GlobalBatchSampler,
     ShardSampler,
@@ -55,7 +51,9 @@ class Runtime:
 
     Every rank creates one ``Runtime`` with the same arguments. Creating it joins the process
     group (blocking until every rank has arrived, at most ``timeout`` seconds); a single process
-    creates no group and every collective is then the identity.
+    creates no group and every collective is then the identity. A script started with plain
+    ``python`` that asks for several devices first becomes their launcher (see
+    ``launch_workers_if_asked``). ``rt.config`` holds the arguments, resolved.
 
     Arguments left unset (None) take what ``lockstep run --accelerator/--strategy/--precision``
     passed (``LOCKSTEP_ACCELERATOR``, ``LOCKSTEP_STRATEGY``, ``LOCKSTEP_PRECISION``), else the default.
@@ -95,44 +93,45 @@ class Runtime:
         env: DistEnv | None = None,
         debug: bool | None = None,
     ) -> None:
+        self.config = config = RuntimeConfig(
+            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, seed=seed,
+            deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
+            init_method=init_method, debug=debug,
+        ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
             record_uncaught_exceptions()
-        chosen = runtime_choices_from_environ()  # what `lockstep run --strategy ...` asked for
-        strategy = strategy or chosen.get("strategy", "auto")
-        accelerator = accelerator or chosen.get("accelerator", "auto")
-        one_per_device = strategy in ("auto", "ddp") or isinstance(strategy, DDP)
-        if self.env.launcher == "none" and one_per_device:
-            nproc = processes_asked_for(accelerator, devices)
-            if nproc > 1:  # `python train.py` asking for several devices: become their launcher
-                self_launch(nproc)
-        self.strategy = make_strategy(strategy, self.env.world_size)
+        launch_workers_if_asked(config, self.env)
+        self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
         self.placement = resolve_placement(
-            accelerator, devices, self.env,
-            self.strategy.one_process_many_devices,
+            config.accelerator or "auto", config.devices, self.env, self.strategy.one_process_many_devices,
         )
-        self.precision = make_precision(precision or chosen.get("precision", "32-true"), self.placement.device)
-        self.timeout = timeout if timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
-        if self.timeout <= 0:
-            raise ValueError(f"timeout={timeout}: give a positive number of seconds.")
-        backend_name = choose_backend(self.placement.accelerator, backend)
-        set_determinism(deterministic, benchmark)
-        self.seed = 0 if seed is None else seed_everything(seed)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self._owns_group = False
-        if self.env.is_distributed:
-            self._owns_group = init_process_group(
-                self.env, backend_name, self.timeout, init_method, self.device
-            )
-            atexit.register(self.close)
-        self._loss_scale = 1.0
+        self.precision = make_precision(config.precision or "32-true", self.placement.device)
+        self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
+        set_determinism(config.deterministic, config.benchmark)
+        self.seed = 0 if config.seed is None else seed_everything(config.seed)
+        self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend))
         self._wrapped: list[weakref.ref[nn.Module]] = []
-        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout,
-                                  debug_from_environ() if debug is None else debug)
+        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
+        self._current = _CurrentBatch(self._watchdog)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
+        """The Runtime that ``config`` describes (``Runtime(**config.kwargs())``)."""
+        return cls(**config.kwargs(), env=env)
+
+    def _join_group(self, backend: str) -> bool:
+        """Join the job's process group (blocking until every rank is there); True when this created it."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not self.env.is_distributed:
+            return False
+        owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
+        atexit.register(self.close)
+        return owns
 
     # -- where this process sits -------------------------------------------------------------
     @property
@@ -188,12 +187,15 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with loss scaling and the global-batch correction.
 
-        ``loss`` must be the mean over this rank's share of the batch from a ``rt.loader``. When the
-        global batch is split unevenly (a short last batch), it is reweighted so the gradients equal
-        those of the mean loss over the whole global batch.
+        Inside a loop over a ``rt.loader``, ``loss`` is the mean over this rank's share of the
+        current batch. When that global batch is split unevenly (a short last batch), the loss is
+        reweighted so the gradients equal those of the mean loss over the whole global batch. The
+        weight belongs to the batch: it applies from the moment the loader hands the batch out
+        until the loop asks for the next one or ends, and never to any other backward.
         """
+        weight = self._current.loss_weight
         try:
-            self.precision.backward(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+            self.precision.backward(loss * weight if weight != 1.0 else loss)
         except dist.DistError as error:  # the gradient all-reduce failed: say where the others are
             raise self._watchdog.explain(error, op="backward (gradient all-reduce)") from error
 
@@ -201,10 +203,16 @@ class Runtime:
         """Skip the gradient all-reduce inside this block (gradient accumulation micro-steps).
 
         Gradients accumulate locally; the first backward outside the block reduces them all.
+        ``model`` is what ``rt.setup`` returned.
         """
-        if not enabled or not isinstance(model, WrappedModule):
+        if not isinstance(model, WrappedModule):
+            raise TypeError(
+                f"rt.no_sync needs the model that rt.setup returned; got a {type(model).__name__} that did "
+                "not come from rt.setup, so its gradients would be all-reduced on every micro-step."
+            )
+        if not enabled:
             return contextlib.nullcontext()
-        return self.strategy.no_sync(model._forward_module)
+        return self.strategy.no_sync(model.forward_module)
 
     def clip_grad_norm_(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
@@ -240,7 +248,7 @@ class Runtime:
             dataset_length(dataset), opts.pop("batch_size"), self.rank, self.world_size,
             use_shuffle, self.seed, use_drop_last,
         )
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._on_batch)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current)
 
     def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
         """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
@@ -254,7 +262,7 @@ class Runtime:
             opts.pop(unused, None)
         per_rank = opts.pop("batch_size") // self.world_size
         sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size)
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._on_batch)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current)
 
     def _loader_options(
         self, data: Any, batch_size: int | None, options: dict[str, Any]
@@ -275,15 +283,6 @@ class Runtime:
         if opts["num_workers"] > 0:
             opts.setdefault("persistent_workers", True)
         return dataset, opts
-
-    def _on_batch(self, loader: DistributedLoader, step: int) -> None:
-        """A loader handed out batch ``step``: weigh the next backward, tell the watchdog the position."""
-        sampler = loader.sampler
-        if isinstance(sampler, GlobalBatchSampler):
-            self._loss_scale = sampler.local_size(step) * self.world_size / sampler.global_size(step)
-            self._watchdog.batch = ("train", loader.epoch, step)
-        else:
-            self._watchdog.batch = ("eval", loader.epoch, step)
 
     def mark(self, stage: str) -> None:
         """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
@@ -387,6 +386,41 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
+    """Self-launch: a script started with plain ``python`` that asks for several devices becomes their launcher.
+
+    With no launcher around and a one-process-per-device strategy, asking for N > 1 devices
+    re-runs the script as N workers under the torch elastic agent; this process waits for them and
+    exits with their status, never returning. Under a launcher, or for one device, it does nothing.
+    """
+    one_per_device = config.strategy in ("auto", "ddp") or isinstance(config.strategy, DDP)
+    if env.launcher == "none" and one_per_device:
+        nproc = processes_asked_for(config.accelerator or "auto", config.devices)
+        if nproc > 1:
+            self_launch(nproc)
+
+
+class _CurrentBatch:
+    """The training batch a loader handed out and the loop still holds, and the loss weight it brings.
+
+    Eval batches only move the position that hang reports show.
+    """
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+        self.loader: DistributedLoader | None = None
+        self.loss_weight = 1.0
+
+    def batch_started(self, loader: DistributedLoader, info: BatchInfo) -> None:
+        self.watchdog.batch = ("train" if info.training else "eval", info.epoch, info.step)
+        if info.training:
+            self.loader, self.loss_weight = loader, info.loss_weight
+
+    def batch_ended(self, loader: DistributedLoader) -> None:
+        if loader is self.loader:
+            self.loader, self.loss_weight = None, 1.0
 
 
 class _RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -24,7 +24,9 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
-from lockstep.runtime.elastic import free_port, threads_per_process
+from lockstep.runtime.elastic import threads_per_process
+from lockstep.runtime.files import write_atomic
+from lockstep.runtime.network import free_port
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 
 GRACE_S = 2.0
@@ -73,12 +75,7 @@ def _child(
         if keep_all or local_rank == 0:
             _save(result, {"ok": True, "value": value})
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit non-zero
-        report: dict[str, Any] = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
-        try:
-            report["exception"] = cloudpickle.dumps(error)
-        except Exception:  # noqa: BLE001 - an unpicklable exception still has its traceback
-            pass
-        _save(result, report)
+        _save(result, _failure_report(error))
         code = 1
     else:
         # This rank's work is done. A peer that failed meanwhile breaks the barrier below: that
@@ -95,10 +92,15 @@ def _child(
     os._exit(code)
 
 
+def _failure_report(error: BaseException) -> dict[str, Any]:
+    report: dict[str, Any] = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
+    with contextlib.suppress(Exception):  # an unpicklable exception still has its traceback
+        report["exception"] = cloudpickle.dumps(error)
+    return report
+
+
 def _save(path: Path, obj: Any) -> None:
-    partial = path.with_suffix(".partial")
-    torch.save(obj, partial, pickle_module=cloudpickle)
-    partial.rename(path)
+    write_atomic(path, lambda handle: torch.save(obj, handle, pickle_module=cloudpickle))
 
 
 def _load(path: Path) -> dict[str, Any] | None:

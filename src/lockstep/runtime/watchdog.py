@@ -24,18 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.runtime.errors import lost_a_peer
+from lockstep.runtime.tree import flatten
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
-
-
-# What a rank's error says when it only lost a peer that failed first.
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
-
-
-def lost_a_peer(text: str) -> bool:
-    """True when an error text says a peer closed its connection (it crashed or was killed)."""
-    lowered = text.lower()
-    return any(phrase in lowered for phrase in _LOST_PEER)
 
 
 class CollectiveError(RuntimeError):
@@ -55,21 +48,12 @@ def caller() -> str:
 def signature(data: Any, exact_shapes: bool) -> str:
     """The tensors' dtypes and shapes (or only dimensions, where shapes may differ by rank)."""
     parts: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, torch.Tensor):
-            shape = list(node.shape) if exact_shapes else f"{node.dim()}-d"
-            parts.append(f"{str(node.dtype).removeprefix('torch.')}{shape}")
-        elif isinstance(node, dict):
-            for key in sorted(node, key=str):
-                walk(node[key])
-        elif isinstance(node, (list, tuple)):
-            for item in node:
-                walk(item)
+    for leaf in flatten(data)[0]:
+        if isinstance(leaf, torch.Tensor):
+            shape = list(leaf.shape) if exact_shapes else f"{leaf.dim()}-d"
+            parts.append(f"{str(leaf.dtype).removeprefix('torch.')}{shape}")
         else:
-            parts.append(type(node).__name__)
-
-    walk(data)
+            parts.append(type(leaf).__name__)
     return ", ".join(parts) if len(parts) < 12 else ", ".join(parts[:12]) + f", ... ({len(parts)} leaves)"
 
 
@@ -97,7 +81,7 @@ class Watchdog:
     def _key(self, rank: int, kind: str = "where") -> str:
         return f"lockstep/{kind}/{rank}"
 
-    def now(self) -> str:
+    def position(self) -> str:
         """This rank's position: the hook it is in and the batch its loader handed out last."""
         parts = [f"in {self.stage}"] if self.stage else []
         if self.batch is not None:
@@ -109,12 +93,12 @@ class Watchdog:
         self.last = text
         if self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.set(self._key(self.rank), f"{text}\n{self.now()}")
+                self.store.set(self._key(self.rank), f"{text}\n{self.position()}")
 
     def _heartbeat(self) -> None:
         while True:
             try:
-                self.store.set(self._key(self.rank, "alive"), f"{time.time():.3f} {self.now()}")
+                self.store.set(self._key(self.rank, "alive"), f"{time.time():.3f} {self.position()}")
             except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
                 return
             if self._stop.wait(self.interval_s):

@@ -30,6 +30,11 @@ class WrappedModule(nn.Module):
         self.__dict__["module"] = module
         self.__dict__["_precision"] = precision
 
+    @property
+    def forward_module(self) -> nn.Module:
+        """The strategy's module (e.g. ``DistributedDataParallel``), for its own API such as comm hooks."""
+        return self._forward_module
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         target = self._forward_module if torch.is_grad_enabled() else self.__dict__["_eval_module"]
         precision: Precision = self.__dict__["_precision"]

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.runtime import write_atomic
+
 if TYPE_CHECKING:
     from lockstep.train.module import Module
     from lockstep.train.trainer import Trainer
@@ -110,9 +112,8 @@ class ModelCheckpoint(Callback):
         if self.save_last:
             last = Path(folder) / "last.ckpt"
             if keep and trainer.is_global_zero:
-                partial = last.with_name(".last.ckpt.partial")
-                shutil.copyfile(path, partial)
-                os.replace(partial, last)
+                with open(path, "rb") as saved:
+                    write_atomic(last, lambda handle: shutil.copyfileobj(saved, handle))
             elif not keep:
                 trainer.save_checkpoint(last)
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import random
 import re
+import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lockstep.runtime import Runtime, write_atomic
+
+if TYPE_CHECKING:
+    from lockstep.train.trainer import Trainer
 
 FORMAT = 1  # bump when the layout changes; older lockstep refuses newer files with a clear message
 
@@ -18,22 +23,8 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, flush it to disk, then rename over ``path``.
-
-    A crash mid-write leaves the previous file at ``path`` intact.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(partial, "wb") as handle:
-        torch.save({**state, "format": FORMAT}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    """Write ``state`` to ``path`` whole or not at all: a crash mid-write leaves the previous file."""
+    write_atomic(path, lambda handle: torch.save({**state, "format": FORMAT}, handle))
 
 
 def load(path: Path | str) -> dict[str, Any]:
@@ -108,6 +99,15 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+def restore_rank_rng(rt: Runtime, states: list[dict[str, Any]]) -> None:
+    """This rank's random states from a checkpoint of every rank's (not across world sizes)."""
+    if len(states) == rt.world_size:
+        restore_rng(states[rt.rank])
+    else:
+        rt.print(f"lockstep: the checkpoint comes from {len(states)} processes, this run has "
+                 f"{rt.world_size}: random states are not restored (the sample order still is).")
+
+
 def load_module_state(module: torch.nn.Module, state: dict[str, Any], path: Path | str) -> None:
     """``load_state_dict`` with an error that names the mismatch instead of torch's wall of keys."""
     own = module.state_dict()
@@ -124,3 +124,74 @@ def load_module_state(module: torch.nn.Module, state: dict[str, Any], path: Path
             parts.append(f"different shapes for {shapes[:3]}")
         raise CheckpointError(f"{path}: was saved from a different model ({'; '.join(parts)}).")
     module.load_state_dict(state)
+
+
+def agreed_checkpoint(
+    rt: Runtime, resume: str | Path, checkpoint_dir: Path | None,
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from (``"auto"``: the newest valid one in ``checkpoint_dir``),
+    the same on every rank, or an error that says why not. Every rank must call it.
+
+    Each rank reads it from its own file system: one that the nodes do not share would otherwise
+    resume rank 0 alone and train the others from scratch.
+    """
+    found, problem = None, ""
+    try:
+        if str(resume) == "auto":
+            assert checkpoint_dir is not None, "TrainerConfig checks that resume='auto' has a folder"
+            found = newest_valid(checkpoint_dir)
+        else:
+            found = Path(resume), load(resume)
+    except CheckpointError as error:
+        problem = str(error)
+    mine = problem or (f"{found[0].name} (step {found[1]['loop']['global_step']})" if found else "none")
+    seen = rt.all_gather((socket.gethostname(), mine))
+    if len({what for _, what in seen}) > 1 or problem:
+        lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
+        raise CheckpointError(
+            "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
+            "Rank 0 writes the checkpoints: put checkpoint_dir (or the resume path) on a file system "
+            "that every node shares, or copy the file to every node."
+        )
+    return found
+
+
+def capture_state(trainer: Trainer) -> dict[str, Any]:
+    """Everything resuming needs, each part from its own ``state_dict``. Every rank must call it."""
+    rt = trainer.runtime
+    loader = trainer.train_loader
+    return {
+        "module": trainer.module.state_dict(),
+        "optimizers": [o.state_dict() for o in trainer.optimizers],
+        "schedulers": [s.state_dict() for s, _ in trainer.lr_schedulers],
+        "precision": rt.precision.state_dict(),
+        "loop": {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                 "batches_done_in_epoch": trainer.batches_done_in_epoch, "samples_seen": trainer.samples_seen},
+        "loader": loader.state_dict() if loader is not None else {},
+        "rng": rt.all_gather(capture_rng()),
+        **trainer.metrics.state_dict(rt),
+        "world_size": rt.world_size,
+        "config": {k: str(v) for k, v in trainer.config.hparams().items()},
+        "callbacks": {f"{type(c).__name__}-{i}": c.state_dict() for i, c in enumerate(trainer.callbacks)},
+    }
+
+
+def load_state(trainer: Trainer, path: Path, state: dict[str, Any]) -> int:
+    """Load ``state`` into the Trainer's parts (random states apart); returns the batches done in the
+    epoch it resumes, where the loop continues."""
+    rt = trainer.runtime
+    load_module_state(trainer.module, state["module"], path)
+    for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    for (scheduler, _), saved in zip(trainer.lr_schedulers, state["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    rt.precision.load_state_dict(state["precision"])
+    loop = state["loop"]
+    trainer.current_epoch, trainer.global_step = int(loop["epoch"]), int(loop["global_step"])
+    trainer.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
+    if batches_done >= trainer.steps_per_epoch:
+        trainer.current_epoch, batches_done = trainer.current_epoch + 1, 0
+    trainer.metrics.load_state_dict(rt, state, mid_epoch=batches_done > 0)
+    for i, callback in enumerate(trainer.callbacks):
+        callback.load_state_dict(state["callbacks"].get(f"{type(callback).__name__}-{i}", {}))
+    return batches_done

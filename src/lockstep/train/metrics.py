@@ -7,20 +7,6 @@ from typing import Any
 import torch
 
 
-def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch: dim 0 of its first tensor (1 when it holds none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = batch_size_of(item)
-            if size:
-                return size
-    return 0
-
-
 class MetricStore:
     """Sample-weighted sums (device tensors) and sample counts (host numbers) per metric name.
 
@@ -65,6 +51,30 @@ class MetricStore:
         for state in states:
             for name, value in state["sums"].items():
                 self.add(name, value.to(device=device, dtype=torch.float64), state["counts"][name])
+
+
+class TrainingMetrics:
+    """The sums behind logged training metrics: the current logging ``window`` and the current ``epoch``."""
+
+    def __init__(self) -> None:
+        self.window, self.epoch = MetricStore(), MetricStore()
+
+    def reset(self) -> None:
+        self.window.reset()
+        self.epoch.reset()
+
+    def state_dict(self, runtime: Any) -> dict[str, Any]:
+        """Every rank's sums (a collective: every rank must call it)."""
+        return {"epoch_metrics": runtime.all_gather(self.epoch.state_dict()),
+                "window_metrics": runtime.all_gather(self.window.state_dict())}
+
+    def load_state_dict(self, runtime: Any, state: dict[str, Any], mid_epoch: bool) -> None:
+        """Every rank's saved sums go to rank 0: the next reduce adds them up anyway, so the first
+        values logged after resuming mid-epoch are exact. At an epoch start there is nothing to keep."""
+        self.reset()
+        if runtime.is_global_zero and mid_epoch:
+            self.epoch.merge(state.get("epoch_metrics", []), runtime.device)
+            self.window.merge(state.get("window_metrics", []), runtime.device)
 
 
 def weighted_value(name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> torch.Tensor:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
+
+
+class MetricSink(Protocol):
+    """Where ``Module.log`` sends a metric (the Trainer, while it runs the module)."""
+
+    def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
+                      batch_size: int | None = None) -> None: ...
 
 
 class Module(nn.Module):
@@ -26,11 +34,23 @@ class Module(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.__dict__["_trainer"] = None
+        self._trainer_ref: weakref.ref[Trainer] | None = None
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called by the Trainer that runs this module; ``self.trainer`` and ``self.log`` then reach it.
+
+        The module keeps a weak reference, so copying or saving it never copies the Trainer.
+        """
+        self._trainer_ref = weakref.ref(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_trainer_ref"] = None  # a weak reference cannot be pickled; the Trainer is not part of the module
+        return state
 
     @property
     def trainer(self) -> Trainer:
-        trainer = self.__dict__.get("_trainer")
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if trainer is None:
             raise RuntimeError("this module is not attached to a Trainer: call it from Trainer.fit/validate/...")
         return trainer
@@ -47,7 +67,8 @@ class Module(nn.Module):
         from the batch when not given). They are reduced over all ranks every ``log_every_n_steps``
         and at the end of each epoch, where the value is exact over the whole dataset.
         """
-        self.trainer._log_metric(name, value, prog_bar=prog_bar, batch_size=batch_size)
+        sink: MetricSink = self.trainer
+        sink.record_metric(name, value, prog_bar=prog_bar, batch_size=batch_size)
 
 
 class StepRouter(nn.Module):
@@ -59,3 +80,39 @@ class StepRouter(nn.Module):
 
     def forward(self, step: str, *args: Any) -> Any:
         return getattr(self.module, step)(*args)
+
+
+def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], list[tuple[Any, str]]]:
+    """The module's optimizers, and its schedulers with their interval (``"step"`` or ``"epoch"``)."""
+    if not hasattr(module, "configure_optimizers"):
+        raise AttributeError(f"{type(module).__name__} has no configure_optimizers(): define it to return an "
+                             "optimizer (or a dict with 'optimizer' and 'lr_scheduler').")
+    result = getattr(module, "configure_optimizers")()  # noqa: B009 - user-defined, not on nn.Module
+    if isinstance(result, torch.optim.Optimizer):
+        return [result], []
+    if isinstance(result, dict):
+        optimizers, schedulers = [result["optimizer"]], [result["lr_scheduler"]] if "lr_scheduler" in result else []
+    elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
+        optimizers, schedulers = list(result[0]), list(result[1])
+    else:
+        raise TypeError("configure_optimizers() must return an optimizer, a dict {'optimizer', 'lr_scheduler'} "
+                        f"or ([optimizers], [schedulers]); got {type(result).__name__}.")
+    return optimizers, [_scheduler_and_interval(scheduler) for scheduler in schedulers]
+
+
+def _scheduler_and_interval(scheduler: Any) -> tuple[Any, str]:
+    if not isinstance(scheduler, dict):
+        return scheduler, "epoch"
+    interval = scheduler.get("interval", "epoch")
+    if interval not in ("step", "epoch"):
+        raise ValueError(f"lr_scheduler interval {interval!r}: use 'step' or 'epoch'.")
+    return scheduler["scheduler"], interval
+
+
+def loss_of(outputs: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("training_step must return the loss tensor or a dict holding 'loss'; "
+                        f"got {type(outputs).__name__}.")
+    return loss

@@ -30,6 +30,10 @@ class SimpleProfiler:
         finally:
             self.durations[hook].append(time.perf_counter() - start)
 
+    def start(self, folder: Path, rank: int) -> None:
+        """Called when training starts; the wall time of the report counts from here."""
+        self.started = time.perf_counter()
+
     def step(self) -> None:
         return None
 
@@ -89,6 +93,7 @@ class PyTorchProfiler(SimpleProfiler):
         self.folder: Path | None = None
 
     def start(self, folder: Path, rank: int) -> None:
+        super().start(folder, rank)
         import torch.profiler as tp
 
         self.folder = folder / "pytorch-profiler"

@@ -1,0 +1,50 @@
+"""``RuntimeConfig``: what a Runtime is asked for, as one frozen value (logged and checkpointed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ
+from lockstep.runtime.devices import Devices
+from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S
+from lockstep.runtime.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The arguments of ``lockstep.Runtime`` (see there for each); None means "the default".
+
+    ``resolved()`` fills in what ``lockstep run --accelerator/--strategy/--precision`` and
+    ``LOCKSTEP_TIMEOUT``/``LOCKSTEP_DEBUG`` chose, then lockstep's defaults.
+    """
+
+    accelerator: str | None = None
+    devices: Devices = "auto"
+    strategy: str | Strategy | None = None
+    precision: str | int | None = None
+    seed: int | None = None
+    deterministic: bool = False
+    benchmark: bool | None = None
+    timeout: float | None = None
+    backend: str | None = None
+    init_method: str | None = None
+    debug: bool | None = None
+
+    def resolved(self) -> RuntimeConfig:
+        chosen = runtime_choices_from_environ()
+        timeout = self.timeout if self.timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
+        if timeout <= 0:
+            raise ValueError(f"timeout={self.timeout}: give a positive number of seconds.")
+        return replace(
+            self,
+            accelerator=self.accelerator or chosen.get("accelerator", "auto"),
+            strategy=self.strategy or chosen.get("strategy", "auto"),
+            precision=self.precision or chosen.get("precision", "32-true"),
+            timeout=timeout,
+            debug=debug_from_environ() if self.debug is None else self.debug,
+        )
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments, values as they are (a configured strategy stays an object)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}

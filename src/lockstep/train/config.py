@@ -1,0 +1,44 @@
+"""``TrainerConfig``: the Trainer's settings as one frozen value, validated once, logged as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lockstep.runtime import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What ``lockstep.Trainer``'s keyword arguments set, besides its callbacks, loggers and profiler.
+
+    ``runtime`` holds the arguments that go to ``lockstep.Runtime``.
+    """
+
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    num_nodes: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    val_check_interval: int | None = None
+    log_every_n_steps: int = 50
+    checkpoint_dir: Path | None = None
+    resume: str | Path | None = None
+    log_dir: Path | None = None
+    num_workers: int | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_epochs is None and self.max_steps is None:
+            raise ValueError("give max_epochs or max_steps (or both): the Trainer needs to know when to stop.")
+        for name in ("accumulate_grad_batches", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
+        if self.resume is not None and str(self.resume) == "auto" and self.checkpoint_dir is None:
+            raise ValueError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
+
+    def hparams(self) -> dict[str, Any]:
+        """Every setting in one flat dict, named as the Trainer's arguments (for loggers and checkpoints)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "runtime"}
+        return {**own, **self.runtime.kwargs()}

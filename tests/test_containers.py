@@ -1,0 +1,77 @@
+"""One walker over nested data: every container kind behaves the same in every collective,
+the device move and the batch-size count; the loss weight belongs to its batch only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_checks as checks
+from lockstep import DistEnv, Runtime
+from lockstep.runtime import batch_size_of
+from lockstep.runtime.tree import flatten, to_device, unflatten
+from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+KINDS = list(checks.containers(None, None))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flatten_unflatten_round_trip_keeps_the_container_type(kind):
+    value = checks.containers(torch.arange(6.0).reshape(3, 2), 2.5)[kind]
+    leaves, spec = flatten(value)
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, float] and leaves[1] == 2.5
+    rebuilt = unflatten(leaves, spec)
+    assert type(rebuilt) is type(value)
+    a, b, _ = checks.parts(rebuilt)
+    assert torch.equal(a, torch.arange(6.0).reshape(3, 2)) and b == 2.5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_device_move_reaches_every_container_kind(kind):
+    moved = to_device(checks.containers(torch.ones(3, 2), 1.0)[kind], torch.device("meta"))
+    a, b, name = checks.parts(moved)
+    assert a.device.type == "meta" and b == 1.0 and name == type(checks.containers(None, None)[kind]).__name__
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_size_counts_every_container_kind(kind):
+    assert batch_size_of(checks.containers(torch.ones(5, 2), 1.0)[kind]) == 5
+    assert batch_size_of({"ids": ["no", "tensor"]}) == 0
+
+
+def test_every_collective_handles_every_container_kind():
+    results = run_ranks(checks.collectives_over_containers, 2)
+    for rank_results in results:
+        for kind in KINDS:
+            name = type(checks.containers(None, None)[kind]).__name__
+            got = rank_results[kind]
+            a, b, kept = got["all_reduce"]  # sums of [r, r] and r + 1 over ranks 0 and 1
+            assert kept == name and torch.equal(a, torch.ones(2)) and b == 3.0, (kind, got["all_reduce"])
+            (a0, b0, n0), (a1, b1, n1) = got["all_gather"]
+            assert n0 == n1 == name and b0 == 1.0 and b1 == 2.0, kind
+            assert torch.equal(a0, torch.zeros(1, 2)) and torch.equal(a1, torch.ones(2, 2)), kind
+            if kind == "list":  # gather takes a list as rows: the ranks' lists are concatenated
+                assert [len(v) if isinstance(v, list) else tuple(v.shape) for v in got["gather"][:4]] == \
+                    [(1, 2), 1, (2, 2), 2]
+            else:  # rows in rank order: 1 row of rank 0, 2 rows of rank 1
+                a, b, kept = got["gather"]
+                assert kept == name and torch.equal(a, torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])), kind
+                assert b == [0.0, 1.0, 1.0], kind
+            a, b, kept = got["broadcast"]
+            assert kept == name and torch.equal(a, torch.ones(2, 2)) and b == 2.0, kind
+
+
+@pytest.mark.parametrize("leave", ["end", "break"])
+def test_a_backward_not_from_the_loader_is_never_reweighted(leave):
+    # The last global batch splits 2+1 (weights 4/3 and 2/3); a later backward must not see them.
+    assert run_ranks(checks.stale_loss_weight, 2, leave) == [1.5, 1.5]
+
+
+def test_no_sync_refuses_a_model_that_did_not_come_from_setup():
+    rt = Runtime(accelerator="cpu", env=DistEnv())
+    with pytest.raises(TypeError, match="rt.setup"):
+        rt.no_sync(torch.nn.Linear(2, 2))
+    with rt.no_sync(rt.setup(torch.nn.Linear(2, 2))):
+        pass
