@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
+
 import pytest
 import torch
 
@@ -98,3 +102,22 @@ def test_a_two_process_fit_raises_no_warning(tmp_path):
     # Any FutureWarning or DeprecationWarning here would be lockstep's: the fit calls only lockstep.
     for rank_warnings in run_ranks(tc.warnings_of_a_fit, 2, str(tmp_path)):
         assert rank_warnings == []
+
+
+def test_settings_are_one_frozen_config_that_reaches_the_logged_hparams(tmp_path):
+    trainer = tc.quiet_trainer(max_steps=2, val_check_interval=1, timeout=30, num_workers=0, loggers=("csv",),
+                               log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="no Runtime yet"):
+        trainer.runtime  # noqa: B018 - reading a property must not start processes or join a group
+    assert trainer.is_global_zero
+    module = tc.Classifier()
+    trainer.fit(module, checks.make_data(32), checks.make_data(16), batch_size=8)
+    logged = json.loads((tmp_path / "hparams.json").read_text())
+    assert (logged["val_check_interval"], logged["timeout"], logged["num_workers"], logged["deterministic"]) == \
+        (1, 30, 0, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        trainer.config.max_steps = 3  # type: ignore[misc]
+    copied = pickle.loads(pickle.dumps(module))  # the module holds its Trainer weakly: copies leave it
+    assert torch.equal(copied.net[0].weight, module.net[0].weight)
+    with pytest.raises(RuntimeError, match="not attached"):
+        copied.trainer  # noqa: B018

@@ -69,7 +69,8 @@ def _known(node: Any) -> bool:
     pytree asks this before it looks the node's type up, which is where an unknown type is learnt.
     """
     cls = type(node)
-    if cls not in pytree.SUPPORTED_NODES and not pytree.is_namedtuple_class(cls):
+    namedtuple = issubclass(cls, tuple) and hasattr(cls, "_fields")  # pytree walks every namedtuple
+    if cls not in pytree.SUPPORTED_NODES and not namedtuple:
         if isinstance(node, Mapping) or (dataclasses.is_dataclass(node) and not isinstance(node, type)):
             _learn(cls)
     return False
