@@ -121,3 +121,13 @@ def test_settings_are_one_frozen_config_that_reaches_the_logged_hparams(tmp_path
     assert torch.equal(copied.net[0].weight, module.net[0].weight)
     with pytest.raises(RuntimeError, match="not attached"):
         copied.trainer  # noqa: B018
+
+
+def test_metrics_of_mapping_batches_are_exact_over_the_dataset():
+    module = tc.MappingBatches()
+    data = checks.make_data(45)  # batches of 20, 20 and 5: a plain mean of batch means would be off
+    loader = torch.utils.data.DataLoader(data, batch_size=20, collate_fn=tc.collate_to_mapping)
+    metrics = tc.quiet_trainer(max_epochs=1).validate(module, loader)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(module(data.tensors[0]), data.tensors[1])
+    assert abs(metrics["val_loss"] - float(expected)) < 1e-6

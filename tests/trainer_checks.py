@@ -151,3 +151,17 @@ def warnings_of_a_fit(folder: str) -> list[str]:
         trainer.validate(module, checks.make_data(40, seed=1), batch_size=16)
         trainer.predict(module, checks.make_data(40, seed=1), batch_size=16)
     return [f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught]
+
+
+class MappingBatches(Classifier):
+    """Batches arrive as a UserDict, as transformers' DataCollatorWithPadding makes them."""
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch["x"]), batch["y"])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch["x"]), batch["y"]))
+
+
+def collate_to_mapping(rows):
+    return checks.Encoding({"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])})

@@ -63,8 +63,8 @@ class Module(nn.Module):
             batch_size: int | None = None) -> None:
         """Record a metric for this step; no host sync.
 
-        Values accumulate on the device, weighted by the batch size (this rank's share, inferred
-        from the batch when not given). They are reduced over all ranks every ``log_every_n_steps``
+        Values accumulate on the device, weighted by this rank's samples in the batch (counted by
+        the loader; ``batch_size`` overrides it). They are reduced over all ranks every ``log_every_n_steps``
         and at the end of each epoch, where the value is exact over the whole dataset.
         """
         sink: MetricSink = self.trainer

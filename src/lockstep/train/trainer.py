@@ -8,14 +8,14 @@ stop check) and ``_end_epoch``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lockstep.env import DistEnv
-from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, batch_size_of, seed_everything
+from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, seed_everything
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback
 from lockstep.train.config import TrainerConfig
@@ -79,7 +79,7 @@ class Trainer:
         self._resume_batches = 0
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
-        self._batch: Any = None
+        self._batch_samples = 0  # this rank's samples in the current batch: the weight of self.log
 
     # -- where this rank sits ----------------------------------------------------------------------
     @property
@@ -175,8 +175,9 @@ class Trainer:
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
                       batch_size: int | None = None) -> None:
-        """What ``Module.log`` calls: add ``value``, weighted by the batch size, to this stage's sums."""
-        weight = batch_size if batch_size is not None else batch_size_of(self._batch)
+        """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
+        loader's exact count, whatever the batch's type), to this stage's sums."""
+        weight = batch_size if batch_size is not None else self._batch_samples
         weighted = weighted_value(name, value, weight, self.runtime.device)
         for store in self._stores:
             store.add(name, weighted, weight)
@@ -262,7 +263,7 @@ class Trainer:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
         rt, k = self.runtime, self.config.accumulate_grad_batches
         assert self.train_loader is not None
-        self._batch = batch
+        self._batch_samples = self.train_loader.local_batch_size(batch_idx)
         self._fire("on_train_batch_start", batch, batch_idx)
         self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
         with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
@@ -335,13 +336,13 @@ class Trainer:
         self._stores = stores
         self._wrapped.train()
 
-    def _run_eval(self, loader: Iterable[Any], step: str) -> dict[str, float]:
+    def _run_eval(self, loader: DistributedLoader, step: str) -> dict[str, float]:
         store = MetricStore()
         self._stores = [store]
         self._wrapped.eval()
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
-                self._batch = batch
+                self._batch_samples = loader.local_batch_size(batch_idx)
                 with self._hook(step):
                     self._wrapped(step, batch, batch_idx)
         metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
