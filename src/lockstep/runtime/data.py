@@ -13,7 +13,6 @@ import os
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -38,26 +37,13 @@ _WORKER_BASE_STREAM = 7
 _END = object()
 
 
-@dataclass(frozen=True)
-class BatchInfo:
-    """What a loader tells its observer about the batch it hands out."""
-
-    training: bool
-    epoch: int
-    step: int
-    # This rank's mean loss times ``loss_weight`` has the gradient of the global batch's mean
-    # loss once DDP averages over the ranks: local_size * world_size / global_size.
-    loss_weight: float
-
-
 class BatchObserver(Protocol):
-    """Told when a loader's batch becomes current and when it stops being current.
-
-    A batch is current from the moment the loader hands it out until the loop asks for the next
-    one or leaves the loop: the window in which ``rt.backward`` applies its loss weight.
+    """Told when a loader hands out batch ``step``, and when its pass ends (its last batch is then
+    no longer current). A batch stays current until the next one replaces it: the window in which
+    ``rt.backward`` applies its loss weight.
     """
 
-    def batch_started(self, loader: DistributedLoader, info: BatchInfo) -> None: ...
+    def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
     def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
@@ -122,10 +108,13 @@ class ShardSampler(Sampler[list[Key]]):
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
 
+    def local_size(self, step: int) -> int:
+        return max(0, min(self.batch_size, self.stop - self.start - step * self.batch_size))
+
     def __iter__(self) -> Iterator[list[Key]]:
         for step in range(self.start_step, self.steps_per_epoch()):
             first = self.start + step * self.batch_size
-            yield [(self.epoch, i) for i in range(first, min(first + self.batch_size, self.stop))]
+            yield [(self.epoch, i) for i in range(first, first + self.local_size(step))]
 
 
 class EpochSeededDataset(Dataset[Any]):
@@ -262,16 +251,15 @@ class DistributedLoader:
 
     def local_batch_size(self, step: int) -> int:
         """How many samples of batch ``step`` this rank holds."""
-        if isinstance(self.sampler, GlobalBatchSampler):
-            return self.sampler.local_size(step)
-        first = self.sampler.start + step * self.sampler.batch_size
-        return max(0, min(self.sampler.batch_size, self.sampler.stop - first))
+        return self.sampler.local_size(step)
 
-    def _info(self, step: int) -> BatchInfo:
-        weight = 1.0
-        if isinstance(self.sampler, GlobalBatchSampler):
-            weight = self.sampler.local_size(step) * self.sampler.world_size / self.sampler.global_size(step)
-        return BatchInfo(self.training, self._epoch, step, weight)
+    def loss_weight(self, step: int) -> float:
+        """What this rank's mean loss over batch ``step`` is multiplied by for the gradient of the
+        global batch's mean loss, once DDP averages over the ranks (1.0 for evaluation batches)."""
+        sampler = self.sampler
+        if not isinstance(sampler, GlobalBatchSampler):
+            return 1.0
+        return sampler.local_size(step) * sampler.world_size / sampler.global_size(step)
 
     def __iter__(self) -> Iterator[Any]:
         if self._pending is not None:
@@ -290,12 +278,10 @@ class DistributedLoader:
                     return
                 self._batches_done = step + 1
                 if observer is not None:
-                    observer.batch_started(self, self._info(step))
+                    observer.batch_started(self, step)
                 # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
                 yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
-                if observer is not None:
-                    observer.batch_ended(self)
-        finally:  # the loop was left early (break, an exception): its batch is no longer current
+        finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
                 observer.batch_ended(self)
 

@@ -20,7 +20,6 @@ from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data import (
-    BatchInfo,
     DistributedLoader,
     GlobalBatchSampler,
     ShardSampler,
@@ -413,10 +412,10 @@ class _CurrentBatch:
         self.loader: DistributedLoader | None = None
         self.loss_weight = 1.0
 
-    def batch_started(self, loader: DistributedLoader, info: BatchInfo) -> None:
-        self.watchdog.batch = ("train" if info.training else "eval", info.epoch, info.step)
-        if info.training:
-            self.loader, self.loss_weight = loader, info.loss_weight
+    def batch_started(self, loader: DistributedLoader, step: int) -> None:
+        self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
+        if loader.training:
+            self.loader, self.loss_weight = loader, loader.loss_weight(step)
 
     def batch_ended(self, loader: DistributedLoader) -> None:
         if loader is self.loader:
