@@ -4,6 +4,7 @@ from lockstep.env import DistEnv, EnvError
 from lockstep.runtime import (
     DDP,
     DP,
+    FSDP,
     DistributedLoader,
     Runtime,
     SingleDevice,
@@ -32,7 +33,7 @@ from lockstep.train import (
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DP", "AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "DistEnv",
+__all__ = ["DDP", "DP", "FSDP", "AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "DistEnv",
            "DistributedLoader", "EarlyStopping", "EnvError", "JSONLinesLogger", "LearningRateMonitor",
            "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "Runtime", "SimpleProfiler",
            "SingleDevice", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "WorkerError", "__version__",

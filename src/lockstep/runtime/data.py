@@ -27,7 +27,7 @@ from torch.utils.data import (
 )
 
 from lockstep.runtime.seed import mix_seed
-from lockstep.runtime.tree import to_device
+from lockstep.runtime.tree import empty_rows, to_device
 
 Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed per epoch
 
@@ -95,15 +95,23 @@ class GlobalBatchSampler(Sampler[list[Key]]):
 
 
 class ShardSampler(Sampler[list[Key]]):
-    """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank)."""
+    """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank).
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int) -> None:
+    ``equal_steps`` (for a forward that is a collective, FSDP's): every rank runs as many steps as
+    the rank with the most; past its shard's end a rank's batches have zero rows (``local_size``
+    0), made from the dataset's first sample (the loader cuts them to zero rows).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
+                 equal_steps: bool = False) -> None:
         self.start, self.stop = split_evenly(num_samples, world_size, rank)
         self.batch_size = batch_size
         self.epoch, self.start_step = 0, 0
+        longest = -(-(split_evenly(num_samples, world_size, 0)[1]) // batch_size)  # rank 0's shard is the largest
+        self._steps = longest if equal_steps else -(-(self.stop - self.start) // self.batch_size)
 
     def steps_per_epoch(self) -> int:
-        return -(-(self.stop - self.start) // self.batch_size)
+        return self._steps
 
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
@@ -114,7 +122,8 @@ class ShardSampler(Sampler[list[Key]]):
     def __iter__(self) -> Iterator[list[Key]]:
         for step in range(self.start_step, self.steps_per_epoch()):
             first = self.start + step * self.batch_size
-            yield [(self.epoch, i) for i in range(first, first + self.local_size(step))]
+            size = self.local_size(step)
+            yield [(self.epoch, i) for i in range(first, first + size)] if size else [(self.epoch, 0)]
 
 
 class EpochSeededDataset(Dataset[Any]):
@@ -279,6 +288,8 @@ class DistributedLoader:
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
+                if self.sampler.local_size(step) == 0:  # a padding step (FSDP evaluation): no rows
+                    batch = empty_rows(batch)
                 # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
                 yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lockstep.runtime.tree import map_tensors
 
@@ -28,6 +30,7 @@ class Precision(Protocol):
     def last_step_skipped(self) -> bool: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None: ...
 
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
@@ -76,6 +79,9 @@ class TruePrecision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        return None  # the parameters already have the dtype (convert_module), and so do the reductions
+
 
 class MixedPrecision(TruePrecision):
     """float32 weights, forward under autocast; ``16-mixed`` also scales the loss (GradScaler).
@@ -83,12 +89,18 @@ class MixedPrecision(TruePrecision):
     Outputs leave the model as float32 so that a loss computed outside ``forward`` is accurate.
     A step whose gradients hold inf/NaN is skipped and the scale lowered; ``last_step_skipped``
     tells (it reads the scale, a host sync, only when asked).
+
+    ``sharded`` (FSDP): instead of autocast, FSDP casts the gathered parameters to the low dtype and
+    reduces gradients in float32 (``fsdp_policy``); the grad scaler agrees on inf/NaN over all ranks.
     """
 
-    def __init__(self, name: str, dtype: torch.dtype, device_type: str) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, device_type: str, sharded: bool = False) -> None:
         super().__init__(name, dtype)
         self.device_type = device_type
-        self.scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        self.sharded = sharded
+        self.scaler: torch.amp.GradScaler | None = None
+        if dtype == torch.float16:
+            self.scaler = ShardedGradScaler(device_type) if sharded else torch.amp.GradScaler(device_type)
         self.transforms_forward = True
         self.wraps_optimizer_step = self.scaler is not None
         self._unscaled: set[int] = set()
@@ -107,7 +119,10 @@ class MixedPrecision(TruePrecision):
         )
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        return self._nothing if self.sharded else torch.autocast(self.device_type, dtype=self.dtype)
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is None:
@@ -151,8 +166,10 @@ _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mi
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true")
 
 
-def make_precision(name: str | int, device: torch.device) -> Precision:
-    """Build the precision object for ``name`` on ``device``, checking the device supports it."""
+def make_precision(name: str | int, device: torch.device, sharded: bool = False) -> Precision:
+    """Build the precision object for ``name`` on ``device``, checking the device supports it.
+
+    ``sharded``: for FSDP, whose mixed precision casts the parameters instead of autocast."""
     key = _ALIASES.get(str(name), str(name))
     if key not in PRECISIONS:
         raise ValueError(
@@ -173,4 +190,4 @@ def make_precision(name: str | int, device: torch.device) -> Precision:
     dtype = torch.float16 if key == "16-mixed" else torch.bfloat16
     if not torch.amp.is_autocast_available(device.type):
         raise ValueError(f"precision {key!r} needs autocast, which torch lacks on {device.type}.")
-    return MixedPrecision(key, dtype, device.type)
+    return MixedPrecision(key, dtype, device.type, sharded)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv, slurm_requeue_from_environ
@@ -31,6 +32,7 @@ from lockstep.runtime.data import (
 from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
+from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import (
@@ -62,8 +64,9 @@ class Runtime:
         devices: per node, a count (GPUs with CUDA, processes with the CPU), GPU indices such as
             ``[0, 2]`` (what ``CUDA_VISIBLE_DEVICES=0,2`` means) or ``"auto"`` (what the launcher
             started). It must match the processes the launcher started on this node.
-        strategy: ``"auto"`` (DDP with several processes), ``"ddp"``, ``"dp"``, ``"single"``, or a
-            configured object such as ``lockstep.DDP(find_unused_parameters=True)``.
+        strategy: ``"auto"`` (DDP with several processes), ``"ddp"``, ``"fsdp"``, ``"dp"``, ``"single"``,
+            or a configured object such as ``lockstep.DDP(find_unused_parameters=True)`` or
+            ``lockstep.FSDP(shard_modules=(Block,))``.
         precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``
             (aliases ``32``, ``64``, ``16``, ``bf16``).
         seed: seeds python, numpy and torch on every rank, and the data order (default order seed 0).
@@ -105,7 +108,8 @@ class Runtime:
         self.placement = resolve_placement(
             config.accelerator or "auto", config.devices, self.env, self.strategy.one_process_many_devices,
         )
-        self.precision = make_precision(config.precision or "32-true", self.placement.device)
+        self.precision = make_precision(config.precision or "32-true", self.placement.device,
+                                        sharded=self.strategy.collective_forward)
         self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
@@ -170,18 +174,34 @@ class Runtime:
     def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """Convert, place and wrap ``model``; route each optimizer's ``step`` through the precision.
 
-        Returns the wrapped model, or ``(model, *optimizers)`` when optimizers are given. Create the
-        optimizers before calling it, from ``model.parameters()``. Every rank must call it (DDP
+        Returns the wrapped model, or ``(model, *optimizers)`` when optimizers are given. Optimizers
+        may be built before it, from ``model.parameters()``: when setup replaces the parameters
+        (FSDP shards them; a model from ``init_module(empty=True)`` is materialised), the optimizers
+        are re-pointed to the new ones, keeping their hyperparameters. Every rank must call it (DDP
         broadcasts rank 0's weights, so all ranks start equal whatever their seed).
         """
+        before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
-        forward_module = self.strategy.wrap(module, self.placement)
+        sharded = self.strategy.collective_forward
+        if is_empty(module) and not sharded:
+            materialize(module, self.strategy.materialize_on(self.placement), self.seed)
+        forward_module = self.strategy.wrap(module, self.placement, self.precision)
+        if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
+            materialize(module, self.strategy.materialize_on(self.placement), self.seed)
+        repoint_optimizers(before, module, optimizers)
         eval_module = self.strategy.eval_module(forward_module)
         wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
         self._wrapped.append(weakref.ref(forward_module))
         for optimizer in optimizers:
             patch_optimizer_step(optimizer, self.precision)
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    def init_module(self, empty: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """Build the model inside this block: on this rank's device, or with ``empty=True`` on the meta
+        device, which allocates nothing. ``rt.setup`` then allocates the model (under FSDP only this
+        rank's shards) and initialises it with each submodule's ``reset_parameters``.
+        """
+        return torch.device("meta") if empty else torch.device(self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with loss scaling and the global-batch correction.
@@ -219,7 +239,8 @@ class Runtime:
     ) -> torch.Tensor:
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
         self.precision.unscale_(optimizer)
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the norm over all shards
 
     @property
     def step_was_skipped(self) -> bool:
@@ -254,13 +275,16 @@ class Runtime:
 
         Rank ``r`` gets the ``r``-th contiguous shard in batches of ``batch_size / world_size``, so
         ``rt.gather`` of the outputs returns them in dataset order. Ranks may hold different numbers
-        of batches: issue no collective per batch, gather once after the loop.
+        of batches: issue no collective per batch, gather once after the loop. Under FSDP, whose
+        forward is a collective, every rank gets the same number of batches: a rank whose shard
+        has ended gets batches of zero rows, which add nothing to gathered outputs.
         """
         dataset, opts = self._loader_options(data, batch_size, options)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
         per_rank = opts.pop("batch_size") // self.world_size
-        sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size)
+        sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size,
+                               equal_steps=self.strategy.collective_forward)
         return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current)
 
     def _loader_options(
@@ -394,7 +418,7 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
     re-runs the script as N workers under the torch elastic agent; this process waits for them and
     exits with their status, never returning. Under a launcher, or for one device, it does nothing.
     """
-    one_per_device = config.strategy in ("auto", "ddp") or isinstance(config.strategy, DDP)
+    one_per_device = config.strategy in ("auto", "ddp", "fsdp") or isinstance(config.strategy, (DDP, FSDP))
     if env.launcher == "none" and one_per_device:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:

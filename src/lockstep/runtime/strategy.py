@@ -7,10 +7,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from lockstep.runtime.devices import Placement
+from lockstep.runtime.fsdp import FSDP
+from lockstep.runtime.precision import Precision
 
 
 class Strategy(Protocol):
@@ -18,21 +21,33 @@ class Strategy(Protocol):
     def name(self) -> str: ...
     @property
     def one_process_many_devices(self) -> bool: ...
+    @property
+    def collective_forward(self) -> bool: ...  # True: every rank must run every forward (FSDP)
 
-    def wrap(self, module: nn.Module, placement: Placement) -> nn.Module: ...
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module: ...
+    def materialize_on(self, placement: Placement) -> torch.device: ...
     def eval_module(self, wrapped: nn.Module) -> nn.Module: ...
     def release(self, wrapped: nn.Module) -> None: ...
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]: ...
 
 
+class _Replicated:
+    """What the strategies that keep a whole model on each device share."""
+
+    collective_forward = False
+
+    def materialize_on(self, placement: Placement) -> torch.device:
+        return placement.device
+
+
 @dataclass(frozen=True)
-class SingleDevice:
+class SingleDevice(_Replicated):
     """One process, one device; also what ``ddp`` becomes at world size 1 (no group exists)."""
 
     name: str = "single"
     one_process_many_devices: bool = False
 
-    def wrap(self, module: nn.Module, placement: Placement) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         return module.to(placement.device)
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
@@ -46,7 +61,7 @@ class SingleDevice:
 
 
 @dataclass(frozen=True)
-class DDP:
+class DDP(_Replicated):
     """DistributedDataParallel: one process per device, gradients all-reduced in buckets.
 
     ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm so statistics cover the
@@ -60,7 +75,7 @@ class DDP:
     name: str = "ddp"
     one_process_many_devices: bool = False
 
-    def wrap(self, module: nn.Module, placement: Placement) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if self.sync_batchnorm:
             if placement.accelerator != "cuda":
                 raise ValueError(
@@ -93,13 +108,13 @@ class DDP:
 
 
 @dataclass(frozen=True)
-class DP:
+class DP(_Replicated):
     """DataParallel: one process splits each batch over its GPUs. Kept for parity; DDP is faster."""
 
     name: str = "dp"
     one_process_many_devices: bool = True
 
-    def wrap(self, module: nn.Module, placement: Placement) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if placement.accelerator != "cuda":
             raise ValueError("strategy 'dp' needs CUDA GPUs; on the CPU use 'ddp' or 'single'.")
         warnings.warn(
@@ -119,16 +134,17 @@ class DP:
         return contextlib.nullcontext()  # gradients are already reduced on device 0
 
 
-STRATEGIES = ("auto", "single", "ddp", "dp")
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 
 
 def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     """``auto`` is DDP with several processes and a single device otherwise.
 
-    ``ddp`` at world size 1 is a single device: the same code path, with no group and no hooks.
+    ``ddp`` and ``fsdp`` at world size 1 are a single device: the same code path, with no group
+    and no hooks (a model built on the meta device is then materialised whole).
     """
     if not isinstance(strategy, str):
-        if isinstance(strategy, DDP) and world_size == 1:
+        if isinstance(strategy, (DDP, FSDP)) and world_size == 1:
             return SingleDevice()
         return strategy
     name = strategy.lower()
@@ -136,6 +152,8 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
     if name == "dp":
         return DP()
+    if name == "fsdp":
+        return FSDP() if world_size > 1 else SingleDevice()
     if name == "single":
         if world_size > 1:
             raise ValueError(

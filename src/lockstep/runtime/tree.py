@@ -116,3 +116,14 @@ def batch_size_of(batch: Any) -> int:
         if size:
             return size
     return 0
+
+
+def _is_row_list(node: Any) -> bool:
+    return isinstance(node, list) and not any(isinstance(item, torch.Tensor) for item in node)
+
+
+def empty_rows(batch: Any) -> Any:
+    """``batch`` with zero rows: every tensor cut to ``[:0]``, every list of non-tensors emptied."""
+    leaves, spec = flatten(batch, is_leaf=_is_row_list)
+    return unflatten([leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() else
+                      [] if _is_row_list(leaf) else leaf for leaf in leaves], spec)

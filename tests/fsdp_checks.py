@@ -1,0 +1,180 @@
+"""Functions the FSDP tests run on every rank (importable by the spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import dist_checks as checks
+import lockstep
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    """A small model with repeated blocks, the shape FSDP shards block by block."""
+
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_stack(seed: int = 1, width: int = 32) -> Stack:
+    torch.manual_seed(seed)
+    return Stack(width)
+
+
+def full_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter, whole (shards gathered), flattened in definition order."""
+    parts = []
+    for p in lockstep.unwrap(model).parameters():
+        t = p.detach()
+        parts.append((t.full_tensor() if isinstance(t, DTensor) else t).float().reshape(-1))
+    return torch.cat(parts)
+
+
+def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float | None = None,
+          epochs: int = 2, n: int = 103, batch: int = 16) -> torch.Tensor:
+    """lockstep's loop: optimizer built before setup, uneven last batch, accumulation, clipping."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, precision=precision, seed=0)
+    model = make_stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(checks.make_data(n), batch_size=batch, shuffle=True, num_workers=0)
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            boundary = (i + 1) % accumulate == 0 or i + 1 == len(loader)
+            with rt.no_sync(model, enabled=not boundary):
+                rt.backward(F.cross_entropy(model(x), y) / accumulate)
+            if boundary:
+                if clip is not None:
+                    rt.clip_grad_norm_(model, optimizer, clip)
+                optimizer.step()
+                optimizer.zero_grad()
+    return full_weights(model)
+
+
+def bf16_against_plain_fsdp2() -> float:
+    """lockstep ``bf16-mixed`` under FSDP against a hand-written FSDP2 loop with the same policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", precision="bf16-mixed", seed=0)
+    dataset = checks.make_data(16 * 12)
+    model = make_stack()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x, y in rt.loader(dataset, batch_size=16, shuffle=False, num_workers=0):
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    ours = full_weights(model)
+
+    plain = make_stack()
+    mesh = init_device_mesh("cpu", (rt.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in plain.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(plain, mesh=mesh, mp_policy=policy)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x_all, y_all = dataset.tensors
+    per_rank = 16 // rt.world_size
+    for first in range(0, len(dataset), 16):
+        part = slice(first + rt.rank * per_rank, first + (rt.rank + 1) * per_rank)
+        F.cross_entropy(plain(x_all[part]).float(), y_all[part]).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    return float((ours - full_weights(plain)).abs().max())
+
+
+def built_empty() -> dict:
+    """A model built on the meta device: each rank allocates its shards only, initialised."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", seed=0)
+    with rt.init_module(empty=True):
+        model = Stack(width=64)
+    assert all(p.is_meta for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    params = list(lockstep.unwrap(model).parameters())
+    local = [p.to_local() for p in params]
+    x, y = checks.make_data(16).tensors
+    rt.backward(F.cross_entropy(model(x[rt.rank * 8:(rt.rank + 1) * 8]), y[:8]))
+    optimizer.step()
+    return {
+        "local_numel": sum(t.numel() for t in local), "full_numel": sum(p.numel() for p in params),
+        "finite": all(bool(torch.isfinite(t).all()) for t in local),
+        "embed_std": float(local[0].detach().std()), "embed_rows": local[0][:2].detach().clone(),
+        "optimizer_holds_model": all(a is b for a, b in zip(optimizer.param_groups[0]["params"], params, strict=True)),
+    }
+
+
+def evaluation_under_fsdp() -> dict:
+    """1,001 samples on 3 ranks in batches of 9 (3 per rank): shards of 334, 334 and 333 rows take 112,
+    112 and 111 batches, so rank 2 runs one empty batch; outputs come back in dataset order."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", seed=0)
+    model = rt.setup(make_stack())
+    data = checks.make_data(1001)
+    loader = rt.eval_loader(torch.utils.data.TensorDataset(data.tensors[0], torch.arange(1001)), batch_size=9,
+                            num_workers=0)
+    outputs, indices, rows = [], [], []
+    model.eval()
+    with torch.no_grad():
+        for x, index in loader:
+            outputs.append(model(x))
+            indices.append(index)
+            rows.append(len(x))
+    return {"outputs": rt.gather(outputs), "indices": rt.gather(indices), "rows": rows,
+            "weights": full_weights(model)}
+
+
+def storage_bytes(strategy) -> int:
+    """This rank's bytes of parameters, gradients and optimizer state after one AdamW step."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    model = make_stack(width=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = rt.setup(model, optimizer)
+    x, y = checks.make_data(16).tensors
+    rt.backward(F.cross_entropy(model(x[:4]), y[:4]))
+    optimizer.step()
+    tensors = []
+    for p in lockstep.unwrap(model).parameters():
+        tensors += [p, p.grad]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen and local.numel() > 1:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def stepped_optimizer_is_refused() -> str:
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", seed=0)
+    model = make_stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    try:
+        rt.setup(model, optimizer)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -1,0 +1,58 @@
+"""FSDP2: the same model as one process and as DDP, built empty, evaluated exactly, in less memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_checks as fc
+from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_fsdp_on_2_and_4_processes_equals_one_process_and_ddp_with_accumulation_and_clipping():
+    # 103 samples, global batch 16: the last batch of 7 splits unevenly; 2 micro-batches per step.
+    options = ("32-true", 2, 0.05)
+    reference = run_ranks(fc.train, 1, "single", *options)[0]
+    ddp = run_ranks(fc.train, 4, "ddp", *options)[0]
+    assert torch.allclose(ddp, reference, atol=1e-5, rtol=0)
+    for world in (2, 4):
+        for weights in run_ranks(fc.train, world, "fsdp", *options):
+            assert torch.allclose(weights, reference, atol=1e-5, rtol=0), world
+            assert torch.allclose(weights, ddp, atol=1e-5, rtol=0), world
+
+
+def test_bf16_mixed_equals_a_hand_written_fsdp2_loop_with_the_same_policy():
+    assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2)) <= 1e-6
+
+
+def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():
+    results = run_ranks(fc.built_empty, 2)
+    for result in results:
+        assert result["local_numel"] * 2 == result["full_numel"]
+        assert result["finite"] and result["optimizer_holds_model"]
+        assert 0.05 < result["embed_std"] < 0.5  # nn.Linear(8, 64)'s init: uniform in +-1/sqrt(8)
+    assert not torch.equal(results[0]["embed_rows"], results[1]["embed_rows"])  # shards differ
+
+
+def test_evaluation_with_uneven_batch_counts_neither_hangs_nor_adds_rows():
+    results = run_ranks(fc.evaluation_under_fsdp, 3)
+    model = fc.make_stack()
+    with torch.no_grad():
+        expected = model(fc.checks.make_data(1001).tensors[0])
+    assert [len(r["rows"]) for r in results] == [112, 112, 112]
+    assert results[2]["rows"][-1] == 0  # rank 2 ran its padding batch with zero rows
+    for result in results:
+        assert torch.equal(result["indices"], torch.arange(1001))
+        assert torch.allclose(result["outputs"], expected, atol=1e-6)
+
+
+def test_fsdp_holds_at_most_a_third_of_ddps_bytes_on_4_ranks():
+    ddp, fsdp = run_ranks(fc.storage_bytes, 4, "ddp")[0], run_ranks(fc.storage_bytes, 4, "fsdp")[0]
+    assert fsdp <= 0.3 * ddp, (fsdp, ddp)
+
+
+def test_an_optimizer_that_already_stepped_cannot_follow_the_shards():
+    message = run_ranks(fc.stepped_optimizer_is_refused, 2)[0]
+    assert "build the optimizer after rt.setup" in message
