@@ -178,3 +178,47 @@ def stepped_optimizer_is_refused() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def save_then_load(strategy_save, folder: str, blocking: bool) -> torch.Tensor:
+    """Train 3 steps, save model + optimizer + loader + step with rt.save; return the whole weights."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy_save, seed=0)
+    model = make_stack()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0)
+    for step, (x, y) in enumerate(loader):
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            rt.save(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": step},
+                    blocking=blocking)
+            break
+    rt.close()
+    return full_weights(model)
+
+
+def continue_from(strategy, folder: str) -> dict:
+    """Load what ``save_then_load`` saved, then finish the epoch; returns weights and the step."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    model = make_stack(seed=5)  # other weights: the checkpoint must overwrite them
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0)
+    state = rt.load(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": -1})
+    loaded = full_weights(model)
+    for x, y in loader:
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"step": state["step"], "loaded": loaded, "final": full_weights(model)}
+
+
+def uninterrupted(strategy) -> torch.Tensor:
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    model = make_stack()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x, y in rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0):
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return full_weights(model)

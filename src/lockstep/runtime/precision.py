@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -132,14 +133,16 @@ class MixedPrecision(TruePrecision):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
-            self.scaler.unscale_(optimizer)
+            with _quiet_scaler_on_shards():
+                self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         if self.scaler is None:
             return step()
         self._scale_before = self.scaler.get_scale()
-        result = self.scaler.step(optimizer)  # calls optimizer.step() unless grads hold inf/NaN
+        with _quiet_scaler_on_shards():
+            result = self.scaler.step(optimizer)  # calls optimizer.step() unless grads hold inf/NaN
         self.scaler.update()
         self._scale_after = None
         self._unscaled.discard(id(optimizer))
@@ -159,6 +162,14 @@ class MixedPrecision(TruePrecision):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+@contextlib.contextmanager
+def _quiet_scaler_on_shards() -> Iterator[None]:
+    """The sharded grad scaler's inf check makes DTensor warn about its (1,)-shaped flag, each step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+        yield
 
 
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",

@@ -9,6 +9,7 @@ import gc
 import logging
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
+from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, ModelState
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -120,6 +122,7 @@ class Runtime:
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
+        self.checkpointer = Checkpointer(self.rank, self.barrier)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
@@ -307,6 +310,41 @@ class Runtime:
             opts.setdefault("persistent_workers", True)
         return dataset, opts
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True) -> float:
+        """Save ``state`` as the checkpoint folder ``path``; every rank calls it. Returns the seconds
+        the call blocked.
+
+        Models (what ``rt.setup`` returned) and their optimizers are saved by parameter name, each
+        rank writing its own shards; loaders and anything else with ``state_dict()`` are saved
+        through it; other values (numbers, strings, tensors) as they are on rank 0. The folder is
+        committed atomically and loads on any number of processes and any strategy (``rt.load``).
+        ``blocking=False`` writes in the background while training goes on.
+        """
+        sharded, objects, optimizer_of = _split_state(state)
+        metadata = {"world_size": self.world_size, "strategy": self.strategy.name, "optimizers": optimizer_of}
+        with self._watchdog.watch("checkpoint save"):
+            return self.checkpointer.save(path, sharded, objects, metadata, blocking=blocking)
+
+    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint folder ``path`` into ``state``, as given to ``rt.save``: models,
+        optimizers, loaders and other objects with ``load_state_dict`` in place; plain values are
+        replaced in ``state``, which is also returned. Every rank calls it, with the same keys.
+        """
+        sharded, _, _ = _split_state(state)
+        with self._watchdog.watch("checkpoint load"):
+            objects = self.checkpointer.load(path, sharded)
+        for name, value in state.items():
+            if name in sharded or any(name in part.names for part in sharded.values()):
+                continue
+            if name not in objects:
+                raise CheckpointError(f"{path}: holds no {name!r}; it holds {sorted(objects)}.")
+            if hasattr(value, "load_state_dict") and not isinstance(value, torch.Tensor):
+                value.load_state_dict(objects[name])
+            else:
+                state[name] = objects[name]
+        return state
+
     def mark(self, stage: str) -> None:
         """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
 
@@ -394,6 +432,7 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
+        self.checkpointer.close()
         self._watchdog.stop()
         if self._owns_group:
             self._owns_group = False
@@ -423,6 +462,33 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:
             self_launch(nproc)
+
+
+def _split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
+    """Models with their optimizers (sharded parts), and the other values' states (rank 0's)."""
+    models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
+    owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
+    optimizer_of: dict[str, str] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for group in value.param_groups for p in group["params"]}
+            owner = next((model for model, ids in owners.items() if params <= ids), None)
+            if owner is None:
+                raise CheckpointError(
+                    f"state[{name!r}] is an optimizer over parameters of no model in the same dict: save it "
+                    "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
+                )
+            optimizer_of[name] = owner
+    sharded = {}
+    for name, model in models.items():
+        mine = sorted(o for o, owner in optimizer_of.items() if owner == name)
+        sharded[name] = ModelState(model, [state[o] for o in mine])
+        sharded[name].names = {name, *mine}
+    objects = {
+        name: value.state_dict() if hasattr(value, "state_dict") and not isinstance(value, torch.Tensor) else value
+        for name, value in state.items() if name not in models and name not in optimizer_of
+    }
+    return sharded, objects, optimizer_of
 
 
 class _CurrentBatch:

@@ -1,0 +1,219 @@
+"""Checkpoints as folders: every rank writes its own shards, committed whole or not at all.
+
+A checkpoint folder holds:
+
+- the tensors of models and optimizers, written by ``torch.distributed.checkpoint`` (DCP): each
+  rank writes the shards it holds (a replicated tensor is written once), nothing is gathered;
+- ``state.pt``: the small non-tensor state (loader position, counters, schedulers, random states),
+  written by rank 0 and read with weights-only unpickling;
+- ``lockstep.json``: the metadata (format, step, world size, strategy, ...), readable without
+  loading any tensor. It is written last: a folder without it is not a checkpoint.
+
+A save goes to a hidden ``.NAME.partial`` folder that rank 0 renames to ``NAME`` once every rank
+has written, so a crash mid-save leaves the previous checkpoint as it was. DCP reshards on load:
+a checkpoint loads on any number of processes, under any strategy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lockstep.runtime.files import write_atomic
+from lockstep.runtime.wrappers import unwrap
+
+FORMAT = 2
+METADATA = "lockstep.json"
+OBJECTS = "state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used; the message says why and what to do."""
+
+
+class ModelState:
+    """A model and the optimizers over its parameters, as DCP saves them: keyed by parameter names,
+    so they load into any sharding (FSDP on any number of ranks, DDP, one process)."""
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        self.model, self.optimizers = unwrap(model), list(optimizers)
+        self.names: set[str] = set()  # the keys of a saved dict this part stands for
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizers:
+            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizers:
+            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"])
+
+
+def lockstep_version() -> str:
+    try:
+        return version("lockstep")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
+def read_metadata(path: Path | str) -> dict[str, Any]:
+    """The metadata of the complete checkpoint folder ``path``, without loading a tensor."""
+    path = Path(path)
+    try:
+        metadata = json.loads((path / METADATA).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path}: not a complete lockstep checkpoint ({type(error).__name__}: {error}). A save that "
+            "was interrupted leaves no metadata: resume from another checkpoint."
+        ) from None
+    if int(metadata.get("format", 0)) > FORMAT:
+        raise CheckpointError(
+            f"{path}: written by a newer lockstep (checkpoint format {metadata['format']}); this one reads "
+            f"format {FORMAT}: upgrade lockstep to resume from it."
+        )
+    return dict(metadata)
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """A complete checkpoint: a folder (or a link to one) with metadata, not a partial save."""
+    return path.is_dir() and not path.name.startswith(".") and (path / METADATA).is_file()
+
+
+class Checkpointer:
+    """Saves and loads checkpoint folders for one job. Every rank calls every method.
+
+    ``blocking=False`` copies the state to host memory, then writes it in a background thread while
+    training goes on (``dcp.async_save`` over a Gloo group of its own, so its collectives never mix
+    with the training loop's). The next save, ``wait()`` and ``close()`` wait for it.
+    """
+
+    def __init__(self, rank: int, barrier: Callable[[], None]) -> None:
+        self.rank, self._barrier = rank, barrier
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._group: Any = None
+
+    def save(
+        self, path: Path | str, sharded: dict[str, Any], objects: dict[str, Any], metadata: dict[str, Any],
+        blocking: bool = True, then: Callable[[], None] | None = None,
+    ) -> float:
+        """Write ``sharded`` (DCP-stateful parts, e.g. ``ModelState``) and ``objects`` (rank 0's
+        small state) to the folder ``path``. Rank 0 runs ``then`` after the commit. Returns the
+        seconds the caller was blocked."""
+        start = time.perf_counter()
+        self.wait()
+        final = Path(path)
+        partial = final.parent / f".{final.name}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            write_atomic(partial / OBJECTS, lambda handle: torch.save(objects, handle))
+        self._barrier()
+        info = {"format": FORMAT, "lockstep": lockstep_version(), "saved_at": time.time(),
+                "sharded": sorted(sharded), "objects": sorted(objects), **metadata}
+
+        def commit() -> None:
+            if self.rank == 0:
+                _commit(partial, final, info)
+                if then is not None:
+                    then()
+
+        if blocking or not dist.is_initialized():
+            dcp.save(sharded, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+            commit()
+            self._barrier()
+        else:
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group)
+            self._pending = _then(written, commit)  # type: ignore[arg-type]
+        return time.perf_counter() - start
+
+    def load(self, path: Path | str, sharded: dict[str, Any]) -> dict[str, Any]:
+        """Load the sharded parts in place (resharded to this job) and return the saved objects."""
+        path = Path(path)
+        read_metadata(path)
+        try:
+            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except Exception as error:  # noqa: BLE001 - DCP raises many kinds for a model that does not match
+            first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+            raise CheckpointError(
+                f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
+                "optimizer: build the same model, with the same optimizers, as the run that saved it."
+            ) from error
+        return read_objects(path)
+
+    def wait(self) -> None:
+        """Wait for a background save to be written (and committed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+
+
+def read_objects(path: Path) -> dict[str, Any]:
+    try:
+        with open(path / OBJECTS, "rb") as handle:
+            data = io.BytesIO(handle.read())
+        return dict(torch.load(data, map_location="cpu", weights_only=True))
+    except Exception as error:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        raise CheckpointError(f"{path / OBJECTS}: cannot read it ({type(error).__name__}: {error}).") from None
+
+
+def _then(future: concurrent.futures.Future[Any], action: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """A future that completes once ``future`` has and ``action`` ran after it (not if it failed)."""
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def follow(finished: concurrent.futures.Future[Any]) -> None:
+        try:
+            finished.result()
+            action()
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    future.add_done_callback(follow)
+    return done
+
+
+def _commit(partial: Path, final: Path, metadata: dict[str, Any]) -> None:
+    """Rank 0, once every rank has written: the metadata, then the rename that publishes the folder.
+
+    A checkpoint already at ``final`` (e.g. ``last.ckpt``) is moved aside first and deleted last, so
+    at every moment one complete checkpoint exists.
+    """
+    write_atomic(partial / METADATA, lambda handle: handle.write(json.dumps(metadata, indent=1).encode()))
+    old = None
+    if final.is_symlink() or final.exists():
+        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(partial, final)
+    if old is not None:
+        if old.is_symlink() or old.is_file():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
