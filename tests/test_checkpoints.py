@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -23,20 +24,23 @@ def _run(*args: str, restarts: int = 0, devices: int = 2) -> subprocess.Complete
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def _whole_then_killed_and_resumed(tmp_path: Path, *extra: str, devices: int = 2) -> tuple[dict, dict]:
-    """An uninterrupted run, then one whose rank 1 SIGKILLs itself at step 8 and is rerun to resume.
+def _whole_then_killed_and_resumed(tmp_path: Path, *extra: str, devices: int = 2, kill_at: str = "8",
+                                   resumed_at: int = 6) -> tuple[dict, dict]:
+    """An uninterrupted run, then one whose rank 1 SIGKILLs itself (at step ``kill_at``, or as the
+    extra arguments say) and is rerun to resume.
 
-    Returns both runs' results after checking that the kill happened and the rerun resumed at step 6.
+    Returns both runs' results after checking that the kill happened and the rerun resumed at
+    step ``resumed_at``.
     """
     whole = _run(str(tmp_path / "whole"), str(tmp_path / "whole.pt"), "-1", *extra, devices=devices)
     assert whole.returncode == 0, whole.stderr
-    killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "8", *extra,  # 7 steps/epoch: mid-epoch 2
+    killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), kill_at, *extra,  # 7 steps/epoch
                   devices=devices)
     assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
     assert not (tmp_path / "resumed.pt").exists()
     resumed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "-1", *extra, devices=devices)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "step 6" in resumed.stdout
+    assert "resumed from" in resumed.stdout and f"step {resumed_at}." in resumed.stdout
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     assert a["steps"] == b["steps"] == 21
     return a, b
@@ -61,6 +65,11 @@ def test_on_4_ranks_a_resume_is_bitwise_when_ddp_keeps_one_bucket_layout(tmp_pat
     never rebuilds (find_unused_parameters=True); docs/trainer.md says so."""
     a, b = _whole_then_killed_and_resumed(tmp_path, "one-layout", devices=4)
     assert torch.equal(a["weights"], b["weights"])
+
+
+def test_a_kill_between_shard_files_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    a, b = _whole_then_killed_and_resumed(tmp_path, kill_at="save", resumed_at=3)
+    assert torch.equal(a["weights"], b["weights"])  # the step-6 save never committed: resumed at step 3
 
 
 def test_elastic_restart_after_a_kill_continues_from_the_checkpoint_bitwise(tmp_path):
@@ -104,8 +113,21 @@ def test_newest_valid_skips_a_truncated_newer_checkpoint(tmp_path):
     save_atomic({"value": 2, "loop": {"global_step": 9}}, tmp_path / "epoch=1-step=00000009.ckpt")
     full = (tmp_path / "epoch=1-step=00000009.ckpt").read_bytes()
     (tmp_path / "epoch=1-step=00000009.ckpt").write_bytes(full[: len(full) // 2])
-    path, state = newest_valid(tmp_path)
-    assert path.name == "epoch=0-step=00000005.ckpt" and state["value"] == 1
+    path, step = newest_valid(tmp_path)
+    assert path.name == "epoch=0-step=00000005.ckpt" and step == 5
+
+
+def test_newest_valid_reads_folder_metadata_and_ignores_partial_saves(tmp_path):
+    def folder(name: str, step: int | None) -> None:
+        (tmp_path / name).mkdir()
+        if step is not None:
+            (tmp_path / name / "lockstep.json").write_text(json.dumps({"format": 2, "step": step}))
+
+    save_atomic({"value": 1, "loop": {"global_step": 5}}, tmp_path / "epoch=0-step=00000005.ckpt")  # format 1
+    folder("epoch=1-step=00000009.ckpt", 9)
+    folder(".epoch=2-step=00000012.ckpt.partial", 12)  # a save that was interrupted: never renamed
+    folder("epoch=3-step=00000015.ckpt", None)  # no metadata: not complete
+    assert newest_valid(tmp_path) == (tmp_path / "epoch=1-step=00000009.ckpt", 9)
 
 
 def test_unusable_checkpoints_say_why(tmp_path):
@@ -139,5 +161,5 @@ def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
             self.net[3] = torch.nn.Linear(64, 4)
 
     other = tc.quiet_trainer(max_steps=4, resume=tmp_path / "small.ckpt")
-    with pytest.raises(CheckpointError, match="different model .*different shapes for \\['net.0.weight'"):
+    with pytest.raises(CheckpointError, match="Size mismatch .* for model.model.net.0.weight.*different model"):
         other.fit(Wider(), tc.checks.make_data(32), batch_size=16)

@@ -11,15 +11,32 @@ import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
 import trainer_checks as tc  # noqa: E402
 
-checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+checkpoint_dir, out = sys.argv[1], sys.argv[2]
+kill_in_save = sys.argv[3] == "save"  # rank 1 dies inside a checkpoint save instead of at a step
+kill_at = -1 if kill_in_save else int(sys.argv[3])
 # "one-layout": DDP keeps its first gradient-bucket layout for the whole run (no rebuild), so that a
 # resumed run's first step sums the ranks' gradients in the same order as an uninterrupted run's.
 strategy = lockstep.DDP(find_unused_parameters=True) if sys.argv[4:] == ["one-layout"] else None
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # an elastic restart: no kill
+killed_marker = checkpoint_dir.rstrip("/") + ".killed"  # the rerun that resumes must not die again
+if kill_in_save and os.environ.get("RANK") == "1" and not os.path.exists(killed_marker):
+    # Rank 1 dies in its second checkpoint save (step 6), while rank 0 writes its shard file.
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data, saves = FileSystemWriter.write_data, []
+
+    def dying_write_data(self, plan, planner):
+        saves.append(plan)
+        if len(saves) == 2:
+            open(killed_marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = dying_write_data
 
 
 class KillAt(lockstep.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # an elastic restart: no kill
         if trainer.global_step == kill_at and trainer.runtime.rank == 1 and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 

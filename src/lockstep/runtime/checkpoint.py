@@ -17,13 +17,15 @@ a checkpoint loads on any number of processes, under any strategy.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -140,7 +143,8 @@ class Checkpointer:
                     then()
 
         if blocking or not dist.is_initialized():
-            dcp.save(sharded, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+            with _one_process_quietly():
+                dcp.save(sharded, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
             commit()
             self._barrier()
         else:
@@ -155,8 +159,9 @@ class Checkpointer:
         path = Path(path)
         read_metadata(path)
         try:
-            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except Exception as error:  # noqa: BLE001 - DCP raises many kinds for a model that does not match
+            with _one_process_quietly():
+                dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
             first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
             raise CheckpointError(
                 f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
@@ -172,6 +177,14 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns on every save and load without a process group, the normal case for one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_objects(path: Path) -> dict[str, Any]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from lockstep.runtime import write_atomic
 
 if TYPE_CHECKING:
     from lockstep.train.module import Module
@@ -44,6 +43,24 @@ class Callback:
         return None
 
 
+def _link(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target`` (a sibling), replacing what was there in one rename."""
+    temporary = link.with_name(f".{link.name}.link")
+    with contextlib.suppress(FileNotFoundError):
+        temporary.unlink()
+    temporary.symlink_to(target.name)
+    if link.is_dir() and not link.is_symlink():
+        _remove(link)
+    os.replace(temporary, link)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _better(mode: str, value: float, than: float, min_delta: float = 0.0) -> bool:
     return value < than - min_delta if mode == "min" else value > than + min_delta
 
@@ -58,17 +75,21 @@ class ModelCheckpoint(Callback):
     """Save checkpoints every ``every_n_steps`` steps and/or ``every_n_epochs`` epochs.
 
     With ``monitor``, keep the ``save_top_k`` best by that metric (``mode`` min or max); without,
-    keep the newest ``save_top_k``. ``save_last`` also keeps ``last.ckpt``. ``dirpath`` defaults to
-    the Trainer's ``checkpoint_dir``. Files are written atomically by rank 0.
+    keep the newest ``save_top_k`` (``-1``: all). ``save_last`` also keeps ``last.ckpt`` (a link to
+    the newest checkpoint when that one is kept). ``dirpath`` defaults to the Trainer's
+    ``checkpoint_dir``. Each checkpoint is a folder that every rank writes its shards into,
+    committed atomically; ``async_save`` writes it in the background while training goes on, and
+    an older checkpoint is deleted only once the newer one is committed.
     """
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
                  save_top_k: int = 1, save_last: bool = True, every_n_steps: int | None = None,
-                 every_n_epochs: int | None = 1) -> None:
+                 every_n_epochs: int | None = 1, async_save: bool = False) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.monitor, self.mode = monitor, _check_mode(mode)
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
+        self.async_save = async_save
         self.kept: dict[str, float] = {}  # path -> score (monitor value, or the step)
         self.best_model_path: str | None = None
 
@@ -81,41 +102,47 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def save(self, trainer: Trainer) -> None:
-        """Every rank calls it (the RNG states of all ranks go into the file)."""
+        """Every rank calls it (every rank writes its shards)."""
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is None:
             raise ValueError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
         path = Path(folder) / f"epoch={trainer.current_epoch}-step={trainer.global_step:08d}.ckpt"
         if str(path) in self.kept:
             return  # already saved at this step (e.g. by both the step and the epoch rule)
-        if self.monitor is not None:
-            score = trainer.callback_metrics.get(self.monitor, math.nan)
-            if math.isnan(score):
-                raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
-                                 f"metrics are {sorted(trainer.callback_metrics)}.")
-        else:
-            score = float(trainer.global_step)
+        score = self._score(trainer)
         mode = self.mode if self.monitor is not None else "max"
         keep = self.save_top_k != 0 and (
             self.save_top_k < 0 or len(self.kept) < self.save_top_k
             or _better(mode, score, min(self.kept.values()) if mode == "max" else max(self.kept.values())))
-        if keep:
-            trainer.save_checkpoint(path)
-            self.kept[str(path)] = score
-            if self.save_top_k > 0 and len(self.kept) > self.save_top_k:
-                worst = (min if mode == "max" else max)(self.kept, key=lambda p: self.kept[p])
-                del self.kept[worst]
-                if trainer.is_global_zero and os.path.exists(worst):
-                    os.remove(worst)
-            pick = max if mode == "max" else min
-            self.best_model_path = pick(self.kept, key=lambda p: self.kept[p])
-        if self.save_last:
-            last = Path(folder) / "last.ckpt"
-            if keep and trainer.is_global_zero:
-                with open(path, "rb") as saved:
-                    write_atomic(last, lambda handle: shutil.copyfileobj(saved, handle))
-            elif not keep:
-                trainer.save_checkpoint(last)
+        last = Path(folder) / "last.ckpt"
+        if not keep:
+            if self.save_last:
+                trainer.save_checkpoint(last, blocking=not self.async_save)
+            return
+        self.kept[str(path)] = score
+        dropped = []
+        if self.save_top_k > 0 and len(self.kept) > self.save_top_k:
+            dropped.append((min if mode == "max" else max)(self.kept, key=lambda p: self.kept[p]))
+            del self.kept[dropped[0]]
+        pick = max if mode == "max" else min
+        self.best_model_path = pick(self.kept, key=lambda p: self.kept[p])
+
+        def after_commit() -> None:  # rank 0, once the new checkpoint is complete
+            if self.save_last:
+                _link(last, path)
+            for old in dropped:
+                _remove(Path(old))
+
+        trainer.save_checkpoint(path, blocking=not self.async_save, then=after_commit)
+
+    def _score(self, trainer: Trainer) -> float:
+        if self.monitor is None:
+            return float(trainer.global_step)
+        score = trainer.callback_metrics.get(self.monitor, math.nan)
+        if math.isnan(score):
+            raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
+                             f"metrics are {sorted(trainer.callback_metrics)}.")
+        return score
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": dict(self.kept), "best_model_path": self.best_model_path}

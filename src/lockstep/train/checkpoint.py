@@ -1,4 +1,8 @@
-"""Checkpoint files: atomic writes, weights-only reads, and finding the newest valid one."""
+"""The Trainer's checkpoints: its stateful parts, finding the newest complete one, and resuming.
+
+A checkpoint is a folder (``lockstep.runtime.checkpoint``, format 2): the module and optimizers as
+shards, the other parts' states from rank 0. Single-file checkpoints of format 1 still resume.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep.runtime import Runtime, write_atomic
+from lockstep.runtime.checkpoint import CheckpointError, ModelState, is_checkpoint_folder, read_metadata
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
 
-FORMAT = 1  # bump when the layout changes; older lockstep refuses newer files with a clear message
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used; the message says why and what to do."""
+FORMAT = 1  # the single-file layout (still read); folders are format 2
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -54,20 +55,26 @@ def _step_of(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def newest_valid(folder: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The loadable checkpoint in ``folder`` with the most training steps (ties: the newest file)."""
+def newest_valid(folder: Path) -> tuple[Path, int] | None:
+    """The complete checkpoint in ``folder`` with the most training steps (ties: the newest), and
+    that step. Folders are judged by their metadata alone; format-1 files are read whole."""
     if not folder.is_dir():
         return None
-    best: tuple[int, Path, dict[str, Any]] | None = None
-    for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
+    best: tuple[int, float, Path] | None = None
+    for path in folder.iterdir():
         try:
-            state = load(path)
+            if is_checkpoint_folder(path):
+                step = int(read_metadata(path).get("step", _step_of(path)))
+            elif path.suffix == ".ckpt" and path.is_file() and not path.name.startswith("."):
+                step = int(load(path).get("loop", {}).get("global_step", _step_of(path)))
+            else:
+                continue
         except CheckpointError:
             continue  # e.g. truncated by a crash: fall back to an older one
-        step = int(state.get("loop", {}).get("global_step", _step_of(path)))
-        if best is None or step > best[0]:
-            best = (step, path, state)
-    return None if best is None else (best[1], best[2])
+        candidate = (step, path.stat().st_mtime, path)
+        if best is None or candidate[:2] > best[:2]:
+            best = candidate
+    return None if best is None else (best[2], best[0])
 
 
 def capture_rng() -> dict[str, Any]:
@@ -126,14 +133,12 @@ def load_module_state(module: torch.nn.Module, state: dict[str, Any], path: Path
     module.load_state_dict(state)
 
 
-def agreed_checkpoint(
-    rt: Runtime, resume: str | Path, checkpoint_dir: Path | None,
-) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to resume from (``"auto"``: the newest valid one in ``checkpoint_dir``),
-    the same on every rank, or an error that says why not. Every rank must call it.
+def agreed_checkpoint(rt: Runtime, resume: str | Path, checkpoint_dir: Path | None) -> tuple[Path, int] | None:
+    """The checkpoint to resume from (``"auto"``: the newest complete one in ``checkpoint_dir``) and
+    its step, the same on every rank, or an error that says why not. Every rank must call it.
 
-    Each rank reads it from its own file system: one that the nodes do not share would otherwise
-    resume rank 0 alone and train the others from scratch.
+    Each rank looks on its own file system: one that the nodes do not share would otherwise
+    resume some ranks and train the others from scratch.
     """
     found, problem = None, ""
     try:
@@ -141,57 +146,133 @@ def agreed_checkpoint(
             assert checkpoint_dir is not None, "TrainerConfig checks that resume='auto' has a folder"
             found = newest_valid(checkpoint_dir)
         else:
-            found = Path(resume), load(resume)
+            path = Path(resume)
+            step = read_metadata(path).get("step", -1) if path.is_dir() else load(path)["loop"]["global_step"]
+            found = path, int(step)
     except CheckpointError as error:
         problem = str(error)
-    mine = problem or (f"{found[0].name} (step {found[1]['loop']['global_step']})" if found else "none")
+    mine = problem or (f"{found[0].name} (step {found[1]})" if found else "none")
     seen = rt.all_gather((socket.gethostname(), mine))
     if len({what for _, what in seen}) > 1 or problem:
         lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
         raise CheckpointError(
             "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
-            "Rank 0 writes the checkpoints: put checkpoint_dir (or the resume path) on a file system "
-            "that every node shares, or copy the file to every node."
+            "Every rank writes its shards into the checkpoint folder: put checkpoint_dir (or the resume path) "
+            "on a file system that every node shares."
         )
     return found
 
 
-def capture_state(trainer: Trainer) -> dict[str, Any]:
-    """Everything resuming needs, each part from its own ``state_dict``. Every rank must call it."""
-    rt = trainer.runtime
-    loader = trainer.train_loader
-    return {
-        "module": trainer.module.state_dict(),
-        "optimizers": [o.state_dict() for o in trainer.optimizers],
-        "schedulers": [s.state_dict() for s, _ in trainer.lr_schedulers],
-        "precision": rt.precision.state_dict(),
-        "loop": {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
-                 "batches_done_in_epoch": trainer.batches_done_in_epoch, "samples_seen": trainer.samples_seen},
-        "loader": loader.state_dict() if loader is not None else {},
-        "rng": rt.all_gather(capture_rng()),
-        **trainer.metrics.state_dict(rt),
-        "world_size": rt.world_size,
-        "config": {k: str(v) for k, v in trainer.config.hparams().items()},
-        "callbacks": {f"{type(c).__name__}-{i}": c.state_dict() for i, c in enumerate(trainer.callbacks)},
+class _Loop:
+    """The loop counters; loading them also says where the resumed epoch continues."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"epoch": t.current_epoch, "global_step": t.global_step,
+                "batches_done_in_epoch": t.batches_done_in_epoch, "samples_seen": t.samples_seen}
+
+    def load_state_dict(self, loop: dict[str, Any]) -> None:
+        t = self.trainer
+        t.current_epoch, t.global_step = int(loop["epoch"]), int(loop["global_step"])
+        t.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
+        if batches_done >= t.steps_per_epoch:
+            t.current_epoch, batches_done = t.current_epoch + 1, 0
+        t.resume_at(batches_done)
+
+
+class _Each:
+    """A list of stateful objects (schedulers, callbacks) as one part."""
+
+    def __init__(self, items: list[Any], keys: list[str] | None = None) -> None:
+        self.items, self.keys = items, keys
+
+    def state_dict(self) -> Any:
+        states = [item.state_dict() for item in self.items]
+        return dict(zip(self.keys, states, strict=True)) if self.keys is not None else states
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.keys is not None:
+            for key, item in zip(self.keys, self.items, strict=True):
+                item.load_state_dict(state.get(key, {}))
+            return
+        for item, saved in zip(self.items, state, strict=True):
+            item.load_state_dict(saved)
+
+
+class _Metrics:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.metrics.state_dict(self.trainer.runtime)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.metrics.load_state_dict(t.runtime, state, mid_epoch=t.batches_done_in_epoch > 0)
+
+
+def parts(trainer: Trainer) -> dict[str, Any]:
+    """The Trainer's stateful parts besides the module and optimizers, in loading order."""
+    callbacks = trainer.callbacks
+    named = {
+        "loop": _Loop(trainer),
+        "schedulers": _Each([s for s, _ in trainer.lr_schedulers]),
+        "precision": trainer.runtime.precision,
+        "metrics": _Metrics(trainer),
+        "callbacks": _Each(list(callbacks), [f"{type(c).__name__}-{i}" for i, c in enumerate(callbacks)]),
     }
+    if trainer.train_loader is not None:
+        named["loader"] = trainer.train_loader
+    return named
 
 
-def load_state(trainer: Trainer, path: Path, state: dict[str, Any]) -> int:
-    """Load ``state`` into the Trainer's parts (random states apart); returns the batches done in the
-    epoch it resumes, where the loop continues."""
+def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> float:
+    """Write the Trainer's checkpoint folder; every rank calls it. Returns the seconds it blocked."""
     rt = trainer.runtime
+    objects = {name: part.state_dict() for name, part in parts(trainer).items()}
+    objects["rng"] = rt.all_gather(capture_rng())
+    objects["config"] = {k: str(v) for k, v in trainer.config.hparams().items()}
+    trainer.fire("on_save_checkpoint", objects)
+    loader = trainer.train_loader
+    metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": rt.world_size,
+                "strategy": rt.strategy.name, "global_batch": loader.sampler.batch_size if loader else None}
+    sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
+    return rt.checkpointer.save(path, sharded, objects, metadata, blocking=blocking, then=then)
+
+
+def resume(trainer: Trainer, path: Path) -> None:
+    """Load the checkpoint ``path`` (a folder, or a format-1 file) into the Trainer's parts; random
+    states last, and only on the same number of processes."""
+    rt = trainer.runtime
+    if path.is_dir():
+        sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
+        state = rt.checkpointer.load(path, sharded)
+        named = parts(trainer)
+        for name, part in named.items():
+            if name not in state:
+                raise CheckpointError(f"{path}: holds no {name!r} state; it holds {sorted(state)}.")
+            part.load_state_dict(state[name])
+    else:
+        state = load(path)
+        _resume_format_1(trainer, path, state)
+    trainer.fire("on_load_checkpoint", state)
+    restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it
+
+
+def _resume_format_1(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+    """A single-file checkpoint: whole module and per-optimizer states, saved by rank 0."""
+    if trainer.runtime.strategy.collective_forward:
+        raise CheckpointError(f"{path}: a single-file checkpoint (format 1) resumes under ddp or one process, "
+                              "not FSDP: resume it with strategy='ddp', save, then switch.")
     load_module_state(trainer.module, state["module"], path)
     for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
         optimizer.load_state_dict(saved)
-    for (scheduler, _), saved in zip(trainer.lr_schedulers, state["schedulers"], strict=True):
-        scheduler.load_state_dict(saved)
-    rt.precision.load_state_dict(state["precision"])
-    loop = state["loop"]
-    trainer.current_epoch, trainer.global_step = int(loop["epoch"]), int(loop["global_step"])
-    trainer.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
-    if batches_done >= trainer.steps_per_epoch:
-        trainer.current_epoch, batches_done = trainer.current_epoch + 1, 0
-    trainer.metrics.load_state_dict(rt, state, mid_epoch=batches_done > 0)
-    for i, callback in enumerate(trainer.callbacks):
-        callback.load_state_dict(state["callbacks"].get(f"{type(callback).__name__}-{i}", {}))
-    return batches_done
+    named = parts(trainer)
+    named["loop"].load_state_dict(state["loop"])
+    named["schedulers"].load_state_dict(state["schedulers"])
+    named["precision"].load_state_dict(state["precision"])
+    named["metrics"].load_state_dict(state)
+    named["callbacks"].load_state_dict(state["callbacks"])

@@ -17,7 +17,7 @@ import torch
 from lockstep.env import DistEnv
 from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, seed_everything
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.callbacks import Callback
+from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
 from lockstep.train.loggers import Logger, make_loggers
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
@@ -60,7 +60,11 @@ class Trainer:
             log_dir=Path(log_dir) if log_dir is not None else None, num_workers=num_workers, runtime=runtime,
         )
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
-        self.callbacks: list[Callback] = [*callbacks, *([ThroughputMonitor()] if enable_throughput_monitor else []),
+        # A checkpoint_dir means checkpoints: unless a ModelCheckpoint is given, the default one writes one
+        # per epoch and keeps the newest, plus last.ckpt.
+        default_checkpoints = checkpoint_dir is not None and not any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        self.callbacks: list[Callback] = [*callbacks, *([ModelCheckpoint()] if default_checkpoints else []),
+                                          *([ThroughputMonitor()] if enable_throughput_monitor else []),
                                           *([ProgressBar()] if enable_progress_bar else [])]
         self._logger_specs, self.profiler = list(loggers), make_profiler(profiler)
         self._runtime: Runtime | None = None
@@ -136,12 +140,13 @@ class Trainer:
         self._restore()
         self.profiler.start(self.log_dir, rt.rank)
         try:
-            self._fire("on_fit_start")
-            self._fire("on_train_start")
+            self.fire("on_fit_start")
+            self.fire("on_train_start")
             while not self._finished():
                 self._train_epoch()
-            self._fire("on_train_end")
-            self._fire("on_fit_end")
+            rt.checkpointer.wait()  # a checkpoint still being written in the background
+            self.fire("on_train_end")
+            self.fire("on_fit_end")
         except BaseException as error:
             for callback in self.callbacks:
                 callback.on_exception(self, module, error)
@@ -184,13 +189,16 @@ class Trainer:
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Every rank calls it; rank 0 writes ``path`` atomically. Holds all that resuming needs."""
-        rt, state = self.runtime, ckpt.capture_state(self)
-        self._fire("on_save_checkpoint", state)
-        if rt.is_global_zero:
-            ckpt.save_atomic(state, Path(path))
-        rt.barrier()
+    def save_checkpoint(self, path: str | Path, blocking: bool = True, then: Callable[[], None] | None = None) -> None:
+        """Every rank calls it: each writes its shards into the checkpoint folder ``path``, committed
+        atomically. ``blocking=False`` writes in the background; rank 0 runs ``then`` once committed.
+        The seconds the loop was blocked are logged as ``checkpoint_blocked_s``."""
+        blocked = ckpt.save(self, Path(path), blocking=blocking, then=then)
+        self.log_metrics({"checkpoint_blocked_s": blocked})
+
+    def resume_at(self, batches_done: int) -> None:
+        """Continue the current epoch after ``batches_done`` batches (what loading a checkpoint sets)."""
+        self._resume_batches = self.batches_done_in_epoch = batches_done
 
     # -- set-up and resume --------------------------------------------------------------------------
     def _start(self, module: Module, with_optimizers: bool) -> Runtime:
@@ -206,11 +214,23 @@ class Trainer:
                                  f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
             module.attach(self)
+            self._configure_model(module, self._runtime)
             self._module = module
             self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], [])
             wrapped = self._runtime.setup(StepRouter(module), *self.optimizers)
             self._wrapped = wrapped[0] if self.optimizers else wrapped
         return self._runtime
+
+    @staticmethod
+    def _configure_model(module: Module, rt: Runtime) -> None:
+        """Call the module's ``configure_model()`` once, under FSDP on the meta device (nothing allocated:
+        setup then materialises only this rank's shards)."""
+        hook = getattr(module, "configure_model", None)
+        if hook is None or getattr(module, "_lockstep_configured", False):
+            return
+        with rt.init_module(empty=rt.strategy.collective_forward):
+            hook()
+        module.__dict__["_lockstep_configured"] = True
 
     def _loader_options(self) -> dict[str, Any]:
         workers = self.config.num_workers
@@ -224,11 +244,8 @@ class Trainer:
         found = ckpt.agreed_checkpoint(rt, self.config.resume, self.config.checkpoint_dir)
         if found is None:
             return rt.print(f"lockstep: no checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
-        path, state = found
-        self._resume_batches = ckpt.load_state(self, path, state)
-        self._fire("on_load_checkpoint", state)
-        ckpt.restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it
-        rt.print(f"lockstep: resumed from {path} at epoch {self.current_epoch}, step {self.global_step}.")
+        ckpt.resume(self, found[0])
+        rt.print(f"lockstep: resumed from {found[0]} at epoch {self.current_epoch}, step {self.global_step}.")
 
     # -- the training loop, in reading order ------------------------------------------------------
     def _finished(self) -> bool:
@@ -255,7 +272,7 @@ class Trainer:
         if start == 0:
             self.metrics.reset()
         self._stores = [self.metrics.window, self.metrics.epoch]
-        self._fire("on_train_epoch_start")
+        self.fire("on_train_epoch_start")
         self._wrapped.train()
         return start
 
@@ -264,7 +281,7 @@ class Trainer:
         rt, k = self.runtime, self.config.accumulate_grad_batches
         assert self.train_loader is not None
         self._batch_samples = self.train_loader.local_batch_size(batch_idx)
-        self._fire("on_train_batch_start", batch, batch_idx)
+        self.fire("on_train_batch_start", batch, batch_idx)
         self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
         with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
             with self._hook("training_step"):
@@ -280,7 +297,7 @@ class Trainer:
                 self.log_metrics(self.metrics.window.reduce(rt))
                 self.metrics.window.reset()
         self.batches_done_in_epoch = batch_idx + 1
-        self._fire("on_train_batch_end", outputs, batch, batch_idx)
+        self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return self.at_step_boundary
 
     def _optimizer_step(self) -> None:
@@ -313,7 +330,7 @@ class Trainer:
         self.metrics.epoch.reset()
         if self._val_loader is not None and not self.config.val_check_interval:
             self._validate_during_fit()
-        self._fire("on_train_epoch_end")
+        self.fire("on_train_epoch_end")
         self.current_epoch += 1
 
     def _preempted(self) -> None:
@@ -332,7 +349,7 @@ class Trainer:
         assert self._val_loader is not None
         stores = self._stores
         self._run_eval(self._val_loader, "validation_step")
-        self._fire("on_validation_epoch_end")
+        self.fire("on_validation_epoch_end")
         self._stores = stores
         self._wrapped.train()
 
@@ -362,7 +379,7 @@ class Trainer:
         self.runtime.mark(name)
         return self.profiler.profile(name)
 
-    def _fire(self, hook: str, *args: Any) -> None:
+    def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs nothing otherwise)."""
         module = self._module
         for callback in self.callbacks:
