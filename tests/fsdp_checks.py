@@ -180,45 +180,84 @@ def stepped_optimizer_is_refused() -> str:
     return "no error"
 
 
-def save_then_load(strategy_save, folder: str, blocking: bool) -> torch.Tensor:
-    """Train 3 steps, save model + optimizer + loader + step with rt.save; return the whole weights."""
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy_save, seed=0)
-    model = make_stack()
-    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0)
-    for step, (x, y) in enumerate(loader):
+def _indexed_data():
+    x, y = checks.make_data(96).tensors
+    return torch.utils.data.TensorDataset(x, y, torch.arange(96))
+
+
+def _steps(rt, model, optimizer, batches, consumed: list, stop_after: int | None = None) -> None:
+    """Train over the batches (a loader: one epoch), recording each step's global sample indices."""
+    for step, (x, y, index) in enumerate(batches):
+        consumed.append(sorted(torch.cat(rt.all_gather(index)).tolist()))
         rt.backward(F.cross_entropy(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-        if step == 2:
-            rt.save(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": step},
-                    blocking=blocking)
-            break
+        if stop_after is not None and step == stop_after:
+            return
+
+
+def _setup(strategy, seed: int = 1):
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    model = make_stack(seed=seed)
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = rt.loader(_indexed_data(), batch_size=12, shuffle=True, num_workers=0)
+    return rt, model, optimizer, loader
+
+
+def save_mid_epoch(strategy, folder: str, blocking: bool) -> dict:
+    """Two epochs of 8 steps, saved with rt.save after step 3 of epoch 1 (in the background when
+    not ``blocking``), then finished: the uninterrupted run."""
+    rt, model, optimizer, loader = _setup(strategy)
+    consumed: list = []
+    _steps(rt, model, optimizer, loader, consumed)
+    epoch_1 = iter(loader)
+    _steps(rt, model, optimizer, epoch_1, consumed, stop_after=3)
+    rt.save(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": len(consumed)},
+            blocking=blocking)
+    _steps(rt, model, optimizer, epoch_1, consumed)
     rt.close()
-    return full_weights(model)
+    return {"weights": full_weights(model), "consumed": consumed}
 
 
-def continue_from(strategy, folder: str) -> dict:
-    """Load what ``save_then_load`` saved, then finish the epoch; returns weights and the step."""
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
-    model = make_stack(seed=5)  # other weights: the checkpoint must overwrite them
-    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0)
+def resume_from(strategy, folder: str) -> dict:
+    """Load what ``save_mid_epoch`` saved into a model with other weights, then finish the run."""
+    rt, model, optimizer, loader = _setup(strategy, seed=5)
     state = rt.load(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": -1})
-    loaded = full_weights(model)
-    for x, y in loader:
-        rt.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"step": state["step"], "loaded": loaded, "final": full_weights(model)}
+    consumed: list = []
+    _steps(rt, model, optimizer, loader, consumed)
+    return {"step": state["step"], "weights": full_weights(model), "consumed": consumed}
 
 
-def uninterrupted(strategy) -> torch.Tensor:
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
-    model = make_stack()
-    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for x, y in rt.loader(checks.make_data(96), batch_size=12, shuffle=True, num_workers=0):
-        rt.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-    return full_weights(model)
+def trainer_run(strategy) -> dict:
+    """The Trainer: fit 2 epochs, then validate and predict over 1,001 samples (uneven per rank)."""
+    import trainer_checks as tc
+
+    trainer = tc.quiet_trainer(max_epochs=2, strategy=strategy)
+    module = tc.Classifier()
+    trainer.fit(module, checks.make_data(103), batch_size=12)
+    metrics = trainer.validate(module, checks.make_data(1001), batch_size=9)
+    predictions = trainer.predict(module, checks.make_data(1001), batch_size=9)
+    return {"weights": full_weights(module), "metrics": metrics, "predictions": predictions}
+
+
+class BuiltInConfigureModel(lockstep.Module):
+    def configure_model(self) -> None:
+        self.stack = Stack(width=64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.stack(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer_configure_model() -> dict:
+    import trainer_checks as tc
+
+    trainer = tc.quiet_trainer(max_steps=3, strategy="fsdp")
+    module = BuiltInConfigureModel()
+    trainer.fit(module, checks.make_data(48), batch_size=8)
+    weight = module.stack.head.weight
+    return {"sharded": isinstance(weight, DTensor), "local_rows": weight.to_local().shape[0],
+            "loss": trainer.callback_metrics.get("train_loss_epoch", float("nan")), "steps": trainer.global_step}

@@ -56,3 +56,40 @@ def test_fsdp_holds_at_most_a_third_of_ddps_bytes_on_4_ranks():
 def test_an_optimizer_that_already_stepped_cannot_follow_the_shards():
     message = run_ranks(fc.stepped_optimizer_is_refused, 2)[0]
     assert "build the optimizer after rt.setup" in message
+
+
+def test_saved_on_4_fsdp_ranks_resumes_on_2_fsdp_3_ddp_and_1_process_to_the_same_weights(tmp_path):
+    folder = str(tmp_path / "step-12")
+    whole = run_ranks(fc.save_mid_epoch, 4, "fsdp", folder, False)[0]  # saved in the background
+    assert sorted(p.name for p in (tmp_path / "step-12").iterdir() if not p.name.startswith("__")) == [
+        ".metadata", "lockstep.json", "state.pt"]
+    assert len(list((tmp_path / "step-12").glob("__*.distcp"))) == 4  # one shard file per rank
+    for strategy, world in (("fsdp", 2), ("ddp", 3), ("single", 1)):
+        resumed = run_ranks(fc.resume_from, world, strategy, folder)[0]
+        assert resumed["step"] == 12
+        assert resumed["consumed"] == whole["consumed"][12:], strategy  # the same samples, step by step
+        assert torch.allclose(resumed["weights"], whole["weights"], atol=1e-5, rtol=0), strategy
+
+
+def test_resume_on_the_same_fsdp_world_size_is_bitwise(tmp_path):
+    folder = str(tmp_path / "step-12")
+    whole = run_ranks(fc.save_mid_epoch, 2, "fsdp", folder, True)[0]
+    resumed = run_ranks(fc.resume_from, 2, "fsdp", folder)[0]
+    assert torch.equal(resumed["weights"], whole["weights"])
+
+
+def test_the_trainer_fits_validates_and_predicts_under_fsdp_as_one_process_does():
+    single = run_ranks(fc.trainer_run, 1, "auto")[0]
+    for result in run_ranks(fc.trainer_run, 3, "fsdp"):
+        assert torch.allclose(result["weights"], single["weights"], atol=1e-5, rtol=0)
+        assert result["metrics"].keys() == single["metrics"].keys() == {"val_loss", "val_acc"}
+        for name, value in single["metrics"].items():
+            assert result["metrics"][name] == pytest.approx(value, abs=1e-6)
+        assert result["predictions"].shape == (1001, 4)
+        assert torch.allclose(result["predictions"], single["predictions"], atol=1e-5)
+
+
+def test_configure_model_builds_on_the_meta_device_under_fsdp():
+    for result in run_ranks(fc.trainer_configure_model, 2):
+        assert result["sharded"] and result["local_rows"] == 2  # head: 4 rows over 2 ranks
+        assert result["steps"] == 3

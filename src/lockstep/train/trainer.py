@@ -183,6 +183,8 @@ class Trainer:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
         loader's exact count, whatever the batch's type), to this stage's sums."""
         weight = batch_size if batch_size is not None else self._batch_samples
+        if weight == 0:  # a batch of zero rows (FSDP evaluation pads ranks whose shard has ended)
+            return
         weighted = weighted_value(name, value, weight, self.runtime.device)
         for store in self._stores:
             store.add(name, weighted, weight)
