@@ -261,3 +261,15 @@ def trainer_configure_model() -> dict:
     weight = module.stack.head.weight
     return {"sharded": isinstance(weight, DTensor), "local_rows": weight.to_local().shape[0],
             "loss": trainer.callback_metrics.get("train_loss_epoch", float("nan")), "steps": trainer.global_step}
+
+
+def model_from_folder(folder) -> Stack:
+    """The saved model, loaded on one process through ``rt.load`` (an independent path from consolidate)."""
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = rt.setup(make_stack(seed=3))
+    rt.load(folder, {"model": model})
+    return lockstep.unwrap(model)
+
+
+def full_weights_of_folder(folder) -> torch.Tensor:
+    return full_weights(model_from_folder(folder))

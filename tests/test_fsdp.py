@@ -93,3 +93,29 @@ def test_configure_model_builds_on_the_meta_device_under_fsdp():
     for result in run_ranks(fc.trainer_configure_model, 2):
         assert result["sharded"] and result["local_rows"] == 2  # head: 4 rows over 2 ranks
         assert result["steps"] == 3
+
+
+def test_inspect_and_consolidate_a_sharded_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "step-12"
+    run_ranks(fc.save_mid_epoch, 2, "fsdp", str(folder), True)
+    shown = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "inspect", str(folder)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert '"world_size": 2' in shown.stdout and '"strategy": "fsdp"' in shown.stdout
+    assert "model.model.blocks.0.linear.weight  (32, 32)  float32  4,096 B" in shown.stdout
+    plain = fc.make_stack(seed=9)
+    x = torch.randn(5, 8)
+    for out in (tmp_path / "model.pt", tmp_path / "model.safetensors"):
+        done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "consolidate", str(folder),
+                               str(out)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        weights = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        plain.load_state_dict(weights)
+        assert torch.equal(torch.cat([p.reshape(-1) for p in plain.parameters()]), fc.full_weights_of_folder(folder))
+        with torch.no_grad():
+            assert torch.equal(plain(x), fc.model_from_folder(folder)(x))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 import lockstep
+from lockstep.cli.checkpoint import add_parser as add_checkpoint_parser
 from lockstep.cli.doctor import add_parser as add_doctor_parser
 from lockstep.cli.run import add_parser as add_run_parser
 from lockstep.cli.slurm import add_parser as add_slurm_parser
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(commands)
     add_doctor_parser(commands)
     add_slurm_parser(commands)
+    add_checkpoint_parser(commands)
     return parser
 
 
