@@ -163,3 +163,20 @@ def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
     other = tc.quiet_trainer(max_steps=4, resume=tmp_path / "small.ckpt")
     with pytest.raises(CheckpointError, match="Size mismatch .* for model.model.net.0.weight.*different model"):
         other.fit(Wider(), tc.checks.make_data(32), batch_size=16)
+
+
+def test_checkpoint_dir_alone_writes_checkpoints_and_resume_auto_continues(tmp_path):
+    """The README's Trainer(checkpoint_dir=..., resume="auto") as written, with no ModelCheckpoint."""
+    first = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path, resume="auto")
+    first.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
+    assert (tmp_path / "epoch=1-step=00000004.ckpt" / "lockstep.json").is_file()
+    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=1-step=00000004.ckpt").resolve()
+    assert not (tmp_path / "epoch=0-step=00000002.ckpt").exists()  # the default keeps the newest, plus last
+    module = tc.Classifier()
+    second = tc.quiet_trainer(max_epochs=3, checkpoint_dir=tmp_path, resume="auto")
+    second.fit(module, tc.checks.make_data(32), batch_size=16)
+    assert second.global_step == 6  # resumed at step 4, then one more epoch
+    whole = tc.quiet_trainer(max_epochs=3)
+    reference = tc.Classifier()
+    whole.fit(reference, tc.checks.make_data(32), batch_size=16)
+    assert torch.equal(tc.checks.flat_weights(module), tc.checks.flat_weights(reference))
