@@ -152,6 +152,6 @@ def test_without_requeue_a_signal_still_checkpoints_and_exits_cleanly(cluster, t
     assert not (tmp_path / "out.pt").exists()  # training stopped early, on purpose
     saved = list((tmp_path / "ckpt").glob("*-preempted.ckpt"))
     assert len(saved) == 1
-    from lockstep.train.checkpoint import load
+    from lockstep.runtime.checkpoint import read_metadata
 
-    assert 6 <= load(saved[0])["loop"]["global_step"] < 21
+    assert 6 <= read_metadata(saved[0])["step"] < 21
