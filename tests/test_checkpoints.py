@@ -36,7 +36,11 @@ def _whole_then_killed_and_resumed(tmp_path: Path, *extra: str, devices: int = 2
     assert whole.returncode == 0, whole.stderr
     killed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), kill_at, *extra,  # 7 steps/epoch
                   devices=devices)
-    assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
+    assert killed.returncode != 0
+    if kill_at == "save":  # rank 0 may fail first, on the connection rank 1's death resets
+        assert (tmp_path / "resumed.killed").exists()
+    else:
+        assert "signal SIGKILL" in killed.stderr
     assert not (tmp_path / "resumed.pt").exists()
     resumed = _run(str(tmp_path / "resumed"), str(tmp_path / "resumed.pt"), "-1", *extra, devices=devices)
     assert resumed.returncode == 0, resumed.stderr
