@@ -60,7 +60,6 @@ class ModelState:
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self.model, self.optimizers = unwrap(model), list(optimizers)
-        self.names: set[str] = set()  # the keys of a saved dict this part stands for
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
@@ -72,6 +71,34 @@ class ModelState:
         set_model_state_dict(self.model, state["model"])
         if self.optimizers:
             set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"])
+
+
+def is_stateful(value: Any) -> bool:
+    """An object saved through its own ``state_dict`` (a loader, a scheduler), not as a value."""
+    return hasattr(value, "state_dict") and not isinstance(value, torch.Tensor)
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
+    """A dict given to ``rt.save``/``rt.load`` as: each model with the optimizers over its parameters
+    (sharded parts), the other values' states (rank 0's), and which model each optimizer belongs to."""
+    models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
+    owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
+    optimizer_of: dict[str, str] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for group in value.param_groups for p in group["params"]}
+            owner = next((model for model, ids in owners.items() if params <= ids), None)
+            if owner is None:
+                raise CheckpointError(
+                    f"state[{name!r}] is an optimizer over parameters of no model in the same dict: save it "
+                    "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
+                )
+            optimizer_of[name] = owner
+    sharded = {name: ModelState(model, [state[o] for o in sorted(optimizer_of) if optimizer_of[o] == name])
+               for name, model in models.items()}
+    objects = {name: value.state_dict() if is_stateful(value) else value
+               for name, value in state.items() if name not in models and name not in optimizer_of}
+    return sharded, objects, optimizer_of
 
 
 def lockstep_version() -> str:

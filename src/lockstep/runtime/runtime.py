@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
-from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, ModelState
+from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -321,7 +321,7 @@ class Runtime:
         committed atomically and loads on any number of processes and any strategy (``rt.load``).
         ``blocking=False`` writes in the background while training goes on.
         """
-        sharded, objects, optimizer_of = _split_state(state)
+        sharded, objects, optimizer_of = split_state(state)
         metadata = {"world_size": self.world_size, "strategy": self.strategy.name, "optimizers": optimizer_of}
         with self._watchdog.watch("checkpoint save"):
             return self.checkpointer.save(path, sharded, objects, metadata, blocking=blocking)
@@ -331,15 +331,15 @@ class Runtime:
         optimizers, loaders and other objects with ``load_state_dict`` in place; plain values are
         replaced in ``state``, which is also returned. Every rank calls it, with the same keys.
         """
-        sharded, _, _ = _split_state(state)
+        sharded, _, optimizer_of = split_state(state)
         with self._watchdog.watch("checkpoint load"):
             objects = self.checkpointer.load(path, sharded)
         for name, value in state.items():
-            if name in sharded or any(name in part.names for part in sharded.values()):
+            if name in sharded or name in optimizer_of:
                 continue
             if name not in objects:
                 raise CheckpointError(f"{path}: holds no {name!r}; it holds {sorted(objects)}.")
-            if hasattr(value, "load_state_dict") and not isinstance(value, torch.Tensor):
+            if is_stateful(value):
                 value.load_state_dict(objects[name])
             else:
                 state[name] = objects[name]
@@ -462,33 +462,6 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:
             self_launch(nproc)
-
-
-def _split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
-    """Models with their optimizers (sharded parts), and the other values' states (rank 0's)."""
-    models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
-    owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
-    optimizer_of: dict[str, str] = {}
-    for name, value in state.items():
-        if isinstance(value, torch.optim.Optimizer):
-            params = {id(p) for group in value.param_groups for p in group["params"]}
-            owner = next((model for model, ids in owners.items() if params <= ids), None)
-            if owner is None:
-                raise CheckpointError(
-                    f"state[{name!r}] is an optimizer over parameters of no model in the same dict: save it "
-                    "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
-                )
-            optimizer_of[name] = owner
-    sharded = {}
-    for name, model in models.items():
-        mine = sorted(o for o, owner in optimizer_of.items() if owner == name)
-        sharded[name] = ModelState(model, [state[o] for o in mine])
-        sharded[name].names = {name, *mine}
-    objects = {
-        name: value.state_dict() if hasattr(value, "state_dict") and not isinstance(value, torch.Tensor) else value
-        for name, value in state.items() if name not in models and name not in optimizer_of
-    }
-    return sharded, objects, optimizer_of
 
 
 class _CurrentBatch:
