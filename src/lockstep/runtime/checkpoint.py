@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -131,6 +132,10 @@ def is_checkpoint_folder(path: Path) -> bool:
     return path.is_dir() and not path.name.startswith(".") and (path / METADATA).is_file()
 
 
+# dcp.async_save takes no_dist (one process, no group) from torch 2.7 on; before, one process saves blocking.
+_ASYNC_WITHOUT_GROUP = "no_dist" in inspect.signature(dcp.async_save).parameters
+
+
 class Checkpointer:
     """Saves and loads checkpoint folders for one job. Every rank calls every method.
 
@@ -169,15 +174,18 @@ class Checkpointer:
                 if then is not None:
                     then()
 
-        if blocking or not dist.is_initialized():
+        alone = not dist.is_initialized()
+        if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
             with _one_process_quietly():
-                dcp.save(sharded, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+                dcp.save(sharded, checkpoint_id=str(partial), no_dist=alone)
             commit()
             self._barrier()
         else:
-            if self._group is None:
+            if self._group is None and not alone:
                 self._group = dist.new_group(backend="gloo")
-            written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group)
+            with _one_process_quietly():
+                written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group,
+                                         **({"no_dist": True} if alone else {}))
             self._pending = _then(written, commit)  # type: ignore[arg-type]
         return time.perf_counter() - start
 
