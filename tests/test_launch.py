@@ -50,3 +50,48 @@ def test_worker_exception_names_the_rank_fast_and_leaves_no_process(tmp_path):
 def test_launch_rejects_zero_processes():
     with pytest.raises(ValueError, match="at least one process"):
         lockstep.launch(_sum_of_ranks, nprocs=0)
+
+
+ORPHANED = """
+import os, sys, time
+from pathlib import Path
+import lockstep
+
+def work(folder):
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    lockstep.launch(work, nprocs=2, args=(sys.argv[1],))
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(ORPHANED)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 45
+    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, "the workers never started"
+        time.sleep(0.2)
+    workers = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    launcher.send_signal(signal.SIGKILL)  # no clean-up of its own runs
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), "workers outlived their launcher"

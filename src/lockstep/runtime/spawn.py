@@ -8,7 +8,9 @@ the ``spawn`` start method, which is safe with CUDA. Processes are started and s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -30,6 +32,7 @@ from lockstep.runtime.network import free_port
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 
 GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class WorkerError(RuntimeError):
@@ -55,8 +58,9 @@ class RankOutcome:
 
 def _child(
     local_rank: int, payload: bytes, nprocs: int, port: int, workdir: str, backend: str,
-    keep_all: bool,
+    keep_all: bool, parent: int,
 ) -> None:
+    _die_with_parent(parent)
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
@@ -90,6 +94,17 @@ def _child(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker when ``parent``, the process that spawned it, dies, even
+    by SIGKILL, which runs none of its clean-up; otherwise the workers would train on, orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect (while we started)
+        os._exit(1)
 
 
 def _failure_report(error: BaseException) -> dict[str, Any]:
@@ -126,7 +141,7 @@ def spawn(
     payload = cloudpickle.dumps((fn, tuple(args)))
     with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir:
         context = tmp.start_processes(
-            _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all),
+            _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all, os.getpid()),
             nprocs=nprocs, join=False, start_method="spawn",
         )
         deadline = None if timeout is None else time.monotonic() + timeout
