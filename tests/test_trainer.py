@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import dist_checks as checks
-import lockstep
 import trainer_checks as tc
 from lockstep.testing import run_ranks
 
@@ -62,9 +61,9 @@ def test_fit_on_one_process_equals_the_runtime_loop():
     assert checks.flat_weights(tc.Classifier()).shape == tc.fit_weights().shape
 
 
-def test_trainer_needs_a_stop_condition_and_a_module():
-    with pytest.raises(ValueError, match="give max_epochs or max_steps"):
-        lockstep.Trainer()
+def test_fit_needs_a_stop_condition_and_a_module():
+    with pytest.raises(ValueError, match="fit needs a stopping rule: give the Trainer max_epochs or max_steps"):
+        tc.quiet_trainer().fit(tc.Classifier(), checks.make_data(8), batch_size=4)
     with pytest.raises(TypeError, match="runs a lockstep.Module"):
         tc.quiet_trainer(max_epochs=1).fit(torch.nn.Linear(2, 2), checks.make_data(8), batch_size=4)
 

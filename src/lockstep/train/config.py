@@ -30,8 +30,6 @@ class TrainerConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
-        if self.max_epochs is None and self.max_steps is None:
-            raise ValueError("give max_epochs or max_steps (or both): the Trainer needs to know when to stop.")
         for name in ("accumulate_grad_batches", "log_every_n_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")

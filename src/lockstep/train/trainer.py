@@ -127,6 +127,9 @@ class Trainer:
     def fit(self, module: Module, train_data: Any, val_data: Any = None, batch_size: int | None = None,
             val_batch_size: int | None = None) -> Trainer:
         """Train ``module`` on ``train_data`` (a dataset or DataLoader), validating on ``val_data``."""
+        if self.config.max_epochs is None and self.config.max_steps is None:
+            raise ValueError("fit needs a stopping rule: give the Trainer max_epochs or max_steps (or both). "
+                             "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
         self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=True, **self._loader_options())
         self.steps_per_epoch = len(self.train_loader)
