@@ -98,6 +98,25 @@ def problems(env: DistEnv | None, found: dict[str, str | None]) -> list[str]:
     return seen
 
 
+def copy_bandwidth(index: int, size: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:
+    """GB/s of pinned host->device and device->host copies on GPU ``index`` (best of ``repeats``)."""
+    import torch
+
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}")
+    rates = []
+    for target, source in ((device, host), (host, device)):
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize(index)
+            start = time.perf_counter()
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(index)
+            best = min(best, time.perf_counter() - start)
+        rates.append(size / best / 1e9)
+    return rates[0], rates[1]
+
+
 def report() -> str:
     import torch
     import torch.distributed as dist
@@ -115,7 +134,9 @@ def report() -> str:
     lines.append(f"  CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        lines.append(f"  GPU {index}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+        to_gpu, to_host = copy_bandwidth(index)
+        lines.append(f"  GPU {index}: {props.name}, {props.total_memory / 2**30:.1f} GiB; pinned copies "
+                     f"host->device {to_gpu:.1f} GB/s, device->host {to_host:.1f} GB/s")
     if not cuda:
         lines.append("  GPUs: none visible")
     lines += ["", "launcher environment"]
