@@ -183,9 +183,9 @@ class Checkpointer:
         else:
             if self._group is None and not alone:
                 self._group = dist.new_group(backend="gloo")
+            options: dict[str, Any] = {"no_dist": True} if alone else {}
             with _one_process_quietly():
-                written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group,
-                                         **({"no_dist": True} if alone else {}))
+                written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group, **options)
             self._pending = _then(written, commit)  # type: ignore[arg-type]
         return time.perf_counter() - start
 
