@@ -87,3 +87,41 @@ def test_throughput_monitor_reports_and_advises_once_on_slow_data(capsys):
     assert trainer.callback_metrics["samples_per_s"] > 0
     assert 0.2 < trainer.callback_metrics["data_wait_fraction"] <= 1.0
     assert capsys.readouterr().out.count("is spent waiting for data") == 1
+
+
+class EpochLines(lockstep.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        loss = trainer.callback_metrics["train_loss_epoch"]
+        print(f"script: epoch {trainer.current_epoch + 1} train_loss {loss:.4g}")
+
+
+def test_progress_without_a_terminal_prints_each_epoch_in_order_with_the_epoch_values(capsys):
+    trainer = tc.quiet_trainer(max_epochs=3, log_every_n_steps=1, enable_progress_bar=True,
+                               callbacks=[EpochLines()])
+    trainer.fit(tc.Classifier(), tc.checks.make_data(64), tc.checks.make_data(32, seed=1), batch_size=16)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "epoch" in line]
+    # The user's callback runs first, then the bar's line for the same epoch: numbered alike, same loss.
+    assert len(lines) == 6, lines
+    for epoch in (1, 2, 3):
+        script, bar = lines[2 * epoch - 2], lines[2 * epoch - 1]
+        loss = re.search(r"train_loss (\S+)", script).group(1)
+        assert script.startswith(f"script: epoch {epoch} ")
+        assert bar.startswith(f"epoch {epoch}/3  4/4 batches") and f"train_loss {loss}" in bar, (script, bar)
+
+
+def test_loader_options_reach_every_loader_and_reserved_ones_are_refused():
+    calls = []
+
+    def collate(rows):
+        calls.append(len(rows))
+        return torch.utils.data.default_collate(rows)
+
+    trainer = tc.quiet_trainer(max_epochs=1)
+    module = tc.Classifier()
+    data = tc.checks.make_data(32)
+    trainer.fit(module, data, data, batch_size=16, loader_options={"collate_fn": collate})
+    assert calls == [16, 16, 16, 16]  # two training and two validation batches
+    assert trainer.validate(module, data, batch_size=32, loader_options={"collate_fn": collate})
+    assert calls[-1] == 32
+    with pytest.raises(ValueError, match="loader_options cannot set 'sampler'"):
+        trainer.predict(module, data, batch_size=16, loader_options={"sampler": None})

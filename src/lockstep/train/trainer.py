@@ -125,17 +125,20 @@ class Trainer:
 
     # -- public entry points ------------------------------------------------------------------------
     def fit(self, module: Module, train_data: Any, val_data: Any = None, batch_size: int | None = None,
-            val_batch_size: int | None = None) -> Trainer:
-        """Train ``module`` on ``train_data`` (a dataset or DataLoader), validating on ``val_data``."""
+            val_batch_size: int | None = None, loader_options: dict[str, Any] | None = None) -> Trainer:
+        """Train ``module`` on ``train_data`` (a dataset or DataLoader), validating on ``val_data``.
+
+        ``loader_options`` go to every DataLoader built here (``collate_fn``, ``num_workers``,
+        ``pin_memory``, ...); with a DataLoader they override its own."""
         if self.config.max_epochs is None and self.config.max_steps is None:
             raise ValueError("fit needs a stopping rule: give the Trainer max_epochs or max_steps (or both). "
                              "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
-        self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=True, **self._loader_options())
+        options = self._loader_options(loader_options)
+        self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=True, **options)
         self.steps_per_epoch = len(self.train_loader)
         if val_data is not None:
-            self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size,
-                                              **self._loader_options())
+            self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size, **options)
         if rt.is_global_zero:
             self._loggers = make_loggers(self._logger_specs, self.log_dir)
             for logger in self._loggers:
@@ -158,18 +161,21 @@ class Trainer:
             self._finish_reports()
         return self
 
-    def validate(self, module: Module, data: Any, batch_size: int | None = None) -> dict[str, float]:
+    def validate(self, module: Module, data: Any, batch_size: int | None = None,
+                 loader_options: dict[str, Any] | None = None) -> dict[str, float]:
         """Run ``validation_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self._evaluate_once(module, data, batch_size, "validation_step")
+        return self._evaluate_once(module, data, batch_size, "validation_step", loader_options)
 
-    def test(self, module: Module, data: Any, batch_size: int | None = None) -> dict[str, float]:
+    def test(self, module: Module, data: Any, batch_size: int | None = None,
+             loader_options: dict[str, Any] | None = None) -> dict[str, float]:
         """Run ``test_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self._evaluate_once(module, data, batch_size, "test_step")
+        return self._evaluate_once(module, data, batch_size, "test_step", loader_options)
 
-    def predict(self, module: Module, data: Any, batch_size: int | None = None) -> Any:
+    def predict(self, module: Module, data: Any, batch_size: int | None = None,
+                loader_options: dict[str, Any] | None = None) -> Any:
         """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample)."""
         rt = self._start(module, with_optimizers=False)
-        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options())
+        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
         self._wrapped.eval()
         with torch.no_grad():
             outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
@@ -237,10 +243,15 @@ class Trainer:
             hook()
         module.__dict__["_lockstep_configured"] = True
 
-    def _loader_options(self) -> dict[str, Any]:
+    def _loader_options(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """``Trainer(num_workers=...)``, then what the call gave (``collate_fn``, ``pin_memory``, ...)."""
         workers = self.config.num_workers
-        return {} if workers is None else {"num_workers": workers}
-
+        options = {} if workers is None else {"num_workers": workers}
+        for reserved in ("batch_size", "sampler", "batch_sampler"):
+            if given and reserved in given:
+                raise ValueError(f"loader_options cannot set {reserved!r}: pass batch_size= (the global batch); "
+                                 "lockstep's loaders choose and split the samples themselves.")
+        return {**options, **(given or {})}
 
     def _restore(self) -> None:
         if self.config.resume is None:
@@ -250,7 +261,7 @@ class Trainer:
         if found is None:
             return rt.print(f"lockstep: no checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
         ckpt.resume(self, found[0])
-        rt.print(f"lockstep: resumed from {found[0]} at epoch {self.current_epoch}, step {self.global_step}.")
+        rt.print(f"lockstep: resumed from {found[0]} in epoch {self.current_epoch + 1}, after step {self.global_step}.")
 
     # -- the training loop, in reading order ------------------------------------------------------
     def _finished(self) -> bool:
@@ -371,11 +382,12 @@ class Trainer:
         self.log_metrics(metrics)
         return metrics
 
-    def _evaluate_once(self, module: Module, data: Any, batch_size: int | None, step: str) -> dict[str, float]:
+    def _evaluate_once(self, module: Module, data: Any, batch_size: int | None, step: str,
+                       loader_options: dict[str, Any] | None) -> dict[str, float]:
         rt = self._start(module, with_optimizers=False)
         if not hasattr(module, step):
             raise AttributeError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
-        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options())
+        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
         return self._run_eval(loader, step)
 
     # -- callbacks and reports ---------------------------------------------------------------------
