@@ -231,3 +231,21 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
     finally:
         torch.use_deterministic_algorithms(previous)
         torch.backends.cudnn.deterministic = False
+
+
+def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():
+    rt = runtime()
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = rt.setup(model, optimizer)
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 4.0]])
+    # Two micro-batches, means over 1 and 2 items: the step's gradient is that of the sum over 3 items / 3.
+    rt.backward(model(x[:1]).sum(), num_items=1)
+    rt.backward(model(x[1:]).sum() / 2, num_items=torch.tensor(2))
+    optimizer.step()
+    assert torch.allclose(model.weight, 1 - torch.tensor([[1.0, 2.0, 4.0]]) / 3)
+    optimizer.zero_grad()
+    rt.backward(model(x).sum(), num_items=3)
+    with pytest.raises(ValueError, match="num_items for some micro-batches"):
+        rt.backward(model(x).sum())

@@ -18,7 +18,6 @@ from lockstep.runtime.tree import map_tensors
 class Precision(Protocol):
     name: str
     transforms_forward: bool  # False: forward needs no context and no input/output conversion
-    wraps_optimizer_step: bool  # False: optimizer.step() needs no patching
 
     def convert_module(self, module: nn.Module) -> nn.Module: ...
     def convert_input(self, data: Any) -> Any: ...
@@ -42,7 +41,6 @@ class TruePrecision:
     """Parameters, inputs and maths all in one dtype (``32-true``, ``64-true``, ``bf16-true``)."""
 
     _nothing = contextlib.nullcontext()
-    wraps_optimizer_step = False
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name = name
@@ -103,7 +101,6 @@ class MixedPrecision(TruePrecision):
         if dtype == torch.float16:
             self.scaler = ShardedGradScaler(device_type) if sharded else torch.amp.GradScaler(device_type)
         self.transforms_forward = True
-        self.wraps_optimizer_step = self.scaler is not None
         self._unscaled: set[int] = set()
         self._scale_before: float | None = None
         self._scale_after: float | None = None

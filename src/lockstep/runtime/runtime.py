@@ -35,6 +35,7 @@ from lockstep.runtime.devices import Devices, processes_asked_for, resolve_place
 from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
+from lockstep.runtime.items import ItemNormalizer
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import (
@@ -119,6 +120,7 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = _CurrentBatch(self._watchdog)
+        self._items = ItemNormalizer(self.world_size, self.device, lambda t: self.all_reduce(t, op="sum"))
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
@@ -196,7 +198,8 @@ class Runtime:
         wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
         self._wrapped.append(weakref.ref(forward_module))
         for optimizer in optimizers:
-            patch_optimizer_step(optimizer, self.precision)
+            self._items.watch(optimizer)
+            patch_optimizer_step(optimizer, self.precision, before_step=self._items.finish_step)
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def init_module(self, empty: bool = False) -> contextlib.AbstractContextManager[Any]:
@@ -206,7 +209,7 @@ class Runtime:
         """
         return torch.device("meta") if empty else torch.device(self.device)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None) -> None:
         """``loss.backward()`` with loss scaling and the global-batch correction.
 
         Inside a loop over a ``rt.loader``, ``loss`` is the mean over this rank's share of the
@@ -214,10 +217,22 @@ class Runtime:
         reweighted so the gradients equal those of the mean loss over the whole global batch. The
         weight belongs to the batch: it applies from the moment the loader hands the batch out
         until the loop asks for the next one or ends, and never to any other backward.
+
+        ``num_items``: ``loss`` is a mean over this many items (e.g. the valid tokens of this
+        rank's batch, ``(labels != -100).sum()``), which differ by rank and micro-batch. The
+        gradients that the optimizer step (or ``rt.clip_grad_norm_``) then sees are those of the
+        mean over every item of every rank and every micro-batch since the last step, whatever the
+        world size and accumulation. Cost: one all-reduce of one number per optimizer step.
+        Give it to every backward of a step, or to none; clip with ``rt.clip_grad_norm_``.
         """
-        weight = self._current.loss_weight
+        if num_items is not None:
+            loss = loss * self._items.loss_factor(num_items)
+        else:
+            self._items.plain_backward()
+            weight = self._current.loss_weight
+            loss = loss * weight if weight != 1.0 else loss
         try:
-            self.precision.backward(loss * weight if weight != 1.0 else loss)
+            self.precision.backward(loss)
         except dist.DistError as error:  # the gradient all-reduce failed: say where the others are
             raise self._watchdog.explain(error, op="backward (gradient all-reduce)") from error
 
@@ -241,6 +256,7 @@ class Runtime:
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
+        self._items.finish_step()
         self.precision.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the norm over all shards

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,13 +64,15 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.__dict__.get("module", module) if isinstance(module, WrappedModule) else module
 
 
-def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-    """Make ``optimizer.step()`` go through the precision (GradScaler for ``16-mixed``).
+def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
+                         before_step: Callable[[], None]) -> None:
+    """Make ``optimizer.step()`` call ``before_step`` (the item normalisation), then step through the
+    precision (GradScaler for ``16-mixed``).
 
     The optimizer stays the same object, so LR schedulers and ``isinstance`` checks keep working.
     GradScaler calls ``optimizer.step()`` itself, so a re-entrant call runs the original step.
     """
-    if not precision.wraps_optimizer_step or getattr(optimizer.step, "_lockstep_patched", False):
+    if getattr(optimizer.step, "_lockstep_patched", False):
         return
     original = optimizer.step
     inside = False
@@ -80,6 +83,7 @@ def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision)
             return original() if closure is None else original(closure)
         inside = True
         try:
+            before_step()
             return precision.optimizer_step(
                 self, lambda: original() if closure is None else original(closure)
             )

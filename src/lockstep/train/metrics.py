@@ -8,22 +8,25 @@ import torch
 
 
 class MetricStore:
-    """Sample-weighted sums (device tensors) and sample counts (host numbers) per metric name.
+    """Sample-weighted sums (device tensors) and sample counts per metric name.
 
-    Adding never syncs: the counts are batch sizes the host already knows.
+    Adding never syncs: counts are batch sizes the host already knows, or device tensors (counts
+    of tokens a module passed as ``batch_size``).
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, float] = {}
+        self._counts: dict[str, float | torch.Tensor] = {}
 
-    def add(self, name: str, weighted: torch.Tensor, weight: int) -> None:
+    def add(self, name: str, weighted: torch.Tensor, weight: float | torch.Tensor) -> None:
         """Add ``weighted`` (a float64 scalar tensor: value times ``weight``) to ``name``."""
         if name in self._sums:
             self._sums[name] += weighted
             self._counts[name] += weight
         else:
-            self._sums[name], self._counts[name] = weighted.clone(), float(weight)
+            self._sums[name] = weighted.clone()
+            is_tensor = isinstance(weight, torch.Tensor)
+            self._counts[name] = weight.detach().to(torch.float64) if is_tensor else float(weight)
 
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
@@ -35,7 +38,8 @@ class MetricStore:
             return {}
         zero = torch.zeros((), dtype=torch.float64, device=runtime.device)
         sums = torch.stack([self._sums.get(n, zero) for n in names])
-        counts = torch.tensor([self._counts.get(n, 0.0) for n in names], dtype=torch.float64, device=runtime.device)
+        counts = torch.stack([torch.as_tensor(self._counts.get(n, 0.0), dtype=torch.float64, device=runtime.device)
+                              for n in names])
         total_sums, total_counts = runtime.all_reduce(torch.stack([sums, counts]), op="sum").tolist()
         return {n: s / c for n, s, c in zip(names, total_sums, total_counts, strict=True) if c > 0}
 
@@ -44,7 +48,8 @@ class MetricStore:
         self._counts.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sums": {n: t.detach().cpu() for n, t in self._sums.items()}, "counts": dict(self._counts)}
+        return {"sums": {n: t.detach().cpu() for n, t in self._sums.items()},
+                "counts": {n: float(c) for n, c in self._counts.items()}}
 
     def merge(self, states: list[dict[str, Any]], device: torch.device) -> None:
         """Add saved sums and counts (e.g. every rank's, from a checkpoint): the reduce adds them anyway."""
@@ -77,9 +82,12 @@ class TrainingMetrics:
             self.window.merge(state.get("window_metrics", []), runtime.device)
 
 
-def weighted_value(name: str, value: float | torch.Tensor, weight: int, device: torch.device) -> torch.Tensor:
+def weighted_value(name: str, value: float | torch.Tensor, weight: float | torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
     """``value * weight`` as a float64 scalar tensor on ``device`` (no host sync for device tensors)."""
     tensor = torch.as_tensor(value).detach()
     if tensor.numel() != 1:
         raise ValueError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(tensor.shape)}.")
+    if isinstance(weight, torch.Tensor):
+        weight = weight.detach().to(device=device, dtype=torch.float64).reshape(())
     return tensor.to(device=device, dtype=torch.float64).reshape(()) * weight

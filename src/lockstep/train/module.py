@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -16,13 +17,15 @@ class MetricSink(Protocol):
     """Where ``Module.log`` sends a metric (the Trainer, while it runs the module)."""
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-                      batch_size: int | None = None) -> None: ...
+                      batch_size: int | torch.Tensor | None = None) -> None: ...
 
 
 class Module(nn.Module):
     """Subclass it and write the steps the Trainer calls (as in a LightningModule):
 
-    - ``training_step(batch, batch_idx)`` returns the loss, or a dict holding ``"loss"``;
+    - ``training_step(batch, batch_idx)`` returns the loss, or a dict holding ``"loss"`` and
+      optionally ``"num_items"``: the number of items (tokens) the loss is a mean over, so that the
+      step's gradient is that of the mean over every item of the global batch (``rt.backward``);
     - ``validation_step``, ``test_step`` (log metrics with ``self.log``) and ``predict_step``
       (returns the predictions for the batch), each only when you use it;
     - ``configure_optimizers()`` returns an optimizer, a dict ``{"optimizer": ..., "lr_scheduler":
@@ -60,12 +63,13 @@ class Module(nn.Module):
         return self.trainer.runtime.device
 
     def log(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-            batch_size: int | None = None) -> None:
+            batch_size: int | torch.Tensor | None = None) -> None:
         """Record a metric for this step; no host sync.
 
         Values accumulate on the device, weighted by this rank's samples in the batch (counted by
-        the loader; ``batch_size`` overrides it). They are reduced over all ranks every ``log_every_n_steps``
-        and at the end of each epoch, where the value is exact over the whole dataset.
+        the loader; ``batch_size`` overrides it, e.g. with a count of tokens, which may be a
+        tensor). They are reduced over all ranks every ``log_every_n_steps`` and at the end of
+        each epoch, where the value is exact over the whole dataset.
         """
         sink: MetricSink = self.trainer
         sink.record_metric(name, value, prog_bar=prog_bar, batch_size=batch_size)
@@ -109,10 +113,11 @@ def _scheduler_and_interval(scheduler: Any) -> tuple[Any, str]:
     return scheduler["scheduler"], interval
 
 
-def loss_of(outputs: Any) -> torch.Tensor:
-    """The loss in what ``training_step`` returned: the tensor itself, or the dict's ``"loss"``."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+    """The loss in what ``training_step`` returned (the tensor itself, or the dict's ``"loss"``), and
+    the dict's ``"num_items"``: how many items (tokens) the loss is a mean over, or None."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
         raise TypeError("training_step must return the loss tensor or a dict holding 'loss'; "
                         f"got {type(outputs).__name__}.")
-    return loss
+    return loss, outputs.get("num_items") if isinstance(outputs, Mapping) else None

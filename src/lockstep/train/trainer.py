@@ -188,11 +188,11 @@ class Trainer:
             logger.log_metrics(metrics, self.global_step)
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-                      batch_size: int | None = None) -> None:
+                      batch_size: int | torch.Tensor | None = None) -> None:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
-        loader's exact count, whatever the batch's type), to this stage's sums."""
+        loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums."""
         weight = batch_size if batch_size is not None else self._batch_samples
-        if weight == 0:  # a batch of zero rows (FSDP evaluation pads ranks whose shard has ended)
+        if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
         weighted = weighted_value(name, value, weight, self.runtime.device)
         for store in self._stores:
@@ -302,10 +302,13 @@ class Trainer:
         with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
             with self._hook("training_step"):
                 outputs = self._wrapped("training_step", batch, batch_idx)
-            loss = loss_of(outputs)
-            self.record_metric("train_loss", loss.detach(), prog_bar=True)
+            loss, items = loss_of(outputs)
+            self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
             with self._hook("backward"):
-                rt.backward(loss / k if k > 1 else loss)
+                if items is not None:  # normalised over every item of the step, accumulation included
+                    rt.backward(loss, num_items=items)
+                else:
+                    rt.backward(loss / k if k > 1 else loss)
         self.samples_seen += self.train_loader.global_batch_size(batch_idx)
         if self.at_step_boundary:
             self._optimizer_step()

@@ -1,0 +1,87 @@
+"""Losses averaged over items (tokens), normalised over the whole optimizer step, on any world size.
+
+A rank's loss is the mean over its own ``n_r`` items of a micro-batch. The mean over every item
+of the step is ``sum_r sum_m n_rm * loss_rm / N`` with ``N`` the step's total, which no rank
+knows before the step ends. So each backward runs on ``loss * n / c`` (a sum, divided by a
+constant ``c`` that every rank shares), the gradient reduction averages over the ``W`` ranks as
+usual, and before the optimizer uses the gradients one all-reduce of the local counts gives
+``N`` and the gradients are multiplied by ``W * c / N``. ``c`` is the power of two at or below
+the previous step's mean items per rank (1 for the first): it keeps the backward's magnitude
+near the loss's own, as float16 loss scaling needs, and being a power of two it changes no bit
+of the result (a resumed run, which starts again from 1, stays bitwise equal).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+class ItemNormalizer:
+    """The item counts of the current optimizer step, and the gradient correction they give."""
+
+    def __init__(self, world_size: int, device: torch.device, all_reduce_sum: Callable[[torch.Tensor], Any]) -> None:
+        self.world_size, self.device = world_size, device
+        self._all_reduce_sum = all_reduce_sum
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._pending: torch.Tensor | None = None  # this rank's items since the last step (float64)
+        self._plain_backwards = 0  # backwards without num_items in the same step: a mix is refused
+        # c, the same on every rank; a device tensor, so that nothing here waits for the device.
+        self.scale = torch.ones((), dtype=torch.float64, device=device)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizers.append(weakref.ref(optimizer))
+
+    def loss_factor(self, num_items: int | float | torch.Tensor) -> torch.Tensor:
+        """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, float32."""
+        if self._plain_backwards:
+            raise ValueError(_MIXED)
+        count = torch.as_tensor(num_items).detach().to(device=self.device, dtype=torch.float64)
+        if count.numel() != 1:
+            raise ValueError(f"num_items must be one number (this rank's items in the batch); got shape "
+                             f"{tuple(count.shape)}.")
+        count = count.reshape(())
+        self._pending = count if self._pending is None else self._pending + count
+        return (count / self.scale).float()
+
+    def plain_backward(self) -> None:
+        if self._pending is not None:
+            raise ValueError(_MIXED)
+        self._plain_backwards += 1
+
+    def finish_step(self) -> None:
+        """Before gradients are used (clipping, the optimizer step): one all-reduce, one in-place scale.
+
+        Runs once per step: later calls in the same step (a second optimizer) find nothing pending.
+        """
+        self._plain_backwards = 0
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        total = pending if self.world_size == 1 or not dist.is_initialized() else self._all_reduce_sum(pending)
+        factor = (self.world_size * self.scale) / total.clamp(min=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        seen: set[int] = set()
+        for ref in self._optimizers:
+            optimizer = ref()
+            for group in optimizer.param_groups if optimizer is not None else ():
+                for param in group["params"]:
+                    if param.grad is None or id(param) in seen:
+                        continue
+                    seen.add(id(param))
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    by_device.setdefault(grad.device, []).append(grad)
+        for device, grads in by_device.items():
+            for dtype in {g.dtype for g in grads}:
+                same = [g for g in grads if g.dtype == dtype]
+                torch._foreach_mul_(same, factor.to(device=device, dtype=dtype))
+        self.scale = torch.exp2(torch.floor(torch.log2((total / self.world_size).clamp(min=1.0))))
+
+
+_MIXED = ("rt.backward was called with num_items for some micro-batches of this optimizer step and without it "
+          "for others: give num_items to every backward of a step, or to none.")
