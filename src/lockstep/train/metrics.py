@@ -25,8 +25,8 @@ class MetricStore:
             self._counts[name] += weight
         else:
             self._sums[name] = weighted.clone()
-            is_tensor = isinstance(weight, torch.Tensor)
-            self._counts[name] = weight.detach().to(torch.float64) if is_tensor else float(weight)
+            tensor = weight.detach().to(torch.float64) if isinstance(weight, torch.Tensor) else None
+            self._counts[name] = tensor if tensor is not None else float(weight)
 
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
