@@ -21,6 +21,7 @@ from lockstep.train import (
     EarlyStopping,
     JSONLinesLogger,
     LearningRateMonitor,
+    MLflowLogger,
     ModelCheckpoint,
     Module,
     ProgressBar,
@@ -29,12 +30,13 @@ from lockstep.train import (
     TensorBoardLogger,
     ThroughputMonitor,
     Trainer,
+    WandbLogger,
 )
 
 __version__ = "0.1.0"
 
 __all__ = ["DDP", "DP", "FSDP", "AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "DistEnv",
            "DistributedLoader", "EarlyStopping", "EnvError", "JSONLinesLogger", "LearningRateMonitor",
-           "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "Runtime", "SimpleProfiler",
-           "SingleDevice", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "WorkerError", "__version__",
-           "launch", "seed_everything", "unwrap"]
+           "MLflowLogger", "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "Runtime",
+           "SimpleProfiler", "SingleDevice", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "WandbLogger",
+           "WorkerError", "__version__", "launch", "seed_everything", "unwrap"]

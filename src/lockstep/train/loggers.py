@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 
 class Logger(Protocol):
+    """What the Trainer calls on rank 0. A logger may also define ``log_checkpoint(path)``: the end of
+    ``fit`` passes it the final checkpoint (the best one kept by ``ModelCheckpoint``)."""
+
     def log_hyperparams(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def finalize(self) -> None: ...
 
 
-def _plain(params: dict[str, Any]) -> dict[str, Any]:
+def plain_params(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in params.items()}
 
 
@@ -29,7 +33,7 @@ class CSVLogger:
         self.columns: list[str] = ["step"]
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        (self.folder / "hparams.json").write_text(json.dumps(_plain(params), indent=2))
+        (self.folder / "hparams.json").write_text(json.dumps(plain_params(params), indent=2))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.rows.append({"step": step, **metrics})
@@ -61,7 +65,7 @@ class JSONLinesLogger:
             handle.write(json.dumps(record) + "\n")
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self._write({"hparams": _plain(params)})
+        self._write({"hparams": plain_params(params)})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._write({"step": step, **metrics})
@@ -79,7 +83,7 @@ class TensorBoardLogger:
         self.writer = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"))
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self.writer.add_text("hparams", json.dumps(_plain(params), indent=2))
+        self.writer.add_text("hparams", json.dumps(plain_params(params), indent=2))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -90,7 +94,23 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-LOGGERS: dict[str, Any] = {"csv": CSVLogger, "jsonl": JSONLinesLogger, "tensorboard": TensorBoardLogger}
+def _wandb(folder: Path) -> Logger:
+    from lockstep.train.trackers import WandbLogger
+
+    return WandbLogger(save_dir=folder)
+
+
+def _mlflow(folder: Path) -> Logger:
+    """MLflow's own tracking URI when set (``MLFLOW_TRACKING_URI``), else a SQLite store ``folder/mlflow.db``."""
+    from lockstep.train.trackers import MLflowLogger
+
+    folder.mkdir(parents=True, exist_ok=True)
+    uri = None if os.environ.get("MLFLOW_TRACKING_URI") else f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+    return MLflowLogger(tracking_uri=uri)
+
+
+LOGGERS: dict[str, Any] = {"csv": CSVLogger, "jsonl": JSONLinesLogger, "tensorboard": TensorBoardLogger,
+                           "wandb": _wandb, "mlflow": _mlflow}
 
 
 def make_loggers(specs: Any, folder: Path) -> list[Logger]:

@@ -151,6 +151,7 @@ class Trainer:
             while not self._finished():
                 self._train_epoch()
             rt.checkpointer.wait()  # a checkpoint still being written in the background
+            self._report_final_checkpoint()
             self.fire("on_train_end")
             self.fire("on_fit_end")
         except BaseException as error:
@@ -408,6 +409,14 @@ class Trainer:
             method: Callable[..., None] = getattr(callback, hook)
             with self._hook(f"{type(callback).__name__}.{hook}"):
                 method(self, module, *args)
+
+    def _report_final_checkpoint(self) -> None:
+        """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
+        paths = [c.best_model_path for c in self.callbacks if isinstance(c, ModelCheckpoint) and c.best_model_path]
+        for logger in self._loggers:
+            log_checkpoint = getattr(logger, "log_checkpoint", None)
+            if paths and log_checkpoint is not None:
+                log_checkpoint(Path(paths[0]))
 
     def _finish_reports(self) -> None:
         text = self.profiler.report(self.log_dir, self.runtime.rank)

@@ -1,0 +1,127 @@
+"""Experiment-tracker loggers: Weights & Biases and MLflow (optional extras ``lockstep[wandb]``, ``lockstep[mlflow]``).
+
+Like every logger they act on rank 0 only: the run is opened at the first call the Trainer makes
+(the hyperparameters), so a script may build the logger on every rank and only rank 0 creates a
+run. At the end of ``fit`` each gets the final checkpoint's path: recorded always, and uploaded as
+an artifact with ``log_model=True`` (a checkpoint is a folder of shard files).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from lockstep.train.loggers import plain_params as _plain
+
+
+def _needs(package: str, extra: str) -> Any:
+    try:
+        return __import__(package)
+    except ImportError as error:
+        raise ImportError(f"this logger needs {package}: pip install 'lockstep[{extra}]'") from error
+
+
+class WandbLogger:
+    """A Weights & Biases run: hyperparameters as its config, metrics by step, the checkpoint as a model artifact.
+
+    ``mode="offline"`` writes the run under ``save_dir/wandb`` without a network (``wandb sync``
+    uploads it later); by default wandb's own setting (``WANDB_MODE``) decides. Other keyword
+    arguments go to ``wandb.init`` (``entity``, ``group``, ``tags``, ...).
+    """
+
+    def __init__(self, project: str = "lockstep", name: str | None = None, save_dir: str | Path = "runs/lockstep",
+                 mode: str | None = None, log_model: bool = False, **init_kwargs: Any) -> None:
+        _needs("wandb", "wandb")
+        self.project, self.name, self.save_dir, self.mode = project, name, Path(save_dir), mode
+        self.log_model, self.init_kwargs = log_model, init_kwargs
+        self.run: Any = None
+
+    def _start(self, config: dict[str, Any] | None = None) -> Any:
+        if self.run is None:
+            import wandb
+
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            options: dict[str, Any] = {"mode": self.mode, **self.init_kwargs}
+            self.run = wandb.init(project=self.project, name=self.name, dir=str(self.save_dir), config=config,
+                                  **options)
+        return self.run
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        if self.run is None:
+            self._start(_plain(params))
+        else:
+            self.run.config.update(_plain(params), allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._start().log(dict(metrics), step=step)
+
+    def log_checkpoint(self, path: Path) -> None:
+        run = self._start()
+        run.summary["checkpoint_path"] = str(path)
+        if self.log_model:
+            import wandb
+
+            artifact = wandb.Artifact(f"model-{run.id}", type="model", metadata={"path": str(path)})
+            artifact.add_dir(str(path)) if path.is_dir() else artifact.add_file(str(path))
+            run.log_artifact(artifact, aliases=["latest"])
+
+    def finalize(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class MLflowLogger:
+    """An MLflow run: parameters, metrics by step, the checkpoint path as a tag (and files with ``log_model``).
+
+    ``tracking_uri`` defaults to MLflow's own setting (``MLFLOW_TRACKING_URI``); for a local store
+    give ``"sqlite:////path/to/mlflow.db"``, or ``"file:/path/to/mlruns"`` (MLflow 3 wants
+    ``MLFLOW_ALLOW_FILE_STORE=true`` for that). It talks to MLflow through ``MlflowClient``, so it
+    touches no global MLflow state (an active run of the script stays untouched).
+    """
+
+    def __init__(self, experiment: str = "lockstep", run_name: str | None = None, tracking_uri: str | None = None,
+                 log_model: bool = False, tags: dict[str, str] | None = None) -> None:
+        _needs("mlflow", "mlflow")
+        self.experiment, self.run_name, self.tracking_uri = experiment, run_name, tracking_uri
+        self.log_model, self.tags = log_model, dict(tags or {})
+        self.client: Any = None
+        self.run_id: str | None = None
+
+    def _start(self) -> str:
+        if self.run_id is None:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            found = self.client.get_experiment_by_name(self.experiment)
+            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(self.experiment)
+            run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
+            self.run_id = run.info.run_id
+        return self.run_id
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        run_id = self._start()
+        self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in _plain(params).items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        run_id, now = self._start(), int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_checkpoint(self, path: Path) -> None:
+        run_id = self._start()
+        self.client.set_tag(run_id, "checkpoint_path", str(path))
+        if self.log_model:
+            if path.is_dir():
+                self.client.log_artifacts(run_id, str(path), artifact_path=f"checkpoints/{path.name}")
+            else:
+                self.client.log_artifact(run_id, str(path), artifact_path="checkpoints")
+
+    def finalize(self) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id)
+            self.run_id = None

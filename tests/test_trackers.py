@@ -1,0 +1,104 @@
+"""Experiment trackers for real, offline: a wandb run file and an MLflow file store, read back."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+import lockstep
+import trainer_checks as tc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wandb_records(path: Path):
+    """The protobuf records of a ``.wandb`` run file (LevelDB log blocks of 32 KiB after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if room >= 7 else (0, 0, 0)
+        if length == 0 and kind == 0:
+            pos += room
+            continue
+        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def _fit(tmp_path, logger) -> lockstep.Trainer:
+    trainer = tc.quiet_trainer(max_epochs=2, log_every_n_steps=2, loggers=[logger], checkpoint_dir=tmp_path / "ckpt")
+    trainer.fit(tc.Classifier(), tc.checks.make_data(64), tc.checks.make_data(32, seed=1), batch_size=16)
+    return trainer
+
+
+def test_wandb_offline_run_holds_hyperparameters_metrics_by_step_and_the_checkpoint(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = _fit(tmp_path, lockstep.WandbLogger(project="t", save_dir=tmp_path, mode="offline", log_model=True))
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config, summary, artifacts = {}, {}, {}, []
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {_key(item): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(record.history.step.num, {}).update(row)
+        elif kind == "run":
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+        elif kind == "artifact":
+            artifacts.append((record.artifact.type, sorted(entry.path for entry in record.artifact.manifest.contents)))
+        elif kind == "summary":
+            summary.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
+    assert [step for step, row in sorted(history.items()) if "train_loss" in row] == [2, 4, 6, 8]
+    assert history[8]["val_acc"] == pytest.approx(trainer.callback_metrics["val_acc"])
+    assert history[8]["train_loss_epoch"] == pytest.approx(trainer.callback_metrics["train_loss_epoch"])
+    assert config["max_epochs"] == 2 and config["log_every_n_steps"] == 2
+    assert summary["checkpoint_path"].endswith("epoch=1-step=00000008.ckpt")
+    ((kind, files),) = artifacts
+    assert kind == "model" and ".metadata" in files and any(f.endswith(".distcp") for f in files), files
+
+
+def test_mlflow_file_store_holds_parameters_metrics_by_step_and_the_checkpoint_files(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    uri = (tmp_path / "mlruns").as_uri()
+    trainer = _fit(tmp_path, lockstep.MLflowLogger(experiment="t", tracking_uri=uri, log_model=True))
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["max_epochs"] == "2"
+    losses = client.get_metric_history(run.info.run_id, "train_loss")
+    assert [m.step for m in losses] == [2, 4, 6, 8]
+    (val_acc,) = client.get_metric_history(run.info.run_id, "val_acc")[-1:]
+    assert val_acc.step == 8 and val_acc.value == pytest.approx(trainer.callback_metrics["val_acc"])
+    checkpoint = Path(run.data.tags["checkpoint_path"])
+    assert checkpoint.name == "epoch=1-step=00000008.ckpt"
+    uploaded = {a.path for a in client.list_artifacts(run.info.run_id, f"checkpoints/{checkpoint.name}")}
+    assert uploaded and all(p.startswith("checkpoints/") for p in uploaded)
+
+
+def test_the_mlflow_string_spec_logs_to_a_sqlite_store_in_the_log_folder(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    trainer = tc.quiet_trainer(max_steps=2, log_every_n_steps=1, loggers=("mlflow",), log_dir=tmp_path)
+    trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
