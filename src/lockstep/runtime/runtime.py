@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
+from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data import (
     DistributedLoader,
@@ -125,6 +126,7 @@ class Runtime:
         self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self.checkpointer = Checkpointer(self.rank, self.barrier)
+        self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
@@ -176,7 +178,8 @@ class Runtime:
         return self.env.is_local_zero
 
     # -- model and optimizers ---------------------------------------------------------------
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer,
+              compile: bool | dict[str, Any] | None = None) -> Any:  # noqa: A002 - torch's own word
         """Convert, place and wrap ``model``; route each optimizer's ``step`` through the precision.
 
         Returns the wrapped model, or ``(model, *optimizers)`` when optimizers are given. Optimizers
@@ -184,12 +187,22 @@ class Runtime:
         (FSDP shards them; a model from ``init_module(empty=True)`` is materialised), the optimizers
         are re-pointed to the new ones, keeping their hyperparameters. Every rank must call it (DDP
         broadcasts rank 0's weights, so all ranks start equal whatever their seed).
+
+        ``compile=True`` (or a dict of ``torch.compile`` options; ``regional=False`` compiles the
+        model whole) compiles the model's repeated blocks in place before DDP/FSDP wrap them, so
+        no graph breaks at DDP's hooks and no ``_orig_mod.`` in state_dict keys. A model you
+        compiled yourself (``torch.compile(model)``) is unwrapped and compiled that way too.
+        ``rt.compiled`` then names what was compiled.
         """
+        model, was_compiled = unwrap_compiled(model)
+        options = compile_options(compile if compile is not None else was_compiled)
         before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
         sharded = self.strategy.collective_forward
         if is_empty(module) and not sharded:
             materialize(module, self.strategy.materialize_on(self.placement), self.seed)
+        if options is not None:
+            self.compiled = compile_in_place(module, options)
         forward_module = self.strategy.wrap(module, self.placement, self.precision)
         if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
             materialize(module, self.strategy.materialize_on(self.placement), self.seed)

@@ -27,6 +27,7 @@ class TrainerConfig:
     resume: str | Path | None = None
     log_dir: Path | None = None
     num_workers: int | None = None
+    compile: bool | dict[str, Any] | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:

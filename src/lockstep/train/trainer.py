@@ -16,6 +16,7 @@ import torch
 
 from lockstep.env import DistEnv
 from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, seed_everything
+from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
@@ -35,6 +36,10 @@ class Trainer:
     ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first. Creating the
     Trainer seeds every random generator with ``seed``: build the module after it.
 
+    ``compile=True`` (or a dict of ``torch.compile`` options) compiles the module's repeated blocks
+    in place, or its ``forward`` when it has none (see ``Runtime.setup``). A module passed already
+    compiled (``torch.compile(module)``) is unwrapped and compiled that way.
+
     The Runtime is created by the first ``fit``/``validate``/``test``/``predict``: that joins the
     process group, or, for a script started with plain ``python`` that asks for several devices,
     re-runs the script as one worker per device (self-launch; this process then never returns).
@@ -48,7 +53,7 @@ class Trainer:
         deterministic: bool = False, checkpoint_dir: str | Path | None = None, resume: str | Path | None = None,
         callbacks: Sequence[Callback] = (), loggers: Sequence[Any] = ("csv",), log_dir: str | Path | None = None,
         profiler: Any = None, enable_progress_bar: bool = True, enable_throughput_monitor: bool = True,
-        num_workers: int | None = None, timeout: float | None = None,
+        num_workers: int | None = None, timeout: float | None = None, compile: bool | dict[str, Any] | None = None,
     ) -> None:
         runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
                                 seed=seed, deterministic=deterministic, timeout=timeout)
@@ -57,7 +62,8 @@ class Trainer:
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             val_check_interval=val_check_interval, log_every_n_steps=log_every_n_steps,
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None, resume=resume,
-            log_dir=Path(log_dir) if log_dir is not None else None, num_workers=num_workers, runtime=runtime,
+            log_dir=Path(log_dir) if log_dir is not None else None, num_workers=num_workers, compile=compile,
+            runtime=runtime,
         )
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
         # A checkpoint_dir means checkpoints: unless a ModelCheckpoint is given, the default one writes one
@@ -68,6 +74,7 @@ class Trainer:
                                           *([ProgressBar()] if enable_progress_bar else [])]
         self._logger_specs, self.profiler = list(loggers), make_profiler(profiler)
         self._runtime: Runtime | None = None
+        self.compiled: list[str] = []  # what compile= compiled: block names, "" for the module's forward
         self._loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}
@@ -215,9 +222,12 @@ class Trainer:
     # -- set-up and resume --------------------------------------------------------------------------
     def _start(self, module: Module, with_optimizers: bool) -> Runtime:
         """Create the Runtime on first use (see the class docstring), then set ``module`` up on it."""
-        if not isinstance(module, Module):
-            raise TypeError(f"the Trainer runs a lockstep.Module; got {type(module).__name__}: subclass "
+        inner, was_compiled = unwrap_compiled(module)
+        options = compile_options(self.config.compile if self.config.compile is not None else was_compiled)
+        if not isinstance(inner, Module):
+            raise TypeError(f"the Trainer runs a lockstep.Module; got {type(inner).__name__}: subclass "
                             "lockstep.Module and write training_step / configure_optimizers.")
+        module = inner
         if self._runtime is None:
             self._runtime = Runtime.from_config(self.config.runtime)
             wanted = self.config.num_nodes
@@ -227,6 +237,8 @@ class Trainer:
         if with_optimizers or self._module is not module:
             module.attach(self)
             self._configure_model(module, self._runtime)
+            if options is not None and not self.compiled:
+                self.compiled = compile_in_place(module, options)
             self._module = module
             self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], [])
             wrapped = self._runtime.setup(StepRouter(module), *self.optimizers)

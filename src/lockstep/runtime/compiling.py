@@ -1,0 +1,65 @@
+"""``torch.compile`` in the right place: the repeated blocks, in place, before DDP or FSDP wrap them.
+
+Compiling the DDP wrapper breaks the graph at DDP's hooks, and ``torch.compile(model)`` returns a
+wrapper whose ``state_dict`` keys gain ``_orig_mod.``. Here each repeated block (the layers of a
+transformer: children of one ``ModuleList`` or ``Sequential`` sharing a class of your own) is
+compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP's gradient hooks
+and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
+once and reused by every layer (regional compilation: compile time of one block, not of the model).
+A model without repeated blocks is compiled whole, in place.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+
+def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, bool]:
+    """The module behind ``torch.compile(module)``'s wrapper, and whether there was one."""
+    inner = getattr(module, "_orig_mod", None)
+    return (inner, True) if isinstance(inner, nn.Module) else (module, False)
+
+
+def compile_options(value: bool | dict[str, Any] | None) -> dict[str, Any] | None:
+    """``compile=`` as given to ``setup``: None (off), or the options for ``torch.compile``."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    raise TypeError(f"compile= takes True, False or a dict of torch.compile options (mode=, fullgraph=, "
+                    f"dynamic=, backend=, regional=); got {type(value).__name__}.")
+
+
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of each ModuleList/Sequential that holds two or more modules of one class of
+    your own (not a torch.nn built-in such as Linear), by qualified name."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, container in module.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue  # inside a block already found: compiled with it
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+            continue
+        classes = Counter(type(child) for child in container)
+        (cls, count), = classes.most_common(1)
+        if count >= 2 and len(classes) == 1 and not cls.__module__.startswith("torch."):
+            found += [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(container)]
+    return found
+
+
+def compile_in_place(module: nn.Module, options: dict[str, Any]) -> list[str]:
+    """Compile ``module``'s repeated blocks (or, with none or ``regional=False``, the whole module) in
+    place; returns what was compiled ("" for the whole module)."""
+    options = dict(options)
+    regional = options.pop("regional", True)
+    blocks = repeated_blocks(module) if regional else []
+    if not blocks:
+        module.compile(**options)
+        return [""]
+    for _, block in blocks:
+        block.compile(**options)
+    return [name for name, _ in blocks]

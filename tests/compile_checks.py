@@ -1,0 +1,64 @@
+"""Models and rank functions for the torch.compile tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lockstep
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train(rt: lockstep.Runtime, model: nn.Module, compile, steps: int = 4) -> torch.Tensor:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer, compile=compile)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,)))
+    for step, (x, y) in enumerate(rt.loader(data, batch_size=16, num_workers=0)):
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == steps:
+            break
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in lockstep.unwrap(model).parameters()]
+    return torch.cat([p.detach().reshape(-1) for p in params]), model
+
+
+def compiled_against_eager(strategy: str = "ddp", user_compiled: bool = False) -> dict:
+    """Eager, then compiled through lockstep, on this rank; what dynamo counted in between."""
+    from torch._dynamo.utils import counters
+
+    if strategy == "fsdp":
+        strategy = lockstep.FSDP(shard_modules=(Block,))
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    eager, _ = train(rt, Net(), compile=None)
+    counters.clear()
+    net = Net()
+    compiled, model = train(rt, torch.compile(net) if user_compiled else net, compile=None if user_compiled else True)
+    return {"eager": eager, "compiled": compiled, "names": rt.compiled, "keys": sorted(model.state_dict()),
+            "graph_breaks": dict(counters["graph_break"]), "frames": counters["stats"]["unique_graphs"]}
