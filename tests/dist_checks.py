@@ -276,3 +276,32 @@ def stale_loss_weight(leave: str) -> float:
     model.zero_grad()
     rt.backward(model(torch.full((1, 1), float(rt.rank + 1))).sum())  # rank r: d/dw = r + 1
     return float(lockstep.unwrap(model).weight.grad)  # plain DDP: mean over ranks of (r + 1) = 1.5
+
+
+class IndexedNoise(torch.utils.data.Dataset):
+    """An augmentation drawing from torch, python and numpy, returned with the sample's index."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        import random
+
+        import numpy as np
+
+        return index, torch.rand(()) + random.random() + float(np.random.rand())
+
+
+def per_sample_draws(num_workers: int) -> dict:
+    """Each sample's augmentation per epoch, as every rank saw it (index -> value), and the global RNG after."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=5, per_sample_rng=True)
+    torch.manual_seed(11)
+    loader = rt.loader(IndexedNoise(), batch_size=12, shuffle=True, num_workers=num_workers)
+    epochs = []
+    for _epoch in range(2):
+        seen = {}
+        for index, value in loader:
+            for rank_rows in rt.all_gather((index, value)):
+                seen.update(zip(rank_rows[0].tolist(), rank_rows[1].tolist(), strict=True))
+        epochs.append(seen)
+    return {"epochs": epochs, "after": float(torch.rand(()))}

@@ -222,3 +222,17 @@ def test_a_frozen_rank_is_reported_as_silent_also_under_a_launch_made_group():
     assert "(in my_step, epoch 0, batch 3)" in message
     assert "no heartbeat for" in message and "died or is frozen" in message
     assert not outcomes[1].ok  # killed by rank 0 once it had its answer
+
+
+def test_per_sample_rng_gives_each_sample_the_same_augmentation_on_any_world_size_and_workers():
+    torch.manual_seed(11)
+    untouched = float(torch.rand(()))
+    results = {(world, workers): run_ranks(checks.per_sample_draws, world, workers)
+               for world, workers in [(1, 0), (2, 0), (2, 2)]}
+    reference = results[(1, 0)][0]["epochs"]
+    assert [len(epoch) for epoch in reference] == [24, 24]
+    assert reference[0] != reference[1]  # keyed by the epoch too
+    for key, ranks in results.items():
+        for result in ranks:
+            assert result["epochs"] == reference, key
+    assert results[(1, 0)][0]["after"] == untouched  # the main process's generators are restored after each item

@@ -30,6 +30,7 @@ class RuntimeConfig:
     backend: str | None = None
     init_method: str | None = None
     debug: bool | None = None
+    per_sample_rng: bool = False
 
     def resolved(self) -> RuntimeConfig:
         chosen = runtime_choices_from_environ()

@@ -81,6 +81,9 @@ class Runtime:
         env: where this process sits; default read from the launcher's environment.
         debug: before each collective, check that all ranks call the same one with the same shapes
             (default ``LOCKSTEP_DEBUG``); costs one small gather per collective.
+        per_sample_rng: the loaders fetch each sample with torch, python and numpy seeded from
+            (seed, epoch, dataset index), so random augmentations in ``__getitem__`` do not depend
+            on the world size or the workers (a few microseconds per sample; docs/models.md).
     """
 
     def __init__(
@@ -98,11 +101,12 @@ class Runtime:
         init_method: str | None = None,
         env: DistEnv | None = None,
         debug: bool | None = None,
+        per_sample_rng: bool = False,
     ) -> None:
         self.config = config = RuntimeConfig(
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, seed=seed,
             deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
-            init_method=init_method, debug=debug,
+            init_method=init_method, debug=debug, per_sample_rng=per_sample_rng,
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
@@ -300,7 +304,8 @@ class Runtime:
             dataset_length(dataset), opts.pop("batch_size"), self.rank, self.world_size,
             use_shuffle, self.seed, use_drop_last,
         )
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
+                                 per_sample_rng=self.config.per_sample_rng)
 
     def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
         """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
@@ -317,7 +322,8 @@ class Runtime:
         per_rank = opts.pop("batch_size") // self.world_size
         sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size,
                                equal_steps=self.strategy.collective_forward)
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current)
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
+                                 per_sample_rng=self.config.per_sample_rng)
 
     def _loader_options(
         self, data: Any, batch_size: int | None, options: dict[str, Any]

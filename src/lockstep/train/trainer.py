@@ -30,8 +30,8 @@ from lockstep.train.progress import ProgressBar, ThroughputMonitor
 class Trainer:
     """Runs a ``lockstep.Module`` on every rank with the runtime's exact data, precision and collectives.
 
-    ``devices``, ``accelerator``, ``strategy``, ``precision``, ``seed``, ``deterministic`` and
-    ``timeout`` go to ``lockstep.Runtime``; ``trainer.config`` holds all settings (a
+    ``devices``, ``accelerator``, ``strategy``, ``precision``, ``seed``, ``deterministic``,
+    ``timeout`` and ``per_sample_rng`` go to ``lockstep.Runtime``; ``trainer.config`` holds all settings (a
     ``TrainerConfig``). ``batch_size`` (in ``fit`` etc.) is the global batch. Stop after
     ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first. Creating the
     Trainer seeds every random generator with ``seed``: build the module after it.
@@ -54,9 +54,10 @@ class Trainer:
         callbacks: Sequence[Callback] = (), loggers: Sequence[Any] = ("csv",), log_dir: str | Path | None = None,
         profiler: Any = None, enable_progress_bar: bool = True, enable_throughput_monitor: bool = True,
         num_workers: int | None = None, timeout: float | None = None, compile: bool | dict[str, Any] | None = None,
+        per_sample_rng: bool = False,
     ) -> None:
         runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
-                                seed=seed, deterministic=deterministic, timeout=timeout)
+                                seed=seed, deterministic=deterministic, timeout=timeout, per_sample_rng=per_sample_rng)
         self.config = TrainerConfig(
             max_epochs=max_epochs, max_steps=max_steps, num_nodes=num_nodes,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
