@@ -219,3 +219,40 @@ def _nccl_sum() -> float:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_all_reduce_on_two_gpus():
     assert lockstep.launch(_nccl_sum, nprocs=2) == 3.0
+
+
+def test_compile_on_the_gpu_matches_eager_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    import compile_checks
+
+    rt = Runtime(accelerator="cuda", devices=1, env=DistEnv(), seed=0)
+    eager, _ = compile_checks.train(rt, compile_checks.Net(), compile=None)
+    counters.clear()
+    compiled, model = compile_checks.train(rt, compile_checks.Net(), compile=True)
+    assert rt.compiled == ["blocks.0", "blocks.1", "blocks.2"]
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] >= 1
+    assert (compiled - eager).abs().max() <= 1e-3
+    assert sorted(model.state_dict()) == sorted(compile_checks.Net().state_dict())
+
+
+def test_num_items_under_16_mixed_matches_the_global_token_mean():
+    import hf_checks
+
+    def run(num_items: bool) -> torch.Tensor:
+        rt = Runtime(accelerator="cuda", devices=1, env=DistEnv(), seed=0, precision="16-mixed")
+        model = hf_checks.tiny_gpt2()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = rt.setup(model, optimizer)
+        loader = rt.loader(hf_checks.sequences(), batch_size=4, collate_fn=hf_checks.pad, num_workers=0)
+        for i, batch in enumerate(loader):  # accumulation 2: 8 sequences per step, 5 steps
+            with rt.no_sync(model, enabled=i % 2 == 0):
+                loss = model(**batch).loss
+                rt.backward(loss, num_items=hf_checks.valid_tokens(batch)) if num_items else rt.backward(loss / 2)
+            if i % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+        return hf_checks.flat(model).float().cpu()
+
+    reference = hf_checks.reference_weights()
+    assert (run(True) - reference).abs().max() < (run(False) - reference).abs().max() / 5
