@@ -6,9 +6,10 @@ knows before the step ends. So each backward runs on ``loss * n / c`` (a sum, di
 constant ``c`` that every rank shares), the gradient reduction averages over the ``W`` ranks as
 usual, and before the optimizer uses the gradients one all-reduce of the local counts gives
 ``N`` and the gradients are multiplied by ``W * c / N``. ``c`` is the power of two at or below
-the previous step's mean items per rank (1 for the first): it keeps the backward's magnitude
-near the loss's own, as float16 loss scaling needs, and being a power of two it changes no bit
-of the result (a resumed run, which starts again from 1, stays bitwise equal).
+the previous step's mean items per rank (for the first step, the first micro-batch's, from one
+extra all-reduce at the run's first backward): it keeps the backward's magnitude near the
+loss's own, as float16 loss scaling needs, and being a power of two it changes no bit of the
+result (a resumed run, which calibrates again, stays bitwise equal).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ItemNormalizer:
         self._plain_backwards = 0  # backwards without num_items in the same step: a mix is refused
         # c, the same on every rank; a device tensor, so that nothing here waits for the device.
         self.scale = torch.ones((), dtype=torch.float64, device=device)
+        self._calibrated = False  # c is set from real counts: at the first backward, then every step
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.append(weakref.ref(optimizer))
@@ -46,6 +48,9 @@ class ItemNormalizer:
             raise ValueError(f"num_items must be one number (this rank's items in the batch); got shape "
                              f"{tuple(count.shape)}.")
         count = count.reshape(())
+        if not self._calibrated:  # once per run: a c of 1 would inflate the first backward n-fold (fp16 overflow)
+            self._calibrated = True
+            self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self.world_size)
         self._pending = count if self._pending is None else self._pending + count
         return (count / self.scale).float()
 
@@ -63,7 +68,7 @@ class ItemNormalizer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        total = pending if self.world_size == 1 or not dist.is_initialized() else self._all_reduce_sum(pending)
+        total = self._sum_over_ranks(pending)
         factor = (self.world_size * self.scale) / total.clamp(min=1.0)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         seen: set[int] = set()
@@ -80,7 +85,15 @@ class ItemNormalizer:
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
                 torch._foreach_mul_(same, factor.to(device=device, dtype=dtype))
-        self.scale = torch.exp2(torch.floor(torch.log2((total / self.world_size).clamp(min=1.0))))
+        self.scale = _power_of_two_at_most(total / self.world_size)
+
+    def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
+        return count if self.world_size == 1 or not dist.is_initialized() else self._all_reduce_sum(count.clone())
+
+
+def _power_of_two_at_most(value: torch.Tensor) -> torch.Tensor:
+    """The largest power of two at or below ``value`` (1 for anything below 1), on the device."""
+    return torch.exp2(torch.floor(torch.log2(value.clamp(min=1.0))))
 
 
 _MIXED = ("rt.backward was called with num_items for some micro-batches of this optimizer step and without it "
