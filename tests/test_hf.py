@@ -47,13 +47,21 @@ def _example(*args: str) -> str:
     return done.stdout
 
 
-def test_text_classifier_example_logs_every_metric_from_collated_batches_and_predicts_in_order(tmp_path):
-    out = _example("examples/hf_text_classifier.py", "--epochs", "3", "--out", str(tmp_path))
-    found = re.search(r"train_loss (\S+) val_loss (\S+) val_acc (\S+) over 160 reviews on 2 processes", out)
-    assert found and float(found.group(3)) >= 0.9, out
-    assert "predict() gave 160 rows in dataset order" in out
-    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"train_loss", "train_loss_epoch", "val_loss", "val_acc"} <= set(header), header
+def test_text_classifier_example_logs_every_metric_from_collated_batches_on_1_and_2_processes(tmp_path):
+    found = {}
+    for devices in (1, 2):
+        out = _example("examples/hf_text_classifier.py", "--devices", str(devices), "--epochs", "3", "--out",
+                       str(tmp_path / str(devices)))
+        line = re.search(rf"train_loss (\S+) val_loss (\S+) val_acc (\S+) over 160 reviews on {devices} processes", out)
+        assert line and float(line.group(3)) >= 0.9, out
+        assert "predict() gave 160 rows in dataset order" in out
+        found[devices] = [float(v) for v in line.groups()]
+        header = (tmp_path / str(devices) / "metrics.csv").read_text().splitlines()[0].split(",")
+        assert {"train_loss", "train_loss_epoch", "val_loss", "val_acc"} <= set(header), header
+    # AdamW, and padding to each rank's own longest row, turn float rounding into visible drift at
+    # val_loss 0.03 (measured 0.0277 against 0.0274); the exact comparisons are the GPT-2 tests above.
+    assert found[1][2] == found[2][2] and found[1][0] == pytest.approx(found[2][0], rel=1e-2)
+    assert found[1][1] == pytest.approx(found[2][1], rel=5e-2)
 
 
 def test_causal_lm_example_trains_the_same_model_on_1_and_2_processes(tmp_path):

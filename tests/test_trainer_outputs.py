@@ -125,3 +125,14 @@ def test_loader_options_reach_every_loader_and_reserved_ones_are_refused():
     assert calls[-1] == 32
     with pytest.raises(ValueError, match="loader_options cannot set 'sampler'"):
         trainer.predict(module, data, batch_size=16, loader_options={"sampler": None})
+
+
+class LogsAtEpochEnd(lockstep.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        module.log("epoch_extra", 1.0)
+
+
+def test_a_metric_logged_where_nothing_reduces_it_raises_instead_of_vanishing():
+    trainer = tc.quiet_trainer(max_epochs=1, callbacks=[LogsAtEpochEnd()])
+    with pytest.raises(RuntimeError, match=r"self.log\('epoch_extra'\) was called outside training_step"):
+        trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)

@@ -167,6 +167,7 @@ class Trainer:
                 callback.on_exception(self, module, error)
             raise
         finally:
+            self._stores = []
             self._finish_reports()
         return self
 
@@ -185,6 +186,7 @@ class Trainer:
         """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample)."""
         rt = self._start(module, with_optimizers=False)
         loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
+        self._stores = []
         self._wrapped.eval()
         with torch.no_grad():
             outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
@@ -200,6 +202,11 @@ class Trainer:
                       batch_size: int | torch.Tensor | None = None) -> None:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
         loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums."""
+        if not self._stores:  # between stages the sums are already reduced: the value would vanish
+            raise RuntimeError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
+                               "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
+                               "would ever reduce it: log from a step, or pass reduced values to "
+                               "trainer.log_metrics({...}).")
         weight = batch_size if batch_size is not None else self._batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
@@ -361,6 +368,7 @@ class Trainer:
                 scheduler.step()
         self.log_metrics({f"{name}_epoch": value for name, value in self.metrics.epoch.reduce(self.runtime).items()})
         self.metrics.epoch.reset()
+        self._stores = []  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
             self._validate_during_fit()
         self.fire("on_train_epoch_end")
@@ -396,6 +404,7 @@ class Trainer:
                 with self._hook(step):
                     self._wrapped(step, batch, batch_idx)
         metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
+        self._stores = []
         self.log_metrics(metrics)
         return metrics
 
