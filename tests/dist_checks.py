@@ -305,3 +305,16 @@ def per_sample_draws(num_workers: int) -> dict:
                 seen.update(zip(rank_rows[0].tolist(), rank_rows[1].tolist(), strict=True))
         epochs.append(seen)
     return {"epochs": epochs, "after": float(torch.rand(()))}
+
+
+Doubled = collections.namedtuple("Doubled", "index doubled")
+
+
+def merged_gather(n: int) -> dict:
+    """Per-batch dicts and namedtuples from an eval loader, gathered: one merged structure each."""
+    rt = lockstep.Runtime(accelerator="cpu")
+    dicts, pairs = [], []
+    for (index,) in rt.eval_loader(TensorDataset(torch.arange(n)), batch_size=4, num_workers=0):
+        dicts.append({"index": index, "square": index**2})
+        pairs.append(Doubled(index, 2 * index))
+    return {"dicts": rt.gather(dicts), "pairs": rt.gather(pairs), "batches": len(dicts)}

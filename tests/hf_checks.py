@@ -83,3 +83,15 @@ def lockstep_weights(batch_size: int = 8, accumulate: int = 1, use_num_items: bo
         if i + 1 == steps * accumulate:
             break
     return flat(model)
+
+
+def gathered_model_outputs() -> object:
+    """``ModelOutput``s per evaluation batch, gathered into one ``ModelOutput`` in dataset order."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    outputs = []
+    for (x,) in rt.eval_loader(torch.utils.data.TensorDataset(torch.arange(10.0)[:, None]), batch_size=4,
+                               num_workers=0):
+        outputs.append(SequenceClassifierOutput(logits=x * 2))
+    return rt.gather(outputs)

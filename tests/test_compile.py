@@ -37,5 +37,10 @@ def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(
     assert trainer.compiled == [""]  # no repeated blocks: the module's forward, in place
     assert (tc.checks.flat_weights(module) - tc.checks.flat_weights(eager)).abs().max() <= 1e-5
     assert not any("_orig_mod" in key for key in module.state_dict())
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (saved,) = [p for p in tmp_path.glob("epoch=*.ckpt")]
+    keys = list(FileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+    assert any(".net.0.weight" in key for key in keys) and not any("_orig_mod" in key for key in keys), keys
     with pytest.raises(TypeError, match="compile= takes True, False or a dict"):
         tc.quiet_trainer(max_epochs=1, compile="yes").fit(tc.Classifier(), tc.checks.make_data(16), batch_size=16)

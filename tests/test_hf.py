@@ -71,3 +71,9 @@ def test_causal_lm_example_trains_the_same_model_on_1_and_2_processes(tmp_path):
     assert len(values[0]) == 3 and "on 2 processes" in runs[1]
     for one, two in zip(values[0], values[1], strict=True):  # 20 steps at lr 0.5: float drift, not 1e-6
         assert abs(one - two) <= 1e-4 * abs(one), values
+
+
+def test_gathered_model_outputs_come_back_as_one_model_output_in_dataset_order():
+    for merged in run_ranks(hf_checks.gathered_model_outputs, 2):
+        assert type(merged).__name__ == "SequenceClassifierOutput"
+        assert merged.logits[:, 0].tolist() == [2.0 * i for i in range(10)]

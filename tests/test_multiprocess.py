@@ -236,3 +236,15 @@ def test_per_sample_rng_gives_each_sample_the_same_augmentation_on_any_world_siz
         for result in ranks:
             assert result["epochs"] == reference, key
     assert results[(1, 0)][0]["after"] == untouched  # the main process's generators are restored after each item
+
+
+@pytest.mark.parametrize("n", [3, 10])
+def test_gather_merges_per_batch_dicts_and_namedtuples_even_from_ranks_without_batches(n):
+    results = run_ranks(checks.merged_gather, 4, n)
+    assert [r["batches"] for r in results] == ([1, 1, 1, 0] if n == 3 else [3, 3, 2, 2])
+    for result in results:
+        assert set(result["dicts"]) == {"index", "square"}
+        assert result["dicts"]["index"].tolist() == list(range(n))
+        assert result["dicts"]["square"].tolist() == [i * i for i in range(n)]
+        assert isinstance(result["pairs"], checks.Doubled)
+        assert result["pairs"].doubled.tolist() == [2 * i for i in range(n)]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.tree import Spec, flatten, map_tensors, unflatten
+from lockstep.runtime.tree import Spec, empty_rows, flatten, map_tensors, unflatten
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -162,8 +162,30 @@ def _join_chunks(leaf: Any) -> Any:
     return leaf
 
 
+def merge_batches(data: Any) -> Any:
+    """A list of per-batch structures of tensors (dicts, ``ModelOutput``s, namedtuples, dataclasses,
+    tuples) of one shape becomes one structure whose tensors are the batches' joined along dim 0.
+    Anything else is returned as it is."""
+    if not isinstance(data, list) or not data or any(isinstance(item, (torch.Tensor, list)) for item in data):
+        return data
+    flat = [flatten(item) for item in data]
+    spec = flat[0][1]
+    if spec.num_leaves == 0 or not all(isinstance(leaf, torch.Tensor) for leaves, _ in flat for leaf in leaves):
+        return data
+    if any(item_spec != spec for _, item_spec in flat):
+        return data
+    columns = [[leaves[i] for leaves, _ in flat] for i in range(spec.num_leaves)]
+    return unflatten([_join_chunks(column) for column in columns], spec)
+
+
 def gather_rows(data: Any, device: torch.device) -> Any:
     """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract)."""
+    data = merge_batches(data)
+    if active():  # a rank without batches ([]) takes the others' merged structure, with zero rows
+        nothing = isinstance(data, list) and not data
+        templates = _all_gather_object(None if nothing else empty_rows(data))
+        if nothing:
+            data = next((t for t in templates if t is not None and not isinstance(t, list)), data)
     leaves, spec = flatten(data, is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
     if not active():

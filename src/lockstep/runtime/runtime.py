@@ -410,7 +410,9 @@ class Runtime:
         """Evaluation outputs of all ranks, concatenated in rank order, on every rank.
 
         Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
-        outputs) and joined first; other lists concatenate; dicts and tuples are gathered per entry.
+        outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
+        namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
+        concatenate; dicts and tuples are gathered per entry.
         With ``rt.eval_loader`` this is dataset order, one row per sample. A rank with no rows may
         pass an empty list.
         """
