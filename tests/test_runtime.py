@@ -202,6 +202,10 @@ def test_loader_refuses_custom_samplers_and_iterable_datasets():
 
     with pytest.raises(ValueError, match="IterableDataset"):
         rt.loader(torch.utils.data.DataLoader(Stream(), batch_size=1))
+    with pytest.raises(ValueError, match="Stream is an IterableDataset"):
+        rt.loader(Stream(), batch_size=4)
+    with pytest.raises(ValueError, match="sampler= cannot be passed to rt.loader"):
+        rt.loader(dataset, batch_size=4, sampler=torch.utils.data.SequentialSampler(dataset))
 
 
 def test_seed_everything_repeats_initial_weights():
@@ -249,3 +253,4 @@ def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():
     rt.backward(model(x).sum(), num_items=3)
     with pytest.raises(ValueError, match="num_items for some micro-batches"):
         rt.backward(model(x).sum())
+

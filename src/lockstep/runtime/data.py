@@ -382,6 +382,12 @@ def check_batch_size(batch_size: int, world_size: int) -> int:
 
 
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"{type(dataset).__name__} is an IterableDataset (a stream): rt.loader and the Trainer shard "
+            "map-style datasets only. Give a dataset with __len__ and __getitem__, or keep your own "
+            "DataLoader over the stream, shard it by rank inside __iter__, and loop over it yourself."
+        )
     try:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:

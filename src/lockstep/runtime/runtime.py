@@ -334,6 +334,13 @@ class Runtime:
             dataset, opts = data, {}
             if batch_size is None:
                 raise ValueError("give batch_size (the global batch size) with a dataset.")
+        for chooser in ("sampler", "batch_sampler"):
+            if chooser in options:
+                raise ValueError(
+                    f"{chooser}= cannot be passed to rt.loader: lockstep chooses each global batch from a seeded "
+                    "permutation and splits it over the ranks. Pass shuffle=True/False, or keep your own "
+                    "DataLoader with that sampler and a DistributedSampler-style split, outside rt.loader."
+                )
         opts.update(options)
         if batch_size is not None:
             opts["batch_size"] = batch_size
