@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.tree import Spec, empty_rows, flatten, map_tensors, unflatten
+from lockstep.runtime.tree import Spec, flatten, map_tensors, unflatten
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -180,27 +180,33 @@ def merge_batches(data: Any) -> Any:
 
 def gather_rows(data: Any, device: torch.device) -> Any:
     """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract)."""
-    data = merge_batches(data)
-    if active():  # a rank without batches ([]) takes the others' merged structure, with zero rows
-        nothing = isinstance(data, list) and not data
-        templates = _all_gather_object(None if nothing else empty_rows(data))
-        if nothing:
-            data = next((t for t in templates if t is not None and not isinstance(t, list)), data)
-    leaves, spec = flatten(data, is_leaf=_is_rows)
+    leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
     if not active():
         return unflatten(leaves, spec)
-    skeletons = _all_gather_object(_skeleton(leaves))
-    leaves = [_fill_empty_rows(leaf, [s[i] if i < len(s) else None for s in skeletons])
-              for i, leaf in enumerate(leaves)]
+    # Every rank's structure, tensors as slots: where this rank has no rows ([]), it takes the
+    # others' structure (a whole one when it had no batches at all) with zero-row tensors.
+    structures = _all_gather_object(unflatten(_skeleton(leaves), spec))
+    if spec.is_leaf() and isinstance(leaves[0], list) and not leaves[0]:  # no batches: []
+        other = next((s for s in structures if not (isinstance(s, list) and not s)), None)
+        if other is not None:
+            leaves, spec = flatten(other, is_leaf=_is_rows_or_slot)
+            leaves = [[] if isinstance(leaf, list) else leaf for leaf in leaves]
+    others = [flatten(s, is_leaf=_is_rows_or_slot)[0] for s in structures]
+    leaves = [_fill_empty_rows(leaf, [o[i] if i < len(o) else None for o in others]) for i, leaf in enumerate(leaves)]
     per_rank = [flatten(d, is_leaf=_is_rows)[0] for d in all_gather(unflatten(leaves, spec), device)]
     return unflatten([_concat_ranks([rank_leaves[i] for rank_leaves in per_rank]) for i in range(len(leaves))], spec)
 
 
+def _is_rows_or_slot(node: Any) -> bool:
+    return _is_rows(node) or isinstance(node, _TensorSlot)
+
+
 def _fill_empty_rows(leaf: Any, others: list[Any]) -> Any:
-    """A rank with no rows holds ``[]`` where others hold a tensor: give it a 0-row tensor."""
-    if isinstance(leaf, list) and not leaf:
-        for other in others:
+    """Where this rank holds ``[]`` (or a slot taken from another rank) and others hold a tensor: a
+    0-row tensor of their shape and dtype."""
+    if isinstance(leaf, _TensorSlot) or (isinstance(leaf, list) and not leaf):
+        for other in [leaf, *others]:
             if isinstance(other, _TensorSlot):
                 return torch.empty((0, *other.shape[1:]), dtype=other.dtype)
     return leaf
