@@ -381,6 +381,38 @@ def check_batch_size(batch_size: int, world_size: int) -> int:
     return batch_size
 
 
+def resolve_loader_options(
+    data: Any, batch_size: int | None, options: dict[str, Any], world_size: int, local_world_size: int,
+    device: torch.device,
+) -> tuple[Any, dict[str, Any]]:
+    """The dataset and DataLoader options of a lockstep loader over ``data`` (a dataset, or a DataLoader
+    re-created with its own options): ``options`` override, ``batch_size`` is the global batch, and
+    workers, ``pin_memory`` and ``persistent_workers`` get lockstep's defaults where unset."""
+    if isinstance(data, DataLoader):
+        dataset, opts = options_of(data)
+    else:
+        dataset, opts = data, {}
+        if batch_size is None:
+            raise ValueError("give batch_size (the global batch size) with a dataset.")
+    for chooser in ("sampler", "batch_sampler"):
+        if chooser in options:
+            raise ValueError(
+                f"{chooser}= cannot be passed to rt.loader: lockstep chooses each global batch from a seeded "
+                "permutation and splits it over the ranks. Pass shuffle=True/False, or keep your own "
+                "DataLoader with that sampler and a DistributedSampler-style split, outside rt.loader."
+            )
+    opts.update(options)
+    if batch_size is not None:
+        opts["batch_size"] = batch_size
+    check_batch_size(opts["batch_size"], world_size)
+    if "num_workers" not in opts:
+        opts["num_workers"] = default_num_workers(local_world_size)
+    opts.setdefault("pin_memory", device.type == "cuda")
+    if opts["num_workers"] > 0:
+        opts.setdefault("persistent_workers", True)
+    return dataset, opts
+
+
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
     if isinstance(dataset, IterableDataset):
         raise ValueError(

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv, slurm_requeue_from_environ
 from lockstep.runtime import collectives
@@ -27,10 +26,8 @@ from lockstep.runtime.data import (
     DistributedLoader,
     GlobalBatchSampler,
     ShardSampler,
-    check_batch_size,
     dataset_length,
-    default_num_workers,
-    options_of,
+    resolve_loader_options,
 )
 from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.elastic import self_launch
@@ -295,7 +292,8 @@ class Runtime:
         re-created with the same dataset, collate_fn and options. Other keyword arguments go to
         DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``, ...).
         """
-        dataset, opts = self._loader_options(data, batch_size, options)
+        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
+                                              self.device)
         use_shuffle = bool(opts.pop("shuffle", False)) if shuffle is None else shuffle
         use_drop_last = bool(opts.pop("drop_last", False)) if drop_last is None else drop_last
         opts.pop("shuffle", None)
@@ -316,7 +314,8 @@ class Runtime:
         forward is a collective, every rank gets the same number of batches: a rank whose shard
         has ended gets batches of zero rows, which add nothing to gathered outputs.
         """
-        dataset, opts = self._loader_options(data, batch_size, options)
+        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
+                                              self.device)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
         per_rank = opts.pop("batch_size") // self.world_size
@@ -324,33 +323,6 @@ class Runtime:
                                equal_steps=self.strategy.collective_forward)
         return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
                                  per_sample_rng=self.config.per_sample_rng)
-
-    def _loader_options(
-        self, data: Any, batch_size: int | None, options: dict[str, Any]
-    ) -> tuple[Any, dict[str, Any]]:
-        if isinstance(data, DataLoader):
-            dataset, opts = options_of(data)
-        else:
-            dataset, opts = data, {}
-            if batch_size is None:
-                raise ValueError("give batch_size (the global batch size) with a dataset.")
-        for chooser in ("sampler", "batch_sampler"):
-            if chooser in options:
-                raise ValueError(
-                    f"{chooser}= cannot be passed to rt.loader: lockstep chooses each global batch from a seeded "
-                    "permutation and splits it over the ranks. Pass shuffle=True/False, or keep your own "
-                    "DataLoader with that sampler and a DistributedSampler-style split, outside rt.loader."
-                )
-        opts.update(options)
-        if batch_size is not None:
-            opts["batch_size"] = batch_size
-        check_batch_size(opts["batch_size"], self.world_size)
-        if "num_workers" not in opts:
-            opts["num_workers"] = default_num_workers(self.env.local_world_size)
-        opts.setdefault("pin_memory", self.device.type == "cuda")
-        if opts["num_workers"] > 0:
-            opts.setdefault("persistent_workers", True)
-        return dataset, opts
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True) -> float:
