@@ -67,12 +67,8 @@ class Trainer:
             runtime=runtime,
         )
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
-        # A checkpoint_dir means checkpoints: unless a ModelCheckpoint is given, the default one writes one
-        # per epoch and keeps the newest, plus last.ckpt.
-        default_checkpoints = checkpoint_dir is not None and not any(isinstance(c, ModelCheckpoint) for c in callbacks)
-        self.callbacks: list[Callback] = [*callbacks, *([ModelCheckpoint()] if default_checkpoints else []),
-                                          *([ThroughputMonitor()] if enable_throughput_monitor else []),
-                                          *([ProgressBar()] if enable_progress_bar else [])]
+        self.callbacks = _with_default_callbacks(callbacks, checkpoint_dir is not None, enable_throughput_monitor,
+                                                 enable_progress_bar)
         self._logger_specs, self.profiler = list(loggers), make_profiler(profiler)
         self._runtime: Runtime | None = None
         self.compiled: list[str] = []  # what compile= compiled: block names, "" for the module's forward
@@ -447,3 +443,11 @@ class Trainer:
         for logger in self._loggers:
             logger.finalize()
 
+
+def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,
+                            progress: bool) -> list[Callback]:
+    """The given callbacks, then lockstep's defaults. A checkpoint_dir means checkpoints: unless a
+    ModelCheckpoint is given, the default one writes one per epoch and keeps the newest, plus last.ckpt."""
+    default_checkpoints = checkpoints and not any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    return [*callbacks, *([ModelCheckpoint()] if default_checkpoints else []),
+            *([ThroughputMonitor()] if throughput else []), *([ProgressBar()] if progress else [])]
