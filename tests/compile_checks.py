@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fsdp_checks
 import lockstep
 
 
@@ -45,8 +46,7 @@ def train(rt: lockstep.Runtime, model: nn.Module, compile, steps: int = 4) -> to
         optimizer.zero_grad()
         if step + 1 == steps:
             break
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in lockstep.unwrap(model).parameters()]
-    return torch.cat([p.detach().reshape(-1) for p in params]), model
+    return fsdp_checks.full_weights(model), model
 
 
 def compiled_against_eager(strategy: str = "ddp", user_compiled: bool = False) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import fsdp_checks
 import lockstep
 
 IGNORE = -100
@@ -39,10 +40,7 @@ def valid_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE).sum()
 
 
-def flat(model) -> torch.Tensor:
-    """Every weight in one vector (FSDP shards gathered whole)."""
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in lockstep.unwrap(model).parameters()]
-    return torch.cat([p.detach().reshape(-1) for p in params])
+flat = fsdp_checks.full_weights  # every weight in one vector, FSDP shards gathered whole
 
 
 def reference_weights(steps: int = 5, batch_size: int = 8, lr: float = 0.5) -> torch.Tensor:
