@@ -7,8 +7,10 @@ import time
 import lockstep
 
 rt = lockstep.Runtime(accelerator="cpu", timeout=60)
-with open(os.path.join(sys.argv[1], f"{rt.rank}.pid"), "w") as handle:
+with open(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), "w") as handle:
     handle.write(str(os.getpid()))
+# Renamed once written: a test that sees N.pid never reads it half-written.
+os.replace(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), os.path.join(sys.argv[1], f"{rt.rank}.pid"))
 deadline = time.monotonic() + 60
 step = 0
 while time.monotonic() < deadline:
