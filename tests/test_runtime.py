@@ -13,6 +13,7 @@ import dist_checks as checks
 import lockstep
 from lockstep import DistEnv, Runtime
 from lockstep.runtime.data import GlobalBatchSampler, ShardSampler, check_batch_size, split_evenly
+from lockstep.runtime.order import Arange, FixedBatches, Shuffled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,7 +147,10 @@ def test_split_evenly_covers_every_item_once():
 
 def _stream(world: int, shuffle: bool = True) -> list[list[int]]:
     """The global batches of one epoch, re-assembled from every rank's share."""
-    samplers = [GlobalBatchSampler(23, 8, r, world, shuffle, 0, False) for r in range(world)]
+    samplers = [GlobalBatchSampler(FixedBatches(Shuffled(23, 0) if shuffle else Arange(23), 8, False), r, world)
+                for r in range(world)]
+    for sampler in samplers:
+        sampler.set_epoch(0, 0)
     shares = [list(s) for s in samplers]
     return [sorted(i for r in range(world) for _, i in shares[r][step]) for step in range(len(shares[0]))]
 
@@ -186,26 +190,6 @@ def test_loader_resume_with_another_batch_size_is_refused():
     loader = rt.loader(dataset, batch_size=2, num_workers=0)
     with pytest.raises(ValueError, match="same global batch size"):
         loader.load_state_dict({"epoch": 0, "batches_done": 1, "batch_size": 4})
-
-
-def test_loader_refuses_custom_samplers_and_iterable_datasets():
-    rt = runtime()
-    dataset = torch.utils.data.TensorDataset(torch.arange(10))
-    weighted = torch.utils.data.DataLoader(
-        dataset, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 10, 10))
-    with pytest.raises(ValueError, match="custom sampler"):
-        rt.loader(weighted)
-
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(range(3))
-
-    with pytest.raises(ValueError, match="IterableDataset"):
-        rt.loader(torch.utils.data.DataLoader(Stream(), batch_size=1))
-    with pytest.raises(ValueError, match="Stream is an IterableDataset"):
-        rt.loader(Stream(), batch_size=4)
-    with pytest.raises(ValueError, match="sampler= cannot be passed to rt.loader"):
-        rt.loader(dataset, batch_size=4, sampler=torch.utils.data.SequentialSampler(dataset))
 
 
 def test_seed_everything_repeats_initial_weights():

@@ -178,12 +178,44 @@ def merge_batches(data: Any) -> Any:
     return unflatten([_join_chunks(column) for column in columns], spec)
 
 
-def gather_rows(data: Any, device: torch.device) -> Any:
-    """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract)."""
+def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None) -> Any:
+    """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract); with
+    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order."""
     leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
-    if not active():
-        return unflatten(leaves, spec)
+    if indices is not None:
+        problem = _rows_problem(leaves, len(indices))
+        problems = _all_gather_object(problem) if active() else [problem]
+        if any(problems):
+            raise ValueError("rt.gather cannot put these outputs in dataset order: "
+                             + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                             + ". Collect one output row per sample of one loader pass, batch by batch, or "
+                             "pass order='rank' for data that does not come from a loader.")
+    result = _gather_leaves(leaves, spec, device) if active() else unflatten(leaves, spec)
+    if indices is None:
+        return result
+    everyone = torch.cat(all_gather(indices.to(torch.int64), device)) if active() else indices
+    order = torch.argsort(everyone, stable=True)
+    rows, spec = flatten(result, is_leaf=_is_rows)
+    return unflatten([row[order] if isinstance(row, torch.Tensor) else [row[i] for i in order.tolist()]
+                      for row in rows], spec)
+
+
+def _rows_problem(leaves: list[Any], count: int) -> str | None:
+    """Why the ``leaves`` are not ``count`` rows each (None when they are)."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            rows = leaf.shape[0] if leaf.dim() else None
+        else:
+            rows = len(leaf) if isinstance(leaf, list) else None
+        if rows is None:
+            return f"an output of type {type(leaf).__name__} has no rows"
+        if rows != count:
+            return f"an output holds {rows} rows, but the loader's last pass handed out {count} samples here"
+    return None
+
+
+def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
     # Every rank's structure, tensors as slots: where this rank has no rows ([]), it takes the
     # others' structure (a whole one when it had no batches at all) with zero-row tensors.
     structures = _all_gather_object(unflatten(_skeleton(leaves), spec))

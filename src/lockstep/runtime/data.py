@@ -10,23 +10,35 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
     SequentialSampler,
+    default_collate,
     get_worker_info,
 )
 
-from lockstep.runtime.seed import mix_seed
+from lockstep.runtime.order import (
+    Arange,
+    Batches,
+    FixedBatches,
+    FromSampler,
+    IndexSequence,
+    SamplerBatches,
+    Shuffled,
+    split_evenly,
+)
+from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
+from lockstep.runtime.streams import StreamBatches, StreamShard, is_stream, stream_length
 from lockstep.runtime.tree import empty_rows, to_device
 
 Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed per epoch
@@ -35,6 +47,15 @@ Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed 
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
 _WORKER_BASE_STREAM = 7
 _END = object()
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def _stateful(stream: Any) -> bool:
+    """Whether a stream can save and restore its position (the torchdata convention)."""
+    return callable(getattr(stream, "state_dict", None)) and callable(getattr(stream, "load_state_dict", None))
 
 
 class BatchObserver(Protocol):
@@ -47,81 +68,45 @@ class BatchObserver(Protocol):
     def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
-def split_evenly(total: int, parts: int, part: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``part`` when ``total`` items are cut into ``parts`` near-equal runs."""
-    base, extra = divmod(total, parts)
-    start = part * base + min(part, extra)
-    return start, start + base + (1 if part < extra else 0)
-
-
-def _seed_generators(seed: int, cpu_only: bool = False) -> None:
-    """Seed torch, python and numpy; ``cpu_only`` leaves torch's accelerator generators alone (100x faster)."""
-    if cpu_only:
-        torch.default_generator.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-def _numpy_state() -> Any:
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    return np.random.get_state()
-
-
-def _set_numpy_state(state: Any) -> None:
-    if state is not None:
-        import numpy as np
-
-        np.random.set_state(state)
-
-
 class GlobalBatchSampler(Sampler[list[Key]]):
-    """Yields this rank's share of each global batch (see the module docstring)."""
+    """Yields this rank's share of each global batch of ``batches`` (see the module docstring)."""
 
-    def __init__(
-        self, num_samples: int, batch_size: int, rank: int, world_size: int,
-        shuffle: bool, seed: int, drop_last: bool,
-    ) -> None:
-        self.num_samples, self.batch_size = num_samples, batch_size
-        self.rank, self.world_size = rank, world_size
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+    def __init__(self, batches: Batches, rank: int, world_size: int) -> None:
+        self.batches, self.rank, self.world_size = batches, rank, world_size
         self.epoch, self.start_step = 0, 0
 
+    @property
+    def batch_size(self) -> int | None:
+        """The global batch size (None when a batch sampler chooses the batches)."""
+        return getattr(self.batches, "batch_size", None)
+
+    def set_epoch(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+        self.batches.set_epoch(epoch)
+
     def steps_per_epoch(self) -> int:
-        full, rest = divmod(self.num_samples, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return len(self.batches)
 
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
 
     def global_size(self, step: int) -> int:
-        return min(self.batch_size, self.num_samples - step * self.batch_size)
+        return self.batches.size(step)
+
+    def _share(self, step: int) -> tuple[int, int]:
+        return split_evenly(self.global_size(step), self.world_size, self.rank)
 
     def local_size(self, step: int) -> int:
-        start, stop = split_evenly(self.global_size(step), self.world_size, self.rank)
+        start, stop = self._share(step)
         return stop - start
 
-    def order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-        return torch.randperm(self.num_samples, generator=generator)
+    def local_indices(self, step: int) -> list[int]:
+        """The dataset indices of this rank's share of global batch ``step``."""
+        return self.batches.indices(step, *self._share(step))
 
     def __iter__(self) -> Iterator[list[Key]]:
-        order = self.order().tolist()
         for step in range(self.start_step, self.steps_per_epoch()):
-            first = step * self.batch_size
-            start, stop = split_evenly(self.global_size(step), self.world_size, self.rank)
-            yield [(self.epoch, i) for i in order[first + start : first + stop]]
+            yield [(self.epoch, i) for i in self.local_indices(step)]
 
 
 class ShardSampler(Sampler[list[Key]]):
@@ -146,14 +131,19 @@ class ShardSampler(Sampler[list[Key]]):
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
 
+    def set_epoch(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+
     def local_size(self, step: int) -> int:
         return max(0, min(self.batch_size, self.stop - self.start - step * self.batch_size))
 
+    def local_indices(self, step: int) -> list[int]:
+        first = self.start + step * self.batch_size
+        return list(range(first, first + self.local_size(step)))
+
     def __iter__(self) -> Iterator[list[Key]]:
         for step in range(self.start_step, self.steps_per_epoch()):
-            first = self.start + step * self.batch_size
-            size = self.local_size(step)
-            yield [(self.epoch, i) for i in range(first, first + size)] if size else [(self.epoch, 0)]
+            yield [(self.epoch, i) for i in self.local_indices(step) or [0]]  # [0]: a zero-row padding batch
 
 
 class EpochSeededDataset(Dataset[Any]):
@@ -182,22 +172,16 @@ class EpochSeededDataset(Dataset[Any]):
         info = get_worker_info()
         if info is None or epoch == self._seeded_epoch:
             return
-        _seed_generators(mix_seed(self.seed, self.rank, info.id, epoch))
+        seed_generators(mix_seed(self.seed, self.rank, info.id, epoch))
         self._seeded_epoch = epoch
 
     def _seeded_item(self, epoch: int, index: int) -> Any:
         seed = mix_seed(self.seed, -1, epoch, index)  # -1: apart from (seed, rank, worker, epoch)
         if get_worker_info() is not None:  # a worker's generators serve nothing else
-            _seed_generators(seed, cpu_only=True)
+            seed_generators(seed, cpu_only=True)
             return self.dataset[index]
-        saved = random.getstate(), _numpy_state()
-        with torch.random.fork_rng(devices=[]):
-            _seed_generators(seed, cpu_only=True)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(saved[0])
-                _set_numpy_state(saved[1])
+        with forked_generators(seed):
+            return self.dataset[index]
 
     def __getitem__(self, key: Key) -> Any:
         if self.per_sample:
@@ -231,26 +215,32 @@ _KEPT_OPTIONS = ("collate_fn", "num_workers", "pin_memory", "timeout", "worker_i
 
 
 def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
-    """The dataset, shuffle flag, batch size and options of an existing DataLoader, to re-create it."""
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError(
-            "lockstep cannot shard an IterableDataset: shard it yourself by rank inside __iter__, "
-            "or give a map-style dataset (with __len__ and __getitem__)."
-        )
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
-        raise ValueError(
-            f"the DataLoader uses a custom sampler ({type(loader.sampler).__name__}), which "
-            "lockstep cannot re-shard exactly: pass the dataset itself to rt.loader, or keep your "
-            "own DataLoader with a DistributedSampler and do not pass it through rt.loader."
-        )
-    if loader.batch_size is None:
-        raise ValueError("the DataLoader has no batch_size (custom batch_sampler): give batch_size.")
+    """The dataset, batch size, sample choice and options of an existing DataLoader, to re-create it.
+
+    Its sampler becomes ``shuffle`` (RandomSampler without replacement, SequentialSampler, or a
+    DistributedSampler, whose split lockstep does itself), else ``sampler``; a custom batch sampler
+    becomes ``batch_sampler``.
+    """
     options = {name: getattr(loader, name) for name in _KEPT_OPTIONS}
     if options["num_workers"] == 0:
         options.pop("prefetch_factor")
         options.pop("persistent_workers")
-    options["shuffle"] = isinstance(loader.sampler, RandomSampler)
+    if loader.batch_size is None and not isinstance(loader.dataset, IterableDataset):
+        options["batch_sampler"] = loader.batch_sampler
+        options.pop("drop_last")
+        return loader.dataset, options
     options["batch_size"] = loader.batch_size
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset):
+        pass
+    elif isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        options["shuffle"] = True
+    elif isinstance(sampler, SequentialSampler):
+        options["shuffle"] = False
+    elif isinstance(sampler, DistributedSampler):
+        options["shuffle"] = sampler.shuffle
+    else:
+        options["sampler"] = sampler
     return loader.dataset, options
 
 
@@ -267,22 +257,34 @@ class DistributedLoader:
     def __init__(
         self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, options: dict[str, Any],
         device: torch.device, seed: int, rank: int, observer: BatchObserver | None = None,
-        per_sample_rng: bool = False,
+        per_sample_rng: bool = False, count_ranks: Callable[[bool], int] | None = None, training: bool = True,
     ) -> None:
         self.dataset = dataset
+        self.training = training  # global batches to train on; else evaluation batches (no loss weight)
         self.sampler = sampler
         self.device = device
         self._observer = observer
-        self._epoch, self._batches_done, self._started = 0, 0, False
+        self._epoch, self._batches_done, self._started, self._pass_start = 0, 0, False, 0
         self.wait_s = 0.0  # time spent waiting for batches (data loading not hidden behind compute)
         self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
+        self._stream_state: Any = None  # a stream's own state, loaded from a checkpoint
         self._non_blocking = bool(options.get("pin_memory")) and device.type == "cuda"
-        self.loader: DataLoader[Any] = DataLoader(
-            EpochSeededDataset(dataset, seed, rank, per_sample_rng),
-            batch_sampler=sampler,
-            generator=torch.Generator().manual_seed(mix_seed(seed, rank, _WORKER_BASE_STREAM)),
-            **options,
-        )
+        generator = torch.Generator().manual_seed(mix_seed(seed, rank, _WORKER_BASE_STREAM))
+        self._stream: StreamShard | None = None
+        self._count_ranks = count_ranks  # how many ranks pass True (a collective), to agree on a stream's end
+        batches = getattr(sampler, "batches", None)
+        if isinstance(batches, StreamBatches):
+            assert isinstance(sampler, GlobalBatchSampler)
+            collate = options.pop("collate_fn", None) or default_collate
+            self._stream_batches = batches
+            self._stream = stream = StreamShard(dataset, batches.batch_size, rank, sampler.world_size,
+                                                batches.drop_last, collate, pad_empty=not training)
+            self._stream_loader = lambda: DataLoader(stream, batch_size=None, collate_fn=_as_is,
+                                                     generator=generator, **options)
+            self.loader: DataLoader[Any] = self._stream_loader()
+        else:
+            self.loader = DataLoader(EpochSeededDataset(dataset, seed, rank, per_sample_rng), batch_sampler=sampler,
+                                     generator=generator, **options)
 
     def __len__(self) -> int:
         return self.sampler.steps_per_epoch()
@@ -291,11 +293,6 @@ class DistributedLoader:
     def epoch(self) -> int:
         """The epoch of the current (or last) pass."""
         return self._epoch
-
-    @property
-    def training(self) -> bool:
-        """True for a training loader (global batches), False for an evaluation loader (shards)."""
-        return isinstance(self.sampler, GlobalBatchSampler)
 
     def global_batch_size(self, step: int) -> int:
         """How many samples batch ``step`` holds over all ranks (less than batch_size when short).
@@ -314,7 +311,7 @@ class DistributedLoader:
         """What this rank's mean loss over batch ``step`` is multiplied by for the gradient of the
         global batch's mean loss, once DDP averages over the ranks (1.0 for evaluation batches)."""
         sampler = self.sampler
-        if not isinstance(sampler, GlobalBatchSampler):
+        if not self.training or not isinstance(sampler, GlobalBatchSampler):
             return 1.0
         return sampler.local_size(step) * sampler.world_size / sampler.global_size(step)
 
@@ -323,14 +320,18 @@ class DistributedLoader:
             (epoch, start), self._pending = self._pending, None
         else:
             epoch, start = (self._epoch + 1 if self._started else 0), 0
-        self._epoch, self._batches_done, self._started = epoch, start, True
-        self.sampler.epoch, self.sampler.start_step = epoch, start
+        if self._stream is not None:
+            self._start_stream(epoch, start, workers_started=self._started)
+        self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
+        self.sampler.set_epoch(epoch, start)
         observer, batches = self._observer, iter(self.loader)
         try:
             for step in itertools.count(start):
                 waited = time.perf_counter()
                 batch = next(batches, _END)
                 self.wait_s += time.perf_counter() - waited
+                if self._stream is not None:
+                    batch = self._stream_batch(step, batch)
                 if batch is _END:
                     return
                 self._batches_done = step + 1
@@ -344,25 +345,83 @@ class DistributedLoader:
             if observer is not None:
                 observer.batch_ended(self)
 
+    def _start_stream(self, epoch: int, start: int, workers_started: bool) -> None:
+        assert self._stream is not None
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+        if start and self.loader.persistent_workers and workers_started:
+            # Persistent workers hold a copy of the stream made when they started, at pass 0 of their
+            # own: a mid-epoch position needs new workers, which copy it.
+            self.loader = self._stream_loader()
+        self._stream.start_step, self._stream.skip = start, start * self._stream.batch_size
+        state, self._stream_state = self._stream_state, None
+        if state is not None and start:
+            self.dataset.load_state_dict(state)  # the stream continues where the checkpoint left it
+            self._stream.skip = 0
+
+    def _stream_batch(self, step: int, item: Any) -> Any:
+        """This rank's batch out of the stream's ``(step, global size, batch)``; every rank agrees the stream ended."""
+        assert self._stream is not None
+        if self._count_ranks is not None:
+            world, having = self._stream.world_size, self._count_ranks(item is not _END)
+            if having not in (0, world):
+                raise RuntimeError(
+                    f"the stream ended at step {step} on {world - having} of {world} ranks, not on the others: "
+                    "every rank must read the same stream (lockstep splits it). A stream that splits itself "
+                    "by rank or yields a different number of items on each rank cannot be split again.")
+        if item is _END:
+            return _END
+        got, size, batch = item
+        assert got == step, f"stream batch {got} arrived at step {step}"
+        if batch is None:  # every rank sees the same size, so every rank raises here
+            raise ValueError(f"the stream's last global batch (step {step}) holds {size} items for "
+                             f"{self._stream.world_size} ranks: every rank needs one to train on. Pass drop_last=True.")
+        if size < self._stream_batches.batch_size:
+            self._stream_batches.ended[step] = size
+        return batch
+
+    def handed_out(self) -> torch.Tensor:
+        """The dataset indices of the rows this rank was handed in the current (or last) pass, in order
+        (for a stream: positions in the stream)."""
+        steps = range(self._pass_start, self._batches_done)
+        return torch.tensor([i for step in steps for i in self.sampler.local_indices(step)], dtype=torch.int64)
+
     def state_dict(self) -> dict[str, Any]:
-        """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out."""
+        """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out; with the
+        global batch size and the kind of order (which the position only means something with)."""
         if self._pending is not None:
             epoch, done = self._pending
         else:
             epoch, done = self._epoch, self._batches_done
-        return {"epoch": epoch, "batches_done": done,
-                "batch_size": getattr(self.sampler, "batch_size", None)}
+        batches = getattr(self.sampler, "batches", None)
+        state = {"epoch": epoch, "batches_done": done, "batch_size": getattr(self.sampler, "batch_size", None),
+                 "order": batches.kind if batches is not None else "shards"}
+        if self._stream is not None and self.loader.num_workers == 0 and _stateful(self.dataset):
+            state["stream"] = self.dataset.state_dict() if self._pending is None else self._stream_state
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``'s position at the next ``iter()``."""
-        saved = state.get("batch_size")
-        if isinstance(self.sampler, GlobalBatchSampler) and saved not in (None, self.sampler.batch_size):
-            raise ValueError(
-                f"the checkpoint was written with global batch_size={saved}, this loader has "
-                f"{self.sampler.batch_size}: resume with the same global batch size."
-            )
+        if isinstance(self.sampler, GlobalBatchSampler):
+            saved = state.get("batch_size")
+            if saved not in (None, self.sampler.batch_size):
+                raise ValueError(
+                    f"the checkpoint was written with global batch_size={saved}, this loader has "
+                    f"{self.sampler.batch_size}: resume with the same global batch size."
+                )
+            # A checkpoint without "order" comes from a release that shuffled with randperm at every n.
+            now = self.sampler.batches.kind
+            order = state.get("order", "randperm" if now == "feistel-1" else None)
+            if order is not None and order != now:
+                raise ValueError(
+                    f"the checkpoint's data order is {order!r}, this loader's is {now!r}: its position would "
+                    "point at other samples. Resume with the same dataset length, shuffle and sampler "
+                    "(docs/data.md, 'Checkpoint format')."
+                )
         epoch, done = int(state["epoch"]), int(state["batches_done"])
-        if done >= self.sampler.steps_per_epoch():
+        if self._stream is not None:
+            self._stream_state = state.get("stream") if _stateful(self.dataset) else None
+        elif done >= self.sampler.steps_per_epoch():
             epoch, done = epoch + 1, 0
         self._pending = (epoch, done)
 
@@ -383,28 +442,39 @@ def check_batch_size(batch_size: int, world_size: int) -> int:
 
 def resolve_loader_options(
     data: Any, batch_size: int | None, options: dict[str, Any], world_size: int, local_world_size: int,
-    device: torch.device,
+    device: torch.device, evaluation: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """The dataset and DataLoader options of a lockstep loader over ``data`` (a dataset, or a DataLoader
     re-created with its own options): ``options`` override, ``batch_size`` is the global batch, and
-    workers, ``pin_memory`` and ``persistent_workers`` get lockstep's defaults where unset."""
-    if isinstance(data, DataLoader):
-        dataset, opts = options_of(data)
-    else:
-        dataset, opts = data, {}
-        if batch_size is None:
-            raise ValueError("give batch_size (the global batch size) with a dataset.")
-    for chooser in ("sampler", "batch_sampler"):
-        if chooser in options:
-            raise ValueError(
-                f"{chooser}= cannot be passed to rt.loader: lockstep chooses each global batch from a seeded "
-                "permutation and splits it over the ranks. Pass shuffle=True/False, or keep your own "
-                "DataLoader with that sampler and a DistributedSampler-style split, outside rt.loader."
-            )
+    workers, ``pin_memory`` and ``persistent_workers`` get lockstep's defaults where unset.
+
+    ``evaluation``: every sample once, in dataset order; a DataLoader's sample choice is dropped
+    and none may be given."""
+    dataset, opts = options_of(data) if isinstance(data, DataLoader) else (data, {})
+    if evaluation:
+        for chooser in ("sampler", "batch_sampler"):
+            if options.get(chooser) is not None:
+                raise ValueError(f"an evaluation loader takes every sample once, in dataset order: it has no "
+                                 f"{chooser}=. Give a Subset of the dataset to evaluate part of it.")
+            opts.pop(chooser, None)
+    if "batch_sampler" in options or "sampler" in options:  # the caller's choice replaces the DataLoader's
+        for chosen in ("batch_sampler", "sampler", "shuffle"):
+            opts.pop(chosen, None)
     opts.update(options)
     if batch_size is not None:
         opts["batch_size"] = batch_size
-    check_batch_size(opts["batch_size"], world_size)
+    if isinstance(opts.get("sampler"), DistributedSampler):
+        opts["shuffle"] = opts.pop("sampler").shuffle
+    if opts.get("batch_sampler") is not None:
+        clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
+        if clashes:
+            raise ValueError(f"batch_sampler= chooses the global batches itself: drop {', '.join(clashes)}=.")
+    elif opts.get("batch_size") is None:
+        raise ValueError("give batch_size (the global batch size) with a dataset, or a batch_sampler=.")
+    else:
+        check_batch_size(opts["batch_size"], world_size)
+    if opts.get("sampler") is not None and opts.get("shuffle"):
+        raise ValueError("sampler= and shuffle=True contradict each other: the sampler chooses the order.")
     if "num_workers" not in opts:
         opts["num_workers"] = default_num_workers(local_world_size)
     opts.setdefault("pin_memory", device.type == "cuda")
@@ -413,17 +483,35 @@ def resolve_loader_options(
     return dataset, opts
 
 
+def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last: bool, seed: int) -> Batches:
+    """The global order of a training loader; takes ``batch_size``/``sampler``/``batch_sampler`` out of ``opts``."""
+    batch_sampler, sampler = opts.pop("batch_sampler", None), opts.pop("sampler", None)
+    batch_size = opts.pop("batch_size", None)
+    if is_stream(dataset):
+        if shuffle or sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                f"{type(dataset).__name__} is a stream (an IterableDataset): lockstep reads it in order and "
+                "cuts it into global batches, so it takes no shuffle=True, sampler= or batch_sampler=. Shuffle "
+                "inside the stream (a shuffle buffer seeded the same on every rank, e.g. datasets' "
+                "IterableDataset.shuffle(seed=...)), or give a map-style dataset.")
+        return StreamBatches(stream_length(dataset), batch_size, drop_last)
+    if batch_sampler is not None:
+        return SamplerBatches(batch_sampler, seed)
+    sequence: IndexSequence
+    if sampler is not None:
+        sequence = FromSampler(sampler, seed)
+    elif shuffle:
+        sequence = Shuffled(dataset_length(dataset), seed)
+    else:
+        sequence = Arange(dataset_length(dataset))
+    return FixedBatches(sequence, batch_size, drop_last)
+
+
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
-    if isinstance(dataset, IterableDataset):
-        raise ValueError(
-            f"{type(dataset).__name__} is an IterableDataset (a stream): rt.loader and the Trainer shard "
-            "map-style datasets only. Give a dataset with __len__ and __getitem__, or keep your own "
-            "DataLoader over the stream, shard it by rank inside __iter__, and loop over it yourself."
-        )
     try:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         raise ValueError(
-            f"{type(dataset).__name__} has no __len__: lockstep shards map-style datasets "
-            "(with __len__ and __getitem__)."
+            f"{type(dataset).__name__} has no __len__: give a map-style dataset (with __len__ and "
+            "__getitem__) or a stream (a torch IterableDataset)."
         ) from None

@@ -27,6 +27,7 @@ from lockstep.runtime.data import (
     GlobalBatchSampler,
     ShardSampler,
     dataset_length,
+    global_batches,
     resolve_loader_options,
 )
 from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
@@ -44,6 +45,7 @@ from lockstep.runtime.process_group import (
 )
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.strategy import DDP, Strategy, make_strategy
+from lockstep.runtime.streams import is_stream
 from lockstep.runtime.watchdog import Watchdog
 from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
 
@@ -292,18 +294,20 @@ class Runtime:
         re-created with the same dataset, collate_fn and options. Other keyword arguments go to
         DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``, ...).
         """
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if value is not None:
+                options[name] = value
         dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
                                               self.device)
-        use_shuffle = bool(opts.pop("shuffle", False)) if shuffle is None else shuffle
-        use_drop_last = bool(opts.pop("drop_last", False)) if drop_last is None else drop_last
-        opts.pop("shuffle", None)
-        opts.pop("drop_last", None)
-        sampler = GlobalBatchSampler(
-            dataset_length(dataset), opts.pop("batch_size"), self.rank, self.world_size,
-            use_shuffle, self.seed, use_drop_last,
-        )
+        shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
+        batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
+        return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=True)
+
+    def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
+                training: bool) -> DistributedLoader:
+        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
         return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
-                                 per_sample_rng=self.config.per_sample_rng)
+                                 per_sample_rng=self.config.per_sample_rng, count_ranks=count, training=training)
 
     def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
         """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
@@ -315,14 +319,16 @@ class Runtime:
         has ended gets batches of zero rows, which add nothing to gathered outputs.
         """
         dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
-                                              self.device)
+                                              self.device, evaluation=True)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
+        if is_stream(dataset):  # global batches in stream order, split over the ranks
+            batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
+            return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=False)
         per_rank = opts.pop("batch_size") // self.world_size
         sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size,
                                equal_steps=self.strategy.collective_forward)
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
-                                 per_sample_rng=self.config.per_sample_rng)
+        return self._loader(dataset, sampler, opts, training=False)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True) -> float:
@@ -385,18 +391,27 @@ class Runtime:
         with self._watchdog.watch("all_gather", data, exact_shapes=False):
             return collectives.all_gather(data, self.device)
 
-    def gather(self, data: Any) -> Any:
-        """Evaluation outputs of all ranks, concatenated in rank order, on every rank.
+    def gather(self, data: Any, loader: DistributedLoader | None = None, order: str = "dataset") -> Any:
+        """Outputs of all ranks as one structure with one row per sample, in dataset order, on every rank.
+
+        ``data`` holds this rank's outputs of one pass over a lockstep loader (``loader``, by default
+        the loader that handed out the latest batch), collected batch by batch: the loader knows
+        which dataset index each row belongs to, so the rows come back sorted by it, whichever
+        loader it was (training or evaluation, shuffled or not, any sampler). Outputs that do not
+        match the samples the pass handed out on some rank raise an error naming the rank.
+        ``order="rank"``, or no loader used yet: every rank's rows concatenated in rank order.
 
         Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
         outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
         namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
-        concatenate; dicts and tuples are gathered per entry.
-        With ``rt.eval_loader`` this is dataset order, one row per sample. A rank with no rows may
-        pass an empty list.
+        concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
         """
+        if order not in ("dataset", "rank"):
+            raise ValueError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
+        source = (loader or self._current.last) if order == "dataset" else None
+        indices = source.handed_out() if source is not None else None
         with self._watchdog.watch("gather", data, exact_shapes=False):
-            return collectives.gather_rows(data, self.device)
+            return collectives.gather_rows(data, self.device, indices)
 
     def broadcast(self, data: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``data`` on every rank."""
@@ -490,9 +505,11 @@ class _CurrentBatch:
         self.watchdog = watchdog
         self.loader: DistributedLoader | None = None
         self.loss_weight = 1.0
+        self.last: DistributedLoader | None = None  # the loader of the latest batch: rt.gather's default
 
     def batch_started(self, loader: DistributedLoader, step: int) -> None:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
+        self.last = loader
         if loader.training:
             self.loader, self.loss_weight = loader, loader.loss_weight(step)
 

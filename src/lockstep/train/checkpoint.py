@@ -178,7 +178,7 @@ class _Loop:
         t = self.trainer
         t.current_epoch, t.global_step = int(loop["epoch"]), int(loop["global_step"])
         t.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
-        if batches_done >= t.steps_per_epoch:
+        if t.steps_per_epoch is not None and batches_done >= t.steps_per_epoch:
             t.current_epoch, batches_done = t.current_epoch + 1, 0
         t.resume_at(batches_done)
 

@@ -105,7 +105,7 @@ class ProgressBar(Callback):
             self._progress.update(self._task, stats=stats)
         elif self._live is False:
             steps = trainer.batches_done_in_epoch
-            print(f"{self.epoch_label(trainer)}  {steps}/{trainer.steps_per_epoch} batches  {stats}", flush=True)
+            print(f"{self.epoch_label(trainer)}  {steps}/{trainer.steps_per_epoch or '?'} batches  {stats}", flush=True)
 
     def on_train_end(self, trainer: Trainer, module: Module) -> None:
         if self._progress is not None:

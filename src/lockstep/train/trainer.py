@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
 from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, seed_everything
 from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
+from lockstep.runtime.streams import is_stream
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
@@ -76,7 +78,7 @@ class Trainer:
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}
         self.current_epoch = self.global_step = self.batches_done_in_epoch = self.samples_seen = 0
-        self.steps_per_epoch = 0
+        self.steps_per_epoch: int | None = 0  # None: a stream without __len__
         self.should_stop, self.at_step_boundary = False, False
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[tuple[Any, str]] = []  # (scheduler, "step" | "epoch")
@@ -139,8 +141,16 @@ class Trainer:
                              "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
         options = self._loader_options(loader_options)
-        self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=True, **options)
-        self.steps_per_epoch = len(self.train_loader)
+        # Shuffle a dataset; a DataLoader keeps its own order (its sampler), a stream is read in order.
+        shuffle = None if isinstance(train_data, DataLoader) or is_stream(train_data) else True
+        self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=shuffle, **options)
+        try:
+            self.steps_per_epoch = len(self.train_loader)
+        except TypeError:  # a stream without __len__: an epoch is one pass, however long
+            if self.config.max_steps is None:
+                raise ValueError("the training data is a stream without __len__, whose epochs have no known "
+                                 "length: give the Trainer max_steps.") from None
+            self.steps_per_epoch = None
         if val_data is not None:
             self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size, **options)
         if rt.is_global_zero:
@@ -186,7 +196,7 @@ class Trainer:
         self._wrapped.eval()
         with torch.no_grad():
             outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
-        return rt.gather(outputs)
+        return rt.gather(outputs, loader=loader)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
@@ -266,8 +276,9 @@ class Trainer:
         options = {} if workers is None else {"num_workers": workers}
         for reserved in ("batch_size", "sampler", "batch_sampler"):
             if given and reserved in given:
-                raise ValueError(f"loader_options cannot set {reserved!r}: pass batch_size= (the global batch); "
-                                 "lockstep's loaders choose and split the samples themselves.")
+                raise ValueError(f"loader_options cannot set {reserved!r}: pass batch_size= (the global batch); to "
+                                 "choose the samples, give fit a DataLoader built with your sampler or batch_sampler "
+                                 "(lockstep draws its order the same on every rank and splits each global batch).")
         return {**options, **(given or {})}
 
     def _restore(self) -> None:
@@ -290,11 +301,13 @@ class Trainer:
         """One pass over the training data, from where a resumed run left off."""
         assert self.train_loader is not None
         start = self._start_epoch(self.train_loader)
+        stopped = False
         for batch_idx, batch in enumerate(self.train_loader, start):
             stepped = self._train_batch(batch, batch_idx)
             if stepped and self._after_step():
+                stopped = True
                 break
-        if self.batches_done_in_epoch == self.steps_per_epoch:  # not stopped mid-epoch
+        if not stopped or self.batches_done_in_epoch == self.steps_per_epoch:  # the epoch's data is done
             self._end_epoch()
 
     def _start_epoch(self, loader: DistributedLoader) -> int:

@@ -1,0 +1,237 @@
+"""Rank functions and datasets for the data tests: streams, samplers, huge datasets, ordered gathers."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
+
+import dist_checks
+import lockstep
+
+
+def features(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Item ``i``: 8 features and a class, computed from the index alone."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)
+
+
+class IndexedStream(IterableDataset):
+    """``n`` items ``(index, x, y)`` in order; ``reads`` counts the items read (for the I/O check)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.reads += 1
+            yield (i, *features(i))
+
+
+class StatefulStream(IndexedStream):
+    """The same stream, resumable through its own state_dict (the torchdata convention)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.position, self._start = 0, 0
+
+    def __iter__(self):
+        self.position = self._start
+        self._start = 0
+        for i in range(self.position, self.n):
+            self.reads += 1
+            self.position = i + 1
+            yield (i, *features(i))
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = state["position"]
+
+
+class UnevenStream(IterableDataset):
+    """A stream that yields one item more on rank 0 (it splits itself by rank): lockstep must refuse it."""
+
+    def __iter__(self):
+        rank = int(os.environ.get("RANK", "0"))
+        for i in range(8 + (1 if rank == 0 else 0)):
+            yield (i, *features(i))
+
+
+class Indexed(Dataset):
+    """A map-style dataset of ``n`` items ``(index, x, y)``, any n (items computed on demand)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return (i, *features(i))
+
+
+class LengthGrouped(torch.utils.data.Sampler):
+    """Batches of similar lengths, as a length-grouped batch sampler for padded text does: shuffle,
+    sort 4 batches' worth by length, cut, shuffle the batches (python's random: seeded by lockstep)."""
+
+    def __init__(self, lengths: list[int], batch_size: int) -> None:
+        self.lengths, self.batch_size = lengths, batch_size
+
+    def __iter__(self):
+        order = list(range(len(self.lengths)))
+        random.shuffle(order)
+        chunk = 4 * self.batch_size
+        batches = []
+        for start in range(0, len(order), chunk):
+            group = sorted(order[start:start + chunk], key=lambda i: self.lengths[i])
+            batches += [group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size)]
+        random.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+
+def global_batches(rt: lockstep.Runtime, loader, epochs: int = 1) -> list[list[int]]:
+    """Every global batch the loader handed out, as sorted dataset indices (each rank's share joined)."""
+    seen = []
+    for _ in range(epochs):
+        for index, *_rest in loader:
+            parts = rt.all_gather(index)
+            seen.append(sorted(i for part in parts for i in part.tolist()))
+    return seen
+
+
+def train_on(rt: lockstep.Runtime, loader, checkpoint: str | None = None, kill_after: int = 0) -> dict:
+    """SGD on the loader's batches, resuming from ``checkpoint`` when it exists and saving it after
+    every step; SIGKILL this process after ``kill_after`` steps (0: never). Returns the weights and
+    the global batches seen."""
+    model = dist_checks.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    if checkpoint is not None and os.path.exists(checkpoint):
+        rt.load(checkpoint, state)
+    seen = []
+    for step, (index, x, y) in enumerate(loader):
+        rt.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(sorted(i for part in rt.all_gather(index) for i in part.tolist()))
+        if checkpoint is not None:
+            rt.save(checkpoint, state)
+        if kill_after and step + 1 == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {"weights": dist_checks.flat_weights(model), "batches": seen}
+
+
+def sampler_and_stream_batches() -> dict:
+    """Global batches of a WeightedRandomSampler DataLoader, a length-grouped batch sampler, a stream
+    of 1,003 items (2 epochs, 2 workers) and training on that stream; and a shuffled training pass's
+    gathered outputs."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=3)
+    weights = [1.0 + (i % 7) for i in range(200)]
+    weighted = DataLoader(Indexed(200), batch_size=24, sampler=WeightedRandomSampler(weights, 150))
+    lengths = [(i * 37) % 50 + 1 for i in range(203)]
+    result = {
+        "weighted": global_batches(rt, rt.loader(weighted, num_workers=0), epochs=2),
+        "grouped": global_batches(rt, rt.loader(Indexed(203), batch_sampler=LengthGrouped(lengths, 16),
+                                                num_workers=0)),
+        "stream": global_batches(rt, rt.loader(IndexedStream(1003), batch_size=32, num_workers=2), epochs=2),
+        "trained": train_on(rt, rt.loader(IndexedStream(1003), batch_size=32, num_workers=0)),
+    }
+    result["gathered"] = shuffled_gather(rt)
+    return result
+
+
+def shuffled_gather(rt: lockstep.Runtime | None = None) -> dict:
+    """Per-batch dicts of outputs of a shuffled training pass over 101 samples, gathered."""
+    rt = rt or lockstep.Runtime(accelerator="cpu", seed=3)
+    loader = rt.loader(Indexed(101), batch_size=12, shuffle=True, num_workers=0)
+    outputs = [{"index": index, "double": 2 * x} for index, x, _ in loader]
+    return rt.gather(outputs)
+
+
+def stream_end_is_agreed() -> str:
+    """A stream with one item more on rank 0 than elsewhere: every rank must fail, none hang."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    try:
+        for _ in rt.loader(UnevenStream(), batch_size=rt.world_size, num_workers=0):
+            pass
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def stream_until_killed(checkpoint: str, stateful: bool, kill_after: int) -> dict:
+    """Train on a 1,003-item stream (see ``train_on``); also says whether it resumed, and how many
+    items it read."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    stream = (StatefulStream if stateful else IndexedStream)(1003)
+    resumed = os.path.exists(checkpoint)
+    result = train_on(rt, rt.loader(stream, batch_size=32, num_workers=0), checkpoint, kill_after)
+    return {**result, "resumed": resumed, "reads": stream.reads}
+
+
+def billion_samples() -> dict:
+    """A map-style dataset of 10^9 items, shuffled: time and memory to the first batch, and to a
+    batch after resuming at step 10^6."""
+    def rss_mb() -> float:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS"))
+        return int(line.split()[1]) / 1024
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    before = rss_mb()
+    started = time.perf_counter()
+    loader = rt.loader(Indexed(10**9), batch_size=64, shuffle=True, num_workers=0)
+    first = next(iter(loader))[0]
+    first_s = time.perf_counter() - started
+    started = time.perf_counter()
+    resumed = rt.loader(Indexed(10**9), batch_size=64, shuffle=True, num_workers=0)
+    resumed.load_state_dict({"epoch": 0, "batches_done": 10**6, "batch_size": 64, "order": "feistel-1"})
+    later = next(iter(resumed))[0]
+    resume_s = time.perf_counter() - started
+    return {"first_s": first_s, "resume_s": resume_s, "extra_mb": rss_mb() - before,
+            "first": rt.all_gather(first), "later": rt.all_gather(later), "kind": loader.state_dict()["order"]}
+
+
+def hf_table(n: int):
+    import datasets
+
+    rows = [features(i) for i in range(n)]
+    table = datasets.Dataset.from_dict({"index": list(range(n)), "x": [x.tolist() for x, _ in rows],
+                                        "y": [int(y) for _, y in rows]})
+    return table.with_format("torch")
+
+
+def hf_batches(n: int) -> dict:
+    """Global batches from a Hugging Face map-style Dataset (shuffled, rows fetched through
+    __getitems__) and from its streaming form (4 shards, 2 workers); and the stream resumed
+    through its own state_dict after 5 steps."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=1)
+
+    def batches(loader, steps=None):
+        seen = []
+        for step, batch in enumerate(loader):
+            seen.append(sorted(i for part in rt.all_gather(batch["index"]) for i in part.tolist()))
+            if steps is not None and step + 1 == steps:
+                break
+        return seen
+
+    table = hf_table(n)
+    stream = rt.loader(table.to_iterable_dataset(num_shards=4), batch_size=8, num_workers=2)
+    first = rt.loader(table.to_iterable_dataset(num_shards=4), batch_size=8, num_workers=0)
+    head = batches(first, steps=5)
+    position = first.state_dict()
+    rest = rt.loader(table.to_iterable_dataset(num_shards=4), batch_size=8, num_workers=0)
+    rest.load_state_dict(position)
+    return {"map": batches(rt.loader(table, batch_size=8, shuffle=True, num_workers=0)),
+            "stream": batches(stream), "resumed": head + batches(rest), "position": position}

@@ -1,0 +1,253 @@
+"""Data as real jobs have it: the lazy permutation, user samplers, streams, huge datasets and
+outputs in dataset order, each against a single-process run or a hand computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import data_checks as checks
+import trainer_checks
+from lockstep import DistEnv, Runtime
+from lockstep.runtime.order import RANDPERM_MAX, FeistelPermutation, Shuffled
+from lockstep.runtime.seed import mix_seed
+from lockstep.testing import rank_outcomes, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def runtime(**kwargs) -> Runtime:
+    return Runtime(accelerator="cpu", env=DistEnv(), **kwargs)
+
+
+# -- the permutation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 31, 97, 1000, 1024, 4093, 65536, 65537, 100003])
+def test_feistel_permutation_is_a_bijection(n):
+    for seed in (0, 1, 12345):
+        images = FeistelPermutation(n, seed)(torch.arange(n))
+        assert torch.equal(images.sort().values, torch.arange(n))
+    if n > 8:  # different seeds give different orders
+        assert not torch.equal(FeistelPermutation(n, 0)(torch.arange(n)), FeistelPermutation(n, 1)(torch.arange(n)))
+
+
+def _ks_to_uniform(values: torch.Tensor, n: int) -> float:
+    """Kolmogorov-Smirnov distance between the empirical distribution of ``values`` in [0, n) and uniform."""
+    x = (values.double().sort().values + 0.5) / n
+    m = len(x)
+    above = torch.arange(1, m + 1, dtype=torch.float64) / m - x
+    below = x - torch.arange(0, m, dtype=torch.float64) / m
+    return float(torch.maximum(above, below).max())
+
+
+def test_feistel_first_batches_are_as_uniform_as_randperms():
+    """The first batch (32 of n = 10,007) over 1,000 seeds, for Feistel and for randperm. The test: a
+    one-sample Kolmogorov-Smirnov test against uniform on [0, n) of each position's values and of
+    all values pooled (critical distance 1.63/sqrt(samples) at the 1% level), and the correlation
+    of neighbouring positions (its standard error is about 0.006)."""
+    n, seeds, batch = 10_007, 1000, 32
+    feistel = torch.stack([FeistelPermutation(n, seed)(torch.arange(batch)) for seed in range(seeds)])
+    randperm = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:batch]
+                            for seed in range(seeds)])
+    critical = 1.63 / math.sqrt(seeds)
+    for name, draws in (("feistel", feistel), ("randperm", randperm)):
+        distances = [_ks_to_uniform(draws[:, p], n) for p in range(batch)]
+        # At the 1% level about one position in 100 fails by chance; allow 2 of 32.
+        assert sum(d > critical for d in distances) <= 2, (name, distances)
+        pooled = _ks_to_uniform(draws.reshape(-1), n)
+        assert pooled < 1.63 / math.sqrt(seeds * batch), (name, pooled)
+        neighbours = torch.corrcoef(torch.stack([draws[:, :-1].reshape(-1), draws[:, 1:].reshape(-1)]).double())[0, 1]
+        assert abs(float(neighbours)) < 0.03, (name, float(neighbours))
+
+
+def test_small_datasets_keep_the_randperm_order_and_large_ones_use_feistel():
+    small = Shuffled(1000, seed=7)
+    small.set_epoch(3)
+    expected = torch.randperm(1000, generator=torch.Generator().manual_seed(mix_seed(7, 3)))
+    assert small.kind == "randperm" and small.take(0, 1000) == expected.tolist()
+    assert Shuffled(RANDPERM_MAX, 0).kind == "randperm" and Shuffled(RANDPERM_MAX + 1, 0).kind == "feistel-1"
+
+
+def test_a_checkpoint_with_another_order_is_refused():
+    rt = runtime()
+    loader = rt.loader(checks.Indexed(RANDPERM_MAX + 1), batch_size=8, shuffle=True, num_workers=0)
+    for old in ({"epoch": 0, "batches_done": 3, "batch_size": 8},  # written before orders were recorded
+                {"epoch": 0, "batches_done": 3, "batch_size": 8, "order": "randperm"}):
+        with pytest.raises(ValueError, match="data order is 'randperm', this loader's is 'feistel-1'"):
+            loader.load_state_dict(old)
+
+
+# -- samplers, streams and ordered gathers on 1, 2, 3 and 4 processes ---------------------------------
+def _expected_gather() -> dict:
+    x = torch.stack([checks.features(i)[0] for i in range(101)])
+    return {"index": torch.arange(101), "double": 2 * x}
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return checks.sampler_and_stream_batches()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_samplers_and_streams_give_the_same_global_batches_on_any_world_size(world, single_process):
+    reference = single_process
+    assert len(reference["stream"]) == 2 * 32 and len(reference["stream"][31]) == 1003 - 31 * 32
+    assert reference["stream"][:32] == [list(range(32 * s, min(32 * s + 32, 1003))) for s in range(32)]
+    assert len(reference["weighted"]) == 2 * 7 and reference["weighted"][:7] != reference["weighted"][7:]
+    assert sorted(i for batch in reference["grouped"] for i in batch) == list(range(203))
+    for result in run_ranks(checks.sampler_and_stream_batches, world):
+        assert result["weighted"] == reference["weighted"]
+        assert result["grouped"] == reference["grouped"]
+        assert result["stream"] == reference["stream"]
+        assert result["trained"]["batches"] == reference["trained"]["batches"]
+        assert torch.allclose(result["trained"]["weights"], reference["trained"]["weights"], atol=1e-5, rtol=0)
+        # outputs of a shuffled training pass come back in dataset order, merged from per-batch dicts
+        for key, expected in _expected_gather().items():
+            assert torch.equal(result["gathered"][key], expected), key
+
+
+def test_outputs_of_a_shuffled_training_pass_on_3_processes_come_back_in_dataset_order():
+    for gathered in run_ranks(checks.shuffled_gather, 3):
+        for key, expected in _expected_gather().items():
+            assert torch.equal(gathered[key], expected), key
+
+
+def test_a_stream_that_ends_on_one_rank_first_fails_on_every_rank():
+    for message in run_ranks(checks.stream_end_is_agreed, 2, timeout=60):
+        assert "the stream ended at step 4 on 1 of 2 ranks" in message, message
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_stream(tmp_path_factory):
+    return run_ranks(checks.stream_until_killed, 2, str(tmp_path_factory.mktemp("full") / "ckpt"), False, 0)[0]
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["skip-by-count", "stream-state"])
+def test_a_stream_resumes_after_a_kill_at_the_right_item(tmp_path, stateful, uninterrupted_stream):
+    checkpoint = str(tmp_path / "ckpt")
+    killed = rank_outcomes(checks.stream_until_killed, 2, checkpoint, stateful, 13, timeout=120)
+    assert not any(outcome.ok for outcome in killed)
+    resumed = run_ranks(checks.stream_until_killed, 2, checkpoint, stateful, 0)[0]
+    assert resumed["resumed"]
+    assert resumed["batches"] == uninterrupted_stream["batches"][13:]
+    assert resumed["batches"][0][0] == 13 * 32
+    assert torch.allclose(resumed["weights"], uninterrupted_stream["weights"], atol=1e-6, rtol=0)
+    # a stream with its own state continues where it was; another is read from the start and skipped
+    assert resumed["reads"] == (1003 - 13 * 32 if stateful else 1003)
+
+
+def test_a_billion_sample_dataset_starts_and_resumes_at_once():
+    results = run_ranks(checks.billion_samples, 2)
+    for result in results:
+        assert result["kind"] == "feistel-1"
+        assert result["first_s"] < 2 and result["resume_s"] < 2, result
+        assert result["extra_mb"] < 200, result
+    first, later = results[0]["first"], results[0]["later"]
+    permutation = FeistelPermutation(10**9, mix_seed(0, 0))
+    assert torch.equal(torch.cat(first), permutation(torch.arange(64)))
+    assert torch.equal(torch.cat(later), permutation(torch.arange(64 * 10**6, 64 * 10**6 + 64)))
+
+
+def test_hugging_face_datasets_in_both_forms():
+    pytest.importorskip("datasets")
+    reference = checks.hf_batches(100)
+    assert reference["stream"] == [list(range(8 * s, min(8 * s + 8, 100))) for s in range(13)]
+    assert sorted(i for batch in reference["map"] for i in batch) == list(range(100))
+    assert reference["resumed"] == reference["stream"]
+    for result in run_ranks(checks.hf_batches, 2, 100):
+        assert result["map"] == reference["map"]
+        assert result["stream"] == reference["stream"]
+        assert result["resumed"] == reference["stream"]
+        assert "stream" in result["position"]  # resumed through the dataset's own state_dict
+
+
+# -- single process: the rules and their errors --------------------------------------------------------
+def test_gather_refuses_outputs_that_are_not_one_row_per_sample():
+    rt = runtime()
+    loader = rt.loader(checks.Indexed(10), batch_size=4, shuffle=True, num_workers=0)
+    outputs = [index for index, _, _ in loader]
+    assert torch.equal(rt.gather(outputs), torch.arange(10))
+    with pytest.raises(ValueError, match="holds 8 rows, but the loader's last pass handed out 10"):
+        rt.gather(outputs[:2])
+    assert len(rt.gather(outputs[:2], order="rank")) == 8
+    partial = rt.loader(checks.Indexed(10), batch_size=4, shuffle=True, num_workers=0)
+    seen = []
+    for index, _, _ in partial:  # a pass left early: what it handed out so far
+        seen.append(index)
+        break
+    assert torch.equal(rt.gather(seen), seen[0].sort().values)
+    assert torch.equal(rt.gather(outputs, loader=loader), torch.arange(10))
+
+
+def test_loader_options_that_contradict_each_other_are_refused():
+    rt = runtime()
+    data = checks.Indexed(10)
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 10, 10)
+    with pytest.raises(ValueError, match="sampler= and shuffle=True contradict"):
+        rt.loader(data, batch_size=2, shuffle=True, sampler=weighted)
+    with pytest.raises(ValueError, match="batch_sampler= chooses the global batches itself: drop batch_size="):
+        rt.loader(data, batch_size=2, batch_sampler=[[0, 1]])
+    with pytest.raises(ValueError, match="no sampler="):
+        rt.eval_loader(data, batch_size=2, sampler=weighted)
+    with pytest.raises(ValueError, match="IndexedStream is a stream"):
+        rt.loader(checks.IndexedStream(10), batch_size=2, shuffle=True)
+    with pytest.raises(ValueError, match="has no __len__"):
+        rt.loader(object(), batch_size=2)
+
+
+def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuffle():
+    rt = runtime(seed=4)
+    data = checks.Indexed(30)
+    weighted = DataLoader(data, batch_size=6, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 30, 12))
+    assert [len(index) for index, _, _ in rt.loader(weighted, num_workers=0)] == [6, 6]
+    distributed = DataLoader(data, batch_size=6, sampler=torch.utils.data.DistributedSampler(
+        data, num_replicas=1, rank=0, shuffle=True))
+    loader = rt.loader(distributed, num_workers=0)
+    assert loader.state_dict()["order"] == "randperm"
+    assert sorted(i for index, _, _ in loader for i in index.tolist()) == list(range(30))
+
+
+def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():
+    rt = runtime()
+    kept = [index.tolist() for index, _, _ in rt.loader(checks.IndexedStream(10), batch_size=4, num_workers=0)]
+    dropped = [index.tolist() for index, _, _ in rt.loader(checks.IndexedStream(10), batch_size=4,
+                                                            drop_last=True, num_workers=0)]
+    assert kept == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and dropped == kept[:2]
+    evaluated = [index.tolist() for index, _, _ in rt.eval_loader(checks.IndexedStream(10), batch_size=4,
+                                                                   num_workers=0)]
+    assert evaluated == kept
+
+
+class _StreamClassifier(trainer_checks.Classifier):
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        return super().training_step((x, y), batch_idx)
+
+
+def test_trainer_trains_on_a_stream_by_max_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="give the Trainer max_steps"):
+        trainer_checks.quiet_trainer(max_epochs=1).fit(_StreamClassifier(), checks.IndexedStream(100), batch_size=10)
+    trainer = trainer_checks.quiet_trainer(max_steps=25)
+    trainer.fit(_StreamClassifier(), checks.IndexedStream(100), batch_size=10)
+    assert trainer.global_step == 25 and trainer.current_epoch == 2  # two passes of 10 steps, then 5
+
+
+def test_trainer_takes_a_dataloader_with_a_weighted_sampler(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = TensorDataset(torch.randn(40, 8), torch.randint(0, 4, (40,)))
+    loader = DataLoader(data, batch_size=8, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 40, 24))
+    trainer = trainer_checks.quiet_trainer(max_epochs=2)
+    trainer.fit(trainer_checks.Classifier(), loader)
+    assert trainer.global_step == 6 and trainer.steps_per_epoch == 3
+
+
+def test_a_stream_with_persistent_workers_moves_to_a_loaded_position():
+    rt = runtime()
+    loader = rt.loader(checks.IndexedStream(40), batch_size=8, num_workers=2)
+    assert [index[0].item() for index, _, _ in loader] == [0, 8, 16, 24, 32]
+    loader.load_state_dict({"epoch": 1, "batches_done": 2, "batch_size": 8, "order": "stream"})
+    assert [index[0].item() for index, _, _ in loader] == [16, 24, 32]
+    assert [index[0].item() for index, _, _ in loader] == [0, 8, 16, 24, 32]  # the next epoch starts at 0
