@@ -183,14 +183,21 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
     ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order."""
     leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
-    if indices is not None:
-        problem = _rows_problem(leaves, len(indices))
-        problems = _all_gather_object(problem) if active() else [problem]
-        if any(problems):
-            raise ValueError("rt.gather cannot put these outputs in dataset order: "
-                             + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-                             + ". Collect one output row per sample of one loader pass, batch by batch, or "
-                             "pass order='rank' for data that does not come from a loader.")
+    problem = _rows_problem(leaves, len(indices)) if indices is not None else None
+    if active():  # every rank must take the same path: all in dataset order, or none
+        reports = _all_gather_object((indices is not None, problem))
+        if len({ordered for ordered, _ in reports}) > 1:
+            raise ValueError("rt.gather: some ranks have a loader pass to order the rows by and others not ("
+                             + ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, (o, _) in enumerate(reports))
+                             + "). Every rank must iterate the same loaders; or pass order='rank'.")
+        problems = [p for _, p in reports]
+    else:
+        problems = [problem]
+    if any(problems):
+        raise ValueError("rt.gather cannot put these outputs in dataset order: "
+                         + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                         + ". Collect one output row per sample of one loader pass, batch by batch, or "
+                         "pass order='rank' for data that does not come from a loader.")
     result = _gather_leaves(leaves, spec, device) if active() else unflatten(leaves, spec)
     if indices is None:
         return result

@@ -59,11 +59,12 @@ def _stateful(stream: Any) -> bool:
 
 
 class BatchObserver(Protocol):
-    """Told when a loader hands out batch ``step``, and when its pass ends (its last batch is then
-    no longer current). A batch stays current until the next one replaces it: the window in which
-    ``rt.backward`` applies its loss weight.
+    """Told when a loader's pass starts, when it hands out batch ``step``, and when its pass ends
+    (its last batch is then no longer current). A batch stays current until the next one replaces
+    it: the window in which ``rt.backward`` applies its loss weight.
     """
 
+    def pass_started(self, loader: DistributedLoader) -> None: ...
     def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
     def batch_ended(self, loader: DistributedLoader) -> None: ...
 
@@ -325,6 +326,8 @@ class DistributedLoader:
         self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
         self.sampler.set_epoch(epoch, start)
         observer, batches = self._observer, iter(self.loader)
+        if observer is not None:
+            observer.pass_started(self)
         try:
             for step in itertools.count(start):
                 waited = time.perf_counter()

@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from lockstep.runtime.seed import forked_generators, mix_seed
@@ -110,14 +111,14 @@ class Shuffled:
         self.n, self.seed = n, seed
         self.kind = "randperm" if n <= RANDPERM_MAX else "feistel-1"
         self._epoch: int | None = None
-        self._perm: torch.Tensor | FeistelPermutation | None = None
+        self._perm: np.ndarray | FeistelPermutation | None = None  # numpy: slices become lists fastest
 
     def set_epoch(self, epoch: int) -> None:
         if epoch == self._epoch:
             return
         seed = mix_seed(self.seed, epoch)
         if self.kind == "randperm":
-            self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(seed))
+            self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(seed)).numpy()
         else:
             self._perm = FeistelPermutation(self.n, seed)
         self._epoch = epoch
@@ -127,10 +128,10 @@ class Shuffled:
 
     def take(self, start: int, stop: int) -> list[int]:
         stop = min(stop, self.n)
-        if isinstance(self._perm, torch.Tensor):
+        if isinstance(self._perm, np.ndarray):
             return self._perm[start:stop].tolist()
         assert self._perm is not None, "set_epoch first"
-        return self._perm(torch.arange(start, stop, dtype=torch.int64)).tolist()
+        return self._perm(torch.arange(start, stop, dtype=torch.int64)).numpy().tolist()
 
 
 @contextlib.contextmanager

@@ -395,7 +395,7 @@ class Runtime:
         """Outputs of all ranks as one structure with one row per sample, in dataset order, on every rank.
 
         ``data`` holds this rank's outputs of one pass over a lockstep loader (``loader``, by default
-        the loader that handed out the latest batch), collected batch by batch: the loader knows
+        the loader whose pass started last), collected batch by batch: the loader knows
         which dataset index each row belongs to, so the rows come back sorted by it, whichever
         loader it was (training or evaluation, shuffled or not, any sampler). Outputs that do not
         match the samples the pass handed out on some rank raise an error naming the rank.
@@ -505,11 +505,13 @@ class _CurrentBatch:
         self.watchdog = watchdog
         self.loader: DistributedLoader | None = None
         self.loss_weight = 1.0
-        self.last: DistributedLoader | None = None  # the loader of the latest batch: rt.gather's default
+        self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
+
+    def pass_started(self, loader: DistributedLoader) -> None:
+        self.last = loader
 
     def batch_started(self, loader: DistributedLoader, step: int) -> None:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
-        self.last = loader
         if loader.training:
             self.loader, self.loss_weight = loader, loader.loss_weight(step)
 
