@@ -152,7 +152,7 @@ def _stream(world: int, shuffle: bool = True) -> list[list[int]]:
     for sampler in samplers:
         sampler.set_epoch(0, 0)
     shares = [list(s) for s in samplers]
-    return [sorted(i for r in range(world) for _, i in shares[r][step]) for step in range(len(shares[0]))]
+    return [sorted(i for r in range(world) for i in shares[r][step]) for step in range(len(shares[0]))]
 
 
 def test_sample_stream_does_not_depend_on_world_size():
@@ -161,7 +161,7 @@ def test_sample_stream_does_not_depend_on_world_size():
 
 
 def test_shard_sampler_gives_contiguous_shards():
-    shards = [[i for batch in ShardSampler(10, 2, r, 3) for _, i in batch] for r in range(3)]
+    shards = [[i for batch in ShardSampler(10, 2, r, 3) for i in batch] for r in range(3)]
     assert shards == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
 

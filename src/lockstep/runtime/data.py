@@ -41,7 +41,13 @@ from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
 from lockstep.runtime.streams import StreamBatches, StreamShard, is_stream, stream_length
 from lockstep.runtime.tree import empty_rows, to_device
 
-Key = tuple[int, int]  # (epoch, dataset index): the epoch lets workers re-seed per epoch
+
+class Indices(list[int]):
+    """One batch's dataset indices, with their epoch (workers re-seed per epoch)."""
+
+    def __init__(self, indices: list[int], epoch: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
 
 # The DataLoader's own generator only seeds its workers' base seed (lockstep re-seeds them per
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
@@ -69,12 +75,13 @@ class BatchObserver(Protocol):
     def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
-class GlobalBatchSampler(Sampler[list[Key]]):
+class GlobalBatchSampler(Sampler[Indices]):
     """Yields this rank's share of each global batch of ``batches`` (see the module docstring)."""
 
     def __init__(self, batches: Batches, rank: int, world_size: int) -> None:
         self.batches, self.rank, self.world_size = batches, rank, world_size
         self.epoch, self.start_step = 0, 0
+        self._last_share: tuple[int, tuple[int, int]] = (-1, (0, 0))
 
     @property
     def batch_size(self) -> int | None:
@@ -84,6 +91,7 @@ class GlobalBatchSampler(Sampler[list[Key]]):
     def set_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
         self.batches.set_epoch(epoch)
+        self._last_share = (-1, (0, 0))  # a batch sampler's sizes change with the epoch
 
     def steps_per_epoch(self) -> int:
         return len(self.batches)
@@ -95,7 +103,9 @@ class GlobalBatchSampler(Sampler[list[Key]]):
         return self.batches.size(step)
 
     def _share(self, step: int) -> tuple[int, int]:
-        return split_evenly(self.global_size(step), self.world_size, self.rank)
+        if self._last_share[0] != step:  # asked several times per batch: remember the latest
+            self._last_share = (step, split_evenly(self.global_size(step), self.world_size, self.rank))
+        return self._last_share[1]
 
     def local_size(self, step: int) -> int:
         start, stop = self._share(step)
@@ -105,12 +115,12 @@ class GlobalBatchSampler(Sampler[list[Key]]):
         """The dataset indices of this rank's share of global batch ``step``."""
         return self.batches.indices(step, *self._share(step))
 
-    def __iter__(self) -> Iterator[list[Key]]:
+    def __iter__(self) -> Iterator[Indices]:
         for step in range(self.start_step, self.steps_per_epoch()):
-            yield [(self.epoch, i) for i in self.local_indices(step)]
+            yield Indices(self.local_indices(step), self.epoch)
 
 
-class ShardSampler(Sampler[list[Key]]):
+class ShardSampler(Sampler[Indices]):
     """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank).
 
     ``equal_steps`` (for a forward that is a collective, FSDP's): every rank runs as many steps as
@@ -142,9 +152,9 @@ class ShardSampler(Sampler[list[Key]]):
         first = self.start + step * self.batch_size
         return list(range(first, first + self.local_size(step)))
 
-    def __iter__(self) -> Iterator[list[Key]]:
+    def __iter__(self) -> Iterator[Indices]:
         for step in range(self.start_step, self.steps_per_epoch()):
-            yield [(self.epoch, i) for i in self.local_indices(step) or [0]]  # [0]: a zero-row padding batch
+            yield Indices(self.local_indices(step) or [0], self.epoch)  # [0]: a zero-row padding batch
 
 
 class EpochSeededDataset(Dataset[Any]):
@@ -184,21 +194,17 @@ class EpochSeededDataset(Dataset[Any]):
         with forked_generators(seed):
             return self.dataset[index]
 
-    def __getitem__(self, key: Key) -> Any:
-        if self.per_sample:
-            return self._seeded_item(*key)
-        self._reseed(key[0])
-        return self.dataset[key[1]]
+    def __getitem__(self, index: int) -> Any:  # lockstep's samplers give batches: see __getitems__
+        return self.__getitems__(Indices([index], 0))[0]
 
-    def __getitems__(self, keys: list[Key]) -> list[Any]:
-        if not keys:
+    def __getitems__(self, indices: Indices) -> list[Any]:
+        if not indices:
             return []
         if self.per_sample:  # item by item: each is seeded by its own index
-            return [self._seeded_item(*key) for key in keys]
-        self._reseed(keys[0][0])
-        indices = [index for _, index in keys]
+            return [self._seeded_item(indices.epoch, i) for i in indices]
+        self._reseed(indices.epoch)
         if callable(getattr(self.dataset, "__getitems__", None)):
-            return list(self.dataset.__getitems__(indices))
+            return list(self.dataset.__getitems__(list(indices)))
         return [self.dataset[i] for i in indices]
 
 
