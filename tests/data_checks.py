@@ -132,10 +132,10 @@ def train_on(rt: lockstep.Runtime, loader, checkpoint: str | None = None, kill_a
     return {"weights": dist_checks.flat_weights(model), "batches": seen}
 
 
-def sampler_and_stream_batches() -> dict:
+def sampler_and_stream_batches(stream_workers: int = 2) -> dict:
     """Global batches of a WeightedRandomSampler DataLoader, a length-grouped batch sampler, a stream
-    of 1,003 items (2 epochs, 2 workers) and training on that stream; and a shuffled training pass's
-    gathered outputs."""
+    of 1,003 items (2 epochs, ``stream_workers`` workers) and training on that stream; and a shuffled
+    training pass's gathered outputs."""
     rt = lockstep.Runtime(accelerator="cpu", seed=3)
     weights = [1.0 + (i % 7) for i in range(200)]
     weighted = DataLoader(Indexed(200), batch_size=24, sampler=WeightedRandomSampler(weights, 150))
@@ -144,7 +144,8 @@ def sampler_and_stream_batches() -> dict:
         "weighted": global_batches(rt, rt.loader(weighted, num_workers=0), epochs=2),
         "grouped": global_batches(rt, rt.loader(Indexed(203), batch_sampler=LengthGrouped(lengths, 16),
                                                 num_workers=0)),
-        "stream": global_batches(rt, rt.loader(IndexedStream(1003), batch_size=32, num_workers=2), epochs=2),
+        "stream": global_batches(rt, rt.loader(IndexedStream(1003), batch_size=32, num_workers=stream_workers),
+                                 epochs=2),
         "trained": train_on(rt, rt.loader(IndexedStream(1003), batch_size=32, num_workers=0)),
     }
     result["gathered"] = shuffled_gather(rt)

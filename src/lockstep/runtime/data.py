@@ -331,25 +331,27 @@ class DistributedLoader:
             self._start_stream(epoch, start, workers_started=self._started)
         self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
         self.sampler.set_epoch(epoch, start)
-        observer, batches = self._observer, iter(self.loader)
+        observer, batches, stream = self._observer, iter(self.loader), self._stream
         if observer is not None:
             observer.pass_started(self)
+        pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
+        on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
+        clock = time.perf_counter
         try:
             for step in itertools.count(start):
-                waited = time.perf_counter()
+                waited = clock()
                 batch = next(batches, _END)
-                self.wait_s += time.perf_counter() - waited
-                if self._stream is not None:
+                self.wait_s += clock() - waited
+                if stream is not None:
                     batch = self._stream_batch(step, batch)
                 if batch is _END:
                     return
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
-                if self.sampler.local_size(step) == 0:  # a padding step (FSDP evaluation): no rows
+                if pads and self.sampler.local_size(step) == 0:
                     batch = empty_rows(batch)
-                # The DataLoader hands out CPU tensors: on the CPU there is nothing to move.
-                yield batch if self.device.type == "cpu" else to_device(batch, self.device, self._non_blocking)
+                yield batch if on_cpu else to_device(batch, self.device, self._non_blocking)
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
                 observer.batch_ended(self)
