@@ -55,6 +55,40 @@ class StatefulStream(IndexedStream):
         self._start = state["position"]
 
 
+class SeekableRecords(IterableDataset):
+    """A stream of fixed-size records, as in a file: it knows its length and its iterator can
+    ``skip(n)`` (a seek) without decoding; ``decoded`` counts the records decoded."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.decoded = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return _RecordCursor(self)
+
+
+class _RecordCursor:
+    def __init__(self, records: SeekableRecords) -> None:
+        self.records, self.position = records, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position >= self.records.n:
+            raise StopIteration
+        self.records.decoded += 1
+        self.position += 1
+        return (self.position - 1, *features(self.position - 1))
+
+    def skip(self, count: int) -> int:
+        passed = min(count, self.records.n - self.position)
+        self.position += passed
+        return passed
+
+
 class UnevenStream(IterableDataset):
     """A stream that yields one item more on rank 0 (it splits itself by rank): lockstep must refuse it."""
 

@@ -14,6 +14,7 @@ import trainer_checks
 from lockstep import DistEnv, Runtime
 from lockstep.runtime.order import RANDPERM_MAX, FeistelPermutation, Shuffled
 from lockstep.runtime.seed import mix_seed
+from lockstep.runtime.streams import StreamShard
 from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -243,6 +244,35 @@ def test_trainer_takes_a_dataloader_with_a_weighted_sampler(tmp_path, monkeypatc
     trainer = trainer_checks.quiet_trainer(max_epochs=2)
     trainer.fit(trainer_checks.Classifier(), loader)
     assert trainer.global_step == 6 and trainer.steps_per_epoch == 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_a_seekable_stream_is_read_only_for_each_ranks_share(world, evaluation):
+    """Rank by rank, a stream whose iterator can skip gives the same shares as one read whole, and
+    decodes only its own items (and one item for a rank whose share of the last batch is empty)."""
+    def shares(stream, rank):
+        shard = StreamShard(stream, n, 8, rank, world, drop_last=False,
+                            collate_fn=lambda items: [i for i, _, _ in items], pad_empty=evaluation)
+        shard.start_step, shard.skip = 2, 16  # a resumed pass: steps 0 and 1 were trained on
+        return [(step, size, rows) for step, size, rows in shard]
+
+    n = 8 * 12 + 3  # the last batch holds 3 items: with 4 ranks, one rank's share is empty
+    for rank in range(world):
+        seekable = checks.SeekableRecords(n)
+        got, expected = shares(seekable, rank), shares(checks.IndexedStream(n), rank)  # a generator: read whole
+        if not evaluation and world == 4 and rank == 3:
+            assert got[-1][2] is None and expected[-1][2] is None
+        assert got == expected
+        assert [step for step, _, _ in got] == list(range(2, 13)) and got[-1][1] == 3
+        own = sum(max(len(rows), 1) if rows is not None else 0 for _, _, rows in got)
+        assert seekable.decoded == own
+
+
+def test_a_seekable_stream_with_workers_gives_batches_in_order():
+    rt = runtime()
+    loader = rt.loader(checks.SeekableRecords(100), batch_size=8, num_workers=2)
+    assert [index.tolist() for index, _, _ in loader] == [list(range(s, min(s + 8, 100))) for s in range(0, 100, 8)]
 
 
 def test_a_stream_with_persistent_workers_moves_to_a_loaded_position():

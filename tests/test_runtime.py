@@ -12,8 +12,9 @@ from torch import nn
 import dist_checks as checks
 import lockstep
 from lockstep import DistEnv, Runtime
-from lockstep.runtime.data import GlobalBatchSampler, ShardSampler, check_batch_size, split_evenly
-from lockstep.runtime.order import Arange, FixedBatches, Shuffled
+from lockstep.runtime.data import GlobalBatchSampler, ShardSampler
+from lockstep.runtime.loader_options import check_batch_size
+from lockstep.runtime.order import Arange, FixedBatches, Shuffled, split_evenly
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,19 +22,13 @@ from lockstep.runtime import collectives
 from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
 from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.config import RuntimeConfig
-from lockstep.runtime.data import (
-    DistributedLoader,
-    GlobalBatchSampler,
-    ShardSampler,
-    dataset_length,
-    global_batches,
-    resolve_loader_options,
-)
+from lockstep.runtime.data import DistributedLoader, GlobalBatchSampler, ShardSampler
 from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
 from lockstep.runtime.items import ItemNormalizer
+from lockstep.runtime.loader_options import dataset_length, global_batches, resolve_loader_options
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import (

@@ -3,9 +3,10 @@
 Global batch ``s`` holds the stream's items ``[s*B, (s+1)*B)``, and rank ``r`` takes its
 ``split_evenly`` share of it, as for map-style data: the sample stream does not depend on the
 world size. Every rank (and every DataLoader worker) reads the stream from its start and keeps
-only its own items: reading is repeated on each rank, while ``collate_fn`` (where decoding and
-tokenizing belong) runs on this rank's items only. With ``num_workers=k``, worker ``w`` makes the
-batches of steps ``w, w+k, ...``, which the DataLoader hands out in step order.
+only its own items; ``collate_fn`` (where decoding and tokenizing belong) runs on this rank's items
+only. A stream that can skip cheaply (it has ``__len__``, and its iterator a ``skip(n)`` method,
+say a seek in a file of records) is read only for this rank's items. With ``num_workers=k``,
+worker ``w`` makes the batches of steps ``w, w+k, ...``, which the DataLoader hands out in order.
 
 A resumed pass skips the items already trained on: through the stream's own
 ``load_state_dict`` when the checkpoint holds its ``state_dict`` (the torchdata convention, taken
@@ -82,44 +83,103 @@ def _no_worker_info() -> Iterator[None]:
         _worker._worker_info = saved
 
 
+class _Reader:
+    """Reads a stream with the DataLoader worker hidden from it. Passes over items with the
+    iterator's own ``skip(n)`` (returning how many it passed over) when it has one, a cheap skip
+    such as a seek in a file of records; else by reading them."""
+
+    def __init__(self, stream: Any) -> None:
+        with _no_worker_info():
+            self.source = iter(stream)
+        skip = getattr(self.source, "skip", None)
+        self.skip = skip if callable(skip) else None
+
+    def take(self, count: int) -> list[Any]:
+        with _no_worker_info():
+            return list(itertools.islice(self.source, count))
+
+    def drop(self, count: int) -> int:
+        """Pass over up to ``count`` items; returns how many there were."""
+        if count <= 0:
+            return 0
+        if self.skip is not None:
+            with _no_worker_info():
+                return int(self.skip(count))
+        dropped = 0
+        while dropped < count:
+            read = len(self.take(min(count - dropped, 1024)))
+            if not read:
+                break
+            dropped += read
+        return dropped
+
+
 class StreamShard(IterableDataset[Any]):
     """Yields ``(step, global batch size, this rank's collated share)`` for this worker's steps.
 
-    ``pad_empty`` (evaluation): a rank whose share of a short last batch is empty still gets a batch,
-    of zero rows; in training that is an error (such a rank has no loss), raised by the loader."""
+    A stream with ``__len__`` whose iterator can ``skip`` is read only for this rank's items; any
+    other is read whole. ``pad_empty`` (evaluation): a rank whose share of a short last batch is
+    empty still gets a batch, of zero rows; in training that is an error (such a rank has no
+    loss), raised by the loader."""
 
-    def __init__(self, stream: Any, batch_size: int, rank: int, world_size: int, drop_last: bool,
-                 collate_fn: Callable[[list[Any]], Any], pad_empty: bool) -> None:
-        self.stream, self.batch_size, self.rank, self.world_size = stream, batch_size, rank, world_size
+    def __init__(self, stream: Any, length: int | None, batch_size: int, rank: int, world_size: int,
+                 drop_last: bool, collate_fn: Callable[[list[Any]], Any], pad_empty: bool) -> None:
+        self.stream, self.length, self.batch_size = stream, length, batch_size
+        self.rank, self.world_size = rank, world_size
         self.drop_last, self.collate_fn, self.pad_empty = drop_last, collate_fn, pad_empty
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
 
-    def _read(self, source: Iterator[Any], count: int) -> list[Any]:
-        with _no_worker_info():
-            return list(itertools.islice(source, count))
+    def _collate(self, items: list[Any], empty: bool) -> Any:
+        # A rank without items gets one collated item, which the loader cuts to zero rows
+        # (evaluation), or None, which the loader refuses once every rank knows (training).
+        if not empty:
+            return self.collate_fn(items)
+        return self.collate_fn(items[:1]) if self.pad_empty else None
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        with _no_worker_info():
-            source = iter(self.stream)
+        reader = _Reader(self.stream)
         # A position applies to one pass: persistent workers iterate this same copy again next epoch.
-        first, remaining = self.start_step, self.skip
+        first, skip = self.start_step, self.skip
         self.start_step = self.skip = 0
-        while remaining > 0:  # drop what was trained on
-            dropped = len(self._read(source, min(remaining, 1024)))
-            if not dropped:
-                break
-            remaining -= dropped
-        for step in itertools.count(first):
-            items = self._read(source, self.batch_size)
+        reader.drop(skip)  # what was trained on
+        steps = itertools.count(first)
+        if reader.skip is not None and self.length is not None:
+            return self._skipping(reader, steps, worker, workers)
+        return self._reading(reader, steps, worker, workers)
+
+    def _reading(self, reader: _Reader, steps: Iterator[int], worker: int, workers: int
+                 ) -> Iterator[tuple[int, int, Any]]:
+        """Read every item; keep this rank's share of this worker's batches."""
+        for step in steps:
+            items = reader.take(self.batch_size)
             if not items or (self.drop_last and len(items) < self.batch_size):
                 return
             if step % workers == worker:
                 start, stop = split_evenly(len(items), self.world_size, self.rank)
-                # A rank without items gets one collated item, which the loader cuts to zero rows
-                # (evaluation), or None, which the loader refuses once every rank knows (training).
-                share = items[start:stop] if start < stop else (items[:1] if self.pad_empty else None)
-                yield step, len(items), None if share is None else self.collate_fn(share)
+                yield step, len(items), self._collate(items[start:stop] or items[:1], empty=start == stop)
             if len(items) < self.batch_size:
                 return
+
+    def _skipping(self, reader: _Reader, steps: Iterator[int], worker: int, workers: int
+                  ) -> Iterator[tuple[int, int, Any]]:
+        """Read this rank's items of this worker's batches, skip the rest (sizes follow from ``__len__``)."""
+        assert self.length is not None
+        for step in steps:
+            size = min(self.batch_size, self.length - step * self.batch_size)
+            if size <= 0 or (self.drop_last and size < self.batch_size):
+                return
+            if step % workers != worker:
+                passed = reader.drop(size)
+            else:
+                start, stop = split_evenly(size, self.world_size, self.rank)
+                # An empty share reads the batch's first item, to give its zero rows their shape.
+                at, wanted = (start, stop - start) if start < stop else (0, int(self.pad_empty))
+                before, items = reader.drop(at), reader.take(wanted)
+                passed = before + len(items) + reader.drop(size - at - len(items))
+            if passed < size:
+                raise ValueError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
+                                 f"{self.length} items its __len__ promises.")
+            if step % workers == worker:
+                yield step, size, self._collate(items, empty=start == stop)

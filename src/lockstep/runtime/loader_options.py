@@ -1,0 +1,156 @@
+"""What a lockstep loader is built from: a dataset (or a DataLoader's dataset and options), the
+DataLoader options with lockstep's defaults, and the global order of a training loader."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from lockstep.runtime.order import (
+    Arange,
+    Batches,
+    FixedBatches,
+    FromSampler,
+    IndexSequence,
+    SamplerBatches,
+    Shuffled,
+)
+from lockstep.runtime.streams import StreamBatches, is_stream, stream_length
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """Leave one CPU per process for the training loop; cap at 8 workers per process."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, local_world_size) - 1))
+
+
+_KEPT_OPTIONS = ("collate_fn", "num_workers", "pin_memory", "timeout", "worker_init_fn",
+                 "multiprocessing_context", "prefetch_factor", "persistent_workers", "drop_last")
+
+
+def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
+    """The dataset, batch size, sample choice and options of an existing DataLoader, to re-create it.
+
+    Its sampler becomes ``shuffle`` (RandomSampler without replacement, SequentialSampler, or a
+    DistributedSampler, whose split lockstep does itself), else ``sampler``; a custom batch sampler
+    becomes ``batch_sampler``.
+    """
+    options = {name: getattr(loader, name) for name in _KEPT_OPTIONS}
+    if options["num_workers"] == 0:
+        options.pop("prefetch_factor")
+        options.pop("persistent_workers")
+    if loader.batch_size is None and not isinstance(loader.dataset, IterableDataset):
+        options["batch_sampler"] = loader.batch_sampler
+        options.pop("drop_last")
+        return loader.dataset, options
+    options["batch_size"] = loader.batch_size
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset):
+        pass
+    elif isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        options["shuffle"] = True
+    elif isinstance(sampler, SequentialSampler):
+        options["shuffle"] = False
+    elif isinstance(sampler, DistributedSampler):
+        options["shuffle"] = sampler.shuffle
+    else:
+        options["sampler"] = sampler
+    return loader.dataset, options
+
+
+def check_batch_size(batch_size: int, world_size: int) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: give the global batch size, a positive integer.")
+    if batch_size % world_size:
+        lower = batch_size - batch_size % world_size
+        suggestion = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
+        raise ValueError(
+            f"global batch_size={batch_size} is not divisible by the world size {world_size}: "
+            f"each rank takes batch_size/world_size samples per step. Use a multiple of "
+            f"{world_size} (e.g. {suggestion})."
+        )
+    return batch_size
+
+
+def resolve_loader_options(
+    data: Any, batch_size: int | None, options: dict[str, Any], world_size: int, local_world_size: int,
+    device: torch.device, evaluation: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+    """The dataset and DataLoader options of a lockstep loader over ``data`` (a dataset, or a DataLoader
+    re-created with its own options): ``options`` override, ``batch_size`` is the global batch, and
+    workers, ``pin_memory`` and ``persistent_workers`` get lockstep's defaults where unset.
+
+    ``evaluation``: every sample once, in dataset order; a DataLoader's sample choice is dropped
+    and none may be given."""
+    dataset, opts = options_of(data) if isinstance(data, DataLoader) else (data, {})
+    if evaluation:
+        for chooser in ("sampler", "batch_sampler"):
+            if options.get(chooser) is not None:
+                raise ValueError(f"an evaluation loader takes every sample once, in dataset order: it has no "
+                                 f"{chooser}=. Give a Subset of the dataset to evaluate part of it.")
+            opts.pop(chooser, None)
+    if "batch_sampler" in options or "sampler" in options:  # the caller's choice replaces the DataLoader's
+        for chosen in ("batch_sampler", "sampler", "shuffle"):
+            opts.pop(chosen, None)
+    opts.update(options)
+    if batch_size is not None:
+        opts["batch_size"] = batch_size
+    if isinstance(opts.get("sampler"), DistributedSampler):
+        opts["shuffle"] = opts.pop("sampler").shuffle
+    if opts.get("batch_sampler") is not None:
+        clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
+        if clashes:
+            raise ValueError(f"batch_sampler= chooses the global batches itself: drop {', '.join(clashes)}=.")
+    elif opts.get("batch_size") is None:
+        raise ValueError("give batch_size (the global batch size) with a dataset, or a batch_sampler=.")
+    else:
+        check_batch_size(opts["batch_size"], world_size)
+    if opts.get("sampler") is not None and opts.get("shuffle"):
+        raise ValueError("sampler= and shuffle=True contradict each other: the sampler chooses the order.")
+    if "num_workers" not in opts:
+        opts["num_workers"] = default_num_workers(local_world_size)
+    opts.setdefault("pin_memory", device.type == "cuda")
+    if opts["num_workers"] > 0:
+        opts.setdefault("persistent_workers", True)
+    return dataset, opts
+
+
+def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last: bool, seed: int) -> Batches:
+    """The global order of a training loader; takes ``batch_size``/``sampler``/``batch_sampler`` out of ``opts``."""
+    batch_sampler, sampler = opts.pop("batch_sampler", None), opts.pop("sampler", None)
+    batch_size = opts.pop("batch_size", None)
+    if is_stream(dataset):
+        if shuffle or sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                f"{type(dataset).__name__} is a stream (an IterableDataset): lockstep reads it in order and "
+                "cuts it into global batches, so it takes no shuffle=True, sampler= or batch_sampler=. Shuffle "
+                "inside the stream (a shuffle buffer seeded the same on every rank, e.g. datasets' "
+                "IterableDataset.shuffle(seed=...)), or give a map-style dataset.")
+        return StreamBatches(stream_length(dataset), batch_size, drop_last)
+    if batch_sampler is not None:
+        return SamplerBatches(batch_sampler, seed)
+    sequence: IndexSequence
+    if sampler is not None:
+        sequence = FromSampler(sampler, seed)
+    elif shuffle:
+        sequence = Shuffled(dataset_length(dataset), seed)
+    else:
+        sequence = Arange(dataset_length(dataset))
+    return FixedBatches(sequence, batch_size, drop_last)
+
+
+def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"{type(dataset).__name__} has no __len__: give a map-style dataset (with __len__ and "
+            "__getitem__) or a stream (a torch IterableDataset)."
+        ) from None
