@@ -20,6 +20,7 @@ from lockstep.runtime.order import Batches, split_evenly
 from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
 from lockstep.runtime.streams import StreamBatches, StreamShard
 from lockstep.runtime.tree import empty_rows, to_device
+from lockstep.runtime.watchdog import Watchdog
 
 
 class Indices(list[int]):
@@ -54,6 +55,31 @@ class BatchObserver(Protocol):
     def pass_started(self, loader: DistributedLoader) -> None: ...
     def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
     def batch_ended(self, loader: DistributedLoader) -> None: ...
+
+
+class CurrentBatch:
+    """The ``BatchObserver`` of a Runtime: the training batch a loader handed out and the loop still
+    holds, and the loss weight it brings; the loader of the latest pass (``rt.gather``'s default).
+    Eval batches only move the position that hang reports show.
+    """
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+        self.loader: DistributedLoader | None = None
+        self.loss_weight = 1.0
+        self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
+
+    def pass_started(self, loader: DistributedLoader) -> None:
+        self.last = loader
+
+    def batch_started(self, loader: DistributedLoader, step: int) -> None:
+        self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
+        if loader.training:
+            self.loader, self.loss_weight = loader, loader.loss_weight(step)
+
+    def batch_ended(self, loader: DistributedLoader) -> None:
+        if loader is self.loader:
+            self.loader, self.loss_weight = None, 1.0
 
 
 class GlobalBatchSampler(Sampler[Indices]):

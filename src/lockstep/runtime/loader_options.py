@@ -52,9 +52,9 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
         return loader.dataset, options
     options["batch_size"] = loader.batch_size
     sampler = loader.sampler
-    if isinstance(loader.dataset, IterableDataset):
-        pass
-    elif isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+    if isinstance(loader.dataset, IterableDataset):  # a stream is read in order: no sampler to keep
+        return loader.dataset, options
+    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
         options["shuffle"] = True
     elif isinstance(sampler, SequentialSampler):
         options["shuffle"] = False

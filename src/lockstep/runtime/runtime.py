@@ -22,7 +22,7 @@ from lockstep.runtime import collectives
 from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
 from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.config import RuntimeConfig
-from lockstep.runtime.data import DistributedLoader, GlobalBatchSampler, ShardSampler
+from lockstep.runtime.data import CurrentBatch, DistributedLoader, GlobalBatchSampler, ShardSampler
 from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
@@ -117,7 +117,7 @@ class Runtime:
         self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend))
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
-        self._current = _CurrentBatch(self._watchdog)
+        self._current = CurrentBatch(self._watchdog)
         self._items = ItemNormalizer(self.world_size, self.device, lambda t: self.all_reduce(t, op="sum"))
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
@@ -487,31 +487,6 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:
             self_launch(nproc)
-
-
-class _CurrentBatch:
-    """The training batch a loader handed out and the loop still holds, and the loss weight it brings.
-
-    Eval batches only move the position that hang reports show.
-    """
-
-    def __init__(self, watchdog: Watchdog) -> None:
-        self.watchdog = watchdog
-        self.loader: DistributedLoader | None = None
-        self.loss_weight = 1.0
-        self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
-
-    def pass_started(self, loader: DistributedLoader) -> None:
-        self.last = loader
-
-    def batch_started(self, loader: DistributedLoader, step: int) -> None:
-        self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
-        if loader.training:
-            self.loader, self.loss_weight = loader, loader.loss_weight(step)
-
-    def batch_ended(self, loader: DistributedLoader) -> None:
-        if loader is self.loader:
-            self.loader, self.loss_weight = None, 1.0
 
 
 class _RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -27,7 +27,7 @@ from lockstep.runtime.order import split_evenly
 
 
 def is_stream(dataset: Any) -> bool:
-    """An IterableDataset, or an iterable without ``__getitem__`` (e.g. a generator object's owner)."""
+    """An IterableDataset, or any other iterable with neither ``__getitem__`` nor ``__len__``."""
     return isinstance(dataset, IterableDataset) or (
         hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and not hasattr(dataset, "__len__"))
 
@@ -130,11 +130,10 @@ class StreamShard(IterableDataset[Any]):
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
 
     def _collate(self, items: list[Any], empty: bool) -> Any:
-        # A rank without items gets one collated item, which the loader cuts to zero rows
-        # (evaluation), or None, which the loader refuses once every rank knows (training).
-        if not empty:
-            return self.collate_fn(items)
-        return self.collate_fn(items[:1]) if self.pad_empty else None
+        """This rank's share collated. An empty share brings the batch's first item instead: collated,
+        the loader cuts it to zero rows (evaluation); or None, which the loader refuses once every
+        rank knows (training)."""
+        return self.collate_fn(items) if not empty or self.pad_empty else None
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
@@ -171,15 +170,17 @@ class StreamShard(IterableDataset[Any]):
             if size <= 0 or (self.drop_last and size < self.batch_size):
                 return
             if step % workers != worker:
-                passed = reader.drop(size)
-            else:
-                start, stop = split_evenly(size, self.world_size, self.rank)
-                # An empty share reads the batch's first item, to give its zero rows their shape.
-                at, wanted = (start, stop - start) if start < stop else (0, int(self.pad_empty))
-                before, items = reader.drop(at), reader.take(wanted)
-                passed = before + len(items) + reader.drop(size - at - len(items))
-            if passed < size:
-                raise ValueError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
-                                 f"{self.length} items its __len__ promises.")
-            if step % workers == worker:
-                yield step, size, self._collate(items, empty=start == stop)
+                if reader.drop(size) < size:
+                    raise self._ended_early(step)
+                continue
+            start, stop = split_evenly(size, self.world_size, self.rank)
+            # An empty share reads the batch's first item, to give its zero rows their shape.
+            at, wanted = (start, stop - start) if start < stop else (0, int(self.pad_empty))
+            before, items = reader.drop(at), reader.take(wanted)
+            if before + len(items) + reader.drop(size - at - len(items)) < size:
+                raise self._ended_early(step)
+            yield step, size, self._collate(items, empty=start == stop)
+
+    def _ended_early(self, step: int) -> ValueError:
+        return ValueError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
+                          f"{self.length} items its __len__ promises.")

@@ -141,16 +141,7 @@ class Trainer:
                              "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
         options = self._loader_options(loader_options)
-        # Shuffle a dataset; a DataLoader keeps its own order (its sampler), a stream is read in order.
-        shuffle = None if isinstance(train_data, DataLoader) or is_stream(train_data) else True
-        self.train_loader = rt.loader(train_data, batch_size=batch_size, shuffle=shuffle, **options)
-        try:
-            self.steps_per_epoch = len(self.train_loader)
-        except TypeError:  # a stream without __len__: an epoch is one pass, however long
-            if self.config.max_steps is None:
-                raise ValueError("the training data is a stream without __len__, whose epochs have no known "
-                                 "length: give the Trainer max_steps.") from None
-            self.steps_per_epoch = None
+        self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
             self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size, **options)
         if rt.is_global_zero:
@@ -176,6 +167,19 @@ class Trainer:
             self._stores = []
             self._finish_reports()
         return self
+
+    def _make_train_loader(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> None:
+        """``train_loader`` and ``steps_per_epoch`` (None for a stream without ``__len__``)."""
+        # Shuffle a dataset; a DataLoader keeps its own order (its sampler), a stream is read in order.
+        shuffle = None if isinstance(data, DataLoader) or is_stream(data) else True
+        self.train_loader = self.runtime.loader(data, batch_size=batch_size, shuffle=shuffle, **options)
+        try:
+            self.steps_per_epoch = len(self.train_loader)
+        except TypeError:  # a stream without __len__: an epoch is one pass, however long
+            if self.config.max_steps is None:
+                raise ValueError("the training data is a stream without __len__, whose epochs have no known "
+                                 "length: give the Trainer max_steps.") from None
+            self.steps_per_epoch = None
 
     def validate(self, module: Module, data: Any, batch_size: int | None = None,
                  loader_options: dict[str, Any] | None = None) -> dict[str, float]:
