@@ -1,5 +1,7 @@
 """DistEnv parsing: one case per launcher, and the inconsistent environments it must refuse."""
 
+import os
+
 import pytest
 
 from lockstep.env import DistEnv, EnvError, expand_nodelist, expand_tasks_per_node
@@ -166,3 +168,23 @@ def test_tasks_per_node_expansion():
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     with pytest.raises(ValueError):
         expand_tasks_per_node("two")
+
+
+def test_several_nodes_get_the_interface_that_reaches_the_master_unless_the_user_chose(monkeypatch, capsys):
+    from lockstep.runtime.process_group import choose_socket_interface
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, "")  # so that the test's end restores what was there
+        monkeypatch.delenv(name)
+    two_nodes = DistEnv(rank=0, world_size=2, local_world_size=1, node_rank=0, num_nodes=2,
+                        master_addr="127.0.0.1", master_port=29500, launcher="slurm")
+    choose_socket_interface(two_nodes)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    assert "network interface lo (127.0.0.1) reaches 127.0.0.1" in capsys.readouterr().err
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    choose_socket_interface(two_nodes)
+    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "ib0")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    choose_socket_interface(DistEnv(rank=0, world_size=2, local_world_size=2, master_port=29500, launcher="torchrun"))
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # one node: nothing to choose

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +28,12 @@ def _ip(*args: str) -> None:
 
 @pytest.fixture
 def two_hosts():
-    """Namespaces A (10.213.7.1) and B (10.213.7.2), removed afterwards."""
+    """Namespaces A (10.213.7.1) and B (10.213.7.2), removed afterwards.
+
+    In both, this host's name resolves to 127.0.1.1, as Debian and Ubuntu write /etc/hosts (``ip
+    netns exec`` mounts /etc/netns/NAME/hosts over /etc/hosts): Gloo's default interface is then
+    loopback, and only the launcher's choice of interface lets the nodes connect.
+    """
     tag = uuid.uuid4().hex[:6]
     names = [f"ls{tag}a", f"ls{tag}b"]
     links = [f"v{tag}a", f"v{tag}b"]
@@ -35,6 +42,10 @@ def two_hosts():
     except (OSError, subprocess.CalledProcessError) as error:
         pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {error}")
     try:
+        for name in names:
+            folder = Path("/etc/netns") / name
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
         _ip("netns", "add", names[1])
         _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
         for name, link, address in zip(names, links, ["10.213.7.1/24", "10.213.7.2/24"], strict=True):
@@ -46,14 +57,17 @@ def two_hosts():
     finally:
         for name in names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 
 
-def _start_nodes(two_hosts, port: int, script: str, *args: str) -> list[subprocess.Popen]:
-    """`lockstep run --nodes 2` in each namespace, node 0's address as the master."""
+def _start_nodes(two_hosts, port: int, script: str, *args: str, **variables: str) -> list[subprocess.Popen]:
+    """`lockstep run --nodes 2` in each namespace, node 0's address as the master; no interface is set."""
     master = f"{two_hosts[0][2]}:{port}"
     jobs = []
-    for node_rank, (namespace, link, _address) in enumerate(two_hosts):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": link, "PYTHONUNBUFFERED": "1"}
+    for node_rank, (namespace, _link, _address) in enumerate(two_hosts):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **variables}
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.pop(name, None)
         command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run",
                    "--nodes", "2", "--node-rank", str(node_rank), "--master", master, "--devices", "2",
                    "--accelerator", "cpu", script, *args]
@@ -72,6 +86,8 @@ def test_two_nodes_of_two_processes_all_reduce_and_train(two_hosts, tmp_path):
         for job in jobs:
             job.kill()
     assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
+    for (_namespace, link, address), output in zip(two_hosts, outputs, strict=True):
+        assert f"network interface {link} ({address}) reaches {two_hosts[0][2]}" in output, output
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     expected_ranks = [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     reference = checks.train_lockstep(Runtime(accelerator="cpu", seed=0, env=DistEnv()), checks.make_data(103),
@@ -101,7 +117,64 @@ def test_sigkill_of_a_worker_on_node_1_stops_both_nodes_within_10_seconds(two_ho
     assert elapsed < 10, outputs
     assert all(job.returncode != 0 for job in jobs), outputs
     assert "rank 3 (local rank 1)" in outputs[1] and "signal SIGKILL" in outputs[1]
-    assert "a worker on another node failed first" in outputs[0], outputs[0]
+    assert ("a worker on another node failed first" in outputs[0]
+            or "stopped its workers: node 1 (" in outputs[0] and "rank 3 (local rank 1)" in outputs[0]), outputs[0]
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# Each run: (stage, failing node, what the failing node's output says).
+FAILURES = [("import", 1, "node fails before creating the Runtime"), ("init", 1, "Gloo connectFullMesh failed"),
+            ("collective", 1, "node fails before the first collective"), ("training", 1, "at training step 5"),
+            ("import", 0, "node fails before creating the Runtime"), ("init", 0, "Gloo connectFullMesh failed"),
+            ("collective", 0, "node fails before the first collective"), ("training", 0, "at training step 5"),
+            ("import", 1, "node fails before creating the Runtime"), ("init", 0, "Gloo connectFullMesh failed")]
+
+
+@pytest.mark.timeout(600)
+def test_a_node_that_fails_at_any_stage_stops_every_node_within_the_timeout_ten_times_in_a_row(two_hosts):
+    """The job's timeout is 20 s: every node must exit non-zero within 35 s, naming the cause."""
+    for run, (stage, failing, cause) in enumerate(FAILURES):
+        started = time.monotonic()
+        jobs = _start_nodes(two_hosts, 29530 + run, "tests/scripts/fail_at.py", stage, str(failing),
+                            LOCKSTEP_TIMEOUT="20")
+        try:
+            outputs = [job.communicate(timeout=35 + started - time.monotonic())[0] for job in jobs]
+        finally:
+            for job in jobs:
+                job.kill()
+        took = time.monotonic() - started
+        print(f"run {run}: {stage} fails on node {failing}; both nodes exited after {took:.1f}s")
+        context = f"run {run} ({stage} on node {failing}), {took:.1f}s:\n" + "\n".join(outputs)
+        assert all(job.returncode != 0 for job in jobs), context
+        other = outputs[1 - failing]
+        assert cause in outputs[failing], context
+        assert ("stopped its workers: node " in other or "only lost a peer" in other
+                or cause in other), context
+        for namespace, _link, _address in two_hosts:
+            left = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10)
+            assert left.stdout.split() == [], f"processes left in {namespace}: {left.stdout}\n{context}"
+
+
+def test_a_node_with_no_route_to_the_master_is_refused_before_the_rendezvous_naming_its_interfaces(two_hosts):
+    """Node B has no route to 10.99.0.1: the launcher and an srun-style Runtime both refuse at once."""
+    namespace = two_hosts[1][0]
+    launcher = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run", "--nodes", "2",
+         "--node-rank", "1", "--master", "10.99.0.1:29500", "--devices", "1", "--accelerator", "cpu",
+         "tests/scripts/spin.py", "/nonexistent"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert launcher.returncode == 2, launcher.stderr
+    assert "no network interface of this node reaches 10.99.0.1" in launcher.stderr
+    assert f"interfaces seen: lo (127.0.0.1), {two_hosts[1][1]} ({two_hosts[1][2]})" in launcher.stderr
+    runtime = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c",
+         "from lockstep import DistEnv\nfrom lockstep.runtime.process_group import choose_socket_interface\n"
+         "choose_socket_interface(DistEnv(rank=2, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,"
+         " master_addr='10.99.0.1', master_port=29500, launcher='slurm'))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")})
+    assert runtime.returncode == 1
+    assert "rank 2: no network interface of this node reaches 10.99.0.1" in runtime.stderr, runtime.stderr
+    assert "Set GLOO_SOCKET_IFNAME" in runtime.stderr

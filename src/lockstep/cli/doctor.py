@@ -10,6 +10,7 @@ import sys
 import time
 
 from lockstep.env import DistEnv, EnvError
+from lockstep.runtime.network import interfaces
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,27 +27,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--max-bytes", default="64M", help="largest message for --bench (e.g. 1M, 64M)")
     parser.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
     parser.set_defaults(func=doctor_command)
-
-
-def _ipv4_of(interface: str) -> str | None:
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
-        return socket.inet_ntoa(packed[20:24])
-    except (OSError, ImportError):
-        return None
-
-
-def interfaces() -> dict[str, str | None]:
-    """Interface name -> IPv4 address (None when it has none)."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        names = []
-    return {name: _ipv4_of(name) for name in names}
 
 
 def gloo_interface(found: dict[str, str | None]) -> str:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES
 from lockstep.runtime.devices import parse_devices
-from lockstep.runtime.elastic import run_elastic, threads_per_process
-from lockstep.runtime.network import host_store
+from lockstep.runtime.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
+from lockstep.runtime.network import NoRouteError, host_store, ipv4_of, socket_interface_variables
+from lockstep.runtime.node_watch import NodeWatch
 
 
 class PreflightError(Exception):
@@ -32,16 +34,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "such as 0,2 (sets CUDA_VISIBLE_DEVICES), or auto: every GPU, or 1 CPU process")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"],
                         help="passed to the script's Runtime; auto = cuda when a GPU is visible")
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nodes-1")
+    parser.add_argument("--nodes", default="1",
+                        help="number of nodes (default 1), or MIN:MAX for an elastic job that goes on "
+                        "with MIN to MAX nodes as nodes leave and join (see docs/launching.md)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nodes-1 (fixed size)")
     parser.add_argument("--master", metavar="HOST:PORT",
-                        help="address of node 0 for a static rendezvous (several nodes); a free "
-                        "loopback port is chosen for a single node")
+                        help="address of node 0 (several nodes; with MIN:MAX, the node hosting the "
+                        "rendezvous); a free loopback port is chosen for a single node")
     parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                         help="dynamic (c10d) rendezvous endpoint, in place of --master/--node-rank")
     parser.add_argument("--rdzv-id", default="lockstep", help="job id shared by the nodes (c10d)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole group up to K times after a worker fails")
+    parser.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                        help="c10d rendezvous settings, as torchrun's (join_timeout, last_call_timeout, ...)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart the whole group up to K times after a worker fails "
+                        "(default 0; 3 with --nodes MIN:MAX)")
     parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, dp, single)")
     parser.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
     parser.add_argument("-m", dest="module", action="store_true",
@@ -62,6 +69,10 @@ class Plan:
     master_port: int | None
     torchrun_args: list[str]
     store: object | None  # the rendezvous store hosted here (node 0), bound to master_addr only
+    elastic: bool  # nodes MIN:MAX or a c10d endpoint: membership may change between restarts
+    nodes: tuple[int, int]  # (min, max)
+    environment: dict[str, str]  # set for the workers: the network interface between the nodes
+    notes: list[str]  # what the launcher chose, one line each
 
 
 def _split_host_port(value: str, option: str) -> tuple[str, int]:
@@ -97,6 +108,29 @@ def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:
     return len(ids), ",".join(str(i) for i in ids)
 
 
+def _parse_nodes(value: str) -> tuple[int, int]:
+    low, _, high = value.partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise PreflightError(f"--nodes {value}: give a count N or a range MIN:MAX with 1 <= MIN <= MAX.")
+    return nodes
+
+
+def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str]]:
+    """The socket interface variables for the workers, when several nodes must reach ``host``."""
+    if nodes < 2:
+        return {}, []
+    try:
+        variables, line = socket_interface_variables(host, os.environ)
+    except NoRouteError as error:
+        raise PreflightError(f"{error}. Check --master/--rdzv-endpoint, or set GLOO_SOCKET_IFNAME and "
+                             "NCCL_SOCKET_IFNAME to the interface between the nodes.") from None
+    return variables, [line] if line else []
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that can fail before a process starts; raises PreflightError."""
     if args.module:
@@ -104,23 +138,29 @@ def plan(args: argparse.Namespace) -> Plan:
             raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
     elif not Path(args.script).is_file():
         raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
-    if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
-        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {args.nodes} (0..{args.nodes - 1}).")
-    if args.max_restarts < 0:
+    nodes = _parse_nodes(str(args.nodes))
+    elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
+    if not elastic and not 0 <= args.node_rank < nodes[0]:
+        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
+    restarts = args.max_restarts if args.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
+    if restarts < 0:
         raise PreflightError("--max-restarts must be 0 or more.")
     nproc, visible = _resolve_devices(args.devices, args.accelerator)
-    common = ["--nnodes", str(args.nodes), "--nproc-per-node", str(nproc),
-              "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1"]
-    if args.rdzv_endpoint:
-        _split_host_port(args.rdzv_endpoint, "--rdzv-endpoint")
-        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-        host, port = "", None
-        store = None
+    common = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
+              "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
+    store = None
+    if elastic:
+        endpoint = args.rdzv_endpoint or args.master
+        if not endpoint:
+            raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
+        host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
+        if args.rdzv_conf:
+            rendezvous += ["--rdzv-conf", args.rdzv_conf]
     else:
-        store = None
         if args.master:
             host, port = _split_host_port(args.master, "--master")
-        elif args.nodes > 1:
+        elif nodes[0] > 1:
             raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
         else:
             host, port = "127.0.0.1", 0  # single node: loopback only, a free port
@@ -135,8 +175,20 @@ def plan(args: argparse.Namespace) -> Plan:
                 ) from None
         rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
                       "--node-rank", str(args.node_rank)]
+    environment, notes = _network(host, nodes[1])
     target = (["-m"] if args.module else []) + [args.script, *args.script_args]
-    return Plan(nproc, visible, host, port, common + rendezvous + target, store)
+    return Plan(nproc, visible, host, port, common + rendezvous + target, store, elastic, nodes, environment, notes)
+
+
+def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
+    """The node watch of a job on several nodes (None on one node)."""
+    if job.nodes[1] < 2 or job.master_port is None:
+        return None
+    address = next(iter(job.environment.values()), None) or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    where = ", ".join(filter(None, [socket.gethostname(), ipv4_of(address) if address else None]))
+    if job.elastic:
+        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_local_workers)
+    return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -152,5 +204,8 @@ def run_command(args: argparse.Namespace) -> int:
             os.environ[RUNTIME_VARIABLES[name]] = value
     if job.visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.visible_devices
+    os.environ.update(job.environment)
+    for note in job.notes:
+        print(f"lockstep run: {note}", file=sys.stderr, flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(job.nproc)))
-    return run_elastic(job.torchrun_args)
+    return run_elastic(job.torchrun_args, _watch(job, args))

@@ -6,6 +6,8 @@ Used by ``lockstep run`` and by scripts that ask for several devices but were st
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 import socket
@@ -14,6 +16,7 @@ from typing import Any, NoReturn
 
 from lockstep.runtime.errors import lost_a_peer
 from lockstep.runtime.network import host_store
+from lockstep.runtime.node_watch import NodeWatch
 
 
 def threads_per_process(nproc: int) -> int:
@@ -21,35 +24,92 @@ def threads_per_process(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def run_elastic(torchrun_args: list[str]) -> int:
+def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int:
     """Run torchrun's launch with ``torchrun_args``; 0 on success, 1 after reporting the failure.
 
-    The root cause is printed once: the failing rank, its host, how it ended, its traceback.
+    The root cause is printed once: the failing rank, its host, how it ended, its traceback. With
+    a ``watch`` (several nodes), this node's failure is published to the others, and a failure or
+    a lost node elsewhere stops this node (see NodeWatch).
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as elastic_run
 
+    if watch is not None:
+        # What torch's agent installs once its workers start; here from the start, so that a stop
+        # during the rendezvous is reported too.
+        signal.signal(signal.SIGTERM, _raise_signal)
+        watch.start()
     try:
         elastic_run(parse_args(torchrun_args))
     except ChildFailedError as failed:
-        rank, failure = _root_cause(failed.failures)
-        how = f"exit code {failure.exitcode}"
-        if failure.exitcode < 0:
-            try:
-                how = f"signal {signal.Signals(-failure.exitcode).name}"
-            except ValueError:
-                how = f"signal {-failure.exitcode}"
-        print(f"lockstep: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} "
-              f"failed with {how}; every worker of the job was stopped.", file=sys.stderr)
-        if all(_lost_a_peer(f) for f in failed.failures.values()):
-            print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
-                  "that node's output names it.", file=sys.stderr)
-        trace = _traceback_of(failure.error_file_data)
-        if trace:
-            print(trace, file=sys.stderr)
+        cause = _report(failed.failures)
+        if watch is not None:
+            watch.publish_failure(cause)
+            watch.stop(done=False)
         return 1
+    except SignalException as signalled:
+        verdict = watch.verdict if watch is not None else ""
+        if not verdict:
+            raise
+        print(f"lockstep: this node stopped its workers: {verdict}.", file=sys.stderr, flush=True)
+        del signalled
+        return 1
+    if watch is not None:
+        watch.stop(done=True)
     return 0
+
+
+def stop_this_node(verdict: str) -> None:
+    """A fixed-size job cannot go on without a node: stop this node's agent (run_elastic reports why)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_local_workers(verdict: str) -> None:
+    """An elastic job goes on without a lost node: end this node's workers, so that the agent
+    restarts them and the rendezvous re-forms the group from the nodes still there."""
+    print(f"lockstep: {verdict}; restarting this node's workers to re-form the job without it.",
+          file=sys.stderr, flush=True)
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(path) as handle:
+            found += [int(child) for child in handle.read().split()]
+    return found
+
+
+def _raise_signal(signum: int, frame: object) -> None:
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+
+def _report(failures: dict[int, Any]) -> str:
+    """Print the root cause of a failed group; returns it in one line."""
+    rank, failure = _root_cause(failures)
+    how = f"exit code {failure.exitcode}"
+    if failure.exitcode < 0:
+        try:
+            how = f"signal {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            how = f"signal {-failure.exitcode}"
+    cause = f"rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} failed with {how}"
+    print(f"lockstep: {cause}; every worker of the job was stopped.", file=sys.stderr)
+    if all(_lost_a_peer(f) for f in failures.values()):
+        print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
+              "that node's output names it.", file=sys.stderr)
+    trace = _traceback_of(failure.error_file_data)
+    if trace:
+        print(trace, file=sys.stderr)
+        cause += f": {trace.splitlines()[-1][:200]}"
+    sys.stderr.flush()
+    return cause
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -33,3 +34,71 @@ def host_store(host: str, port: int = 0) -> tuple[Any, int]:
     store = dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
                           master_listen_fd=listener.detach())
     return store, port
+
+
+SOCKET_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def ipv4_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+def interfaces() -> dict[str, str | None]:
+    """Interface name -> IPv4 address (None when it has none)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    return {name: ipv4_of(name) for name in names}
+
+
+class NoRouteError(OSError):
+    """No interface of this node reaches the given address; the message names those seen."""
+
+
+def interface_towards(host: str) -> tuple[str, str]:
+    """(interface, its address) that this node's routing table uses to reach ``host``.
+
+    A UDP socket connected to ``host`` takes the kernel's route and source address without sending
+    anything; the interface is the one that holds that source address.
+    """
+    found = interfaces()
+    seen = ", ".join(f"{name} ({ip})" if ip else name for name, ip in found.items()) or "none"
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            source = probe.getsockname()[0]
+    except OSError as error:
+        raise NoRouteError(f"no network interface of this node reaches {host} ({error.strerror or error}); "
+                           f"interfaces seen: {seen}") from None
+    name = next((name for name, ip in found.items() if ip == source), None)
+    if name is None:
+        raise NoRouteError(f"the route to {host} leaves from {source}, which no interface holds; "
+                           f"interfaces seen: {seen}")
+    return name, source
+
+
+def socket_interface_variables(host: str, environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME values for the interface that reaches ``host``.
+
+    Only the variables unset in ``environ`` are returned, with the one line that says so (no
+    variables and an empty line when the user set both). Raises NoRouteError when no interface
+    reaches ``host``: Gloo would otherwise take the interface of this host's name, which is
+    loopback on many images, and the nodes could not connect.
+    """
+    unset = [name for name in SOCKET_VARIABLES if not environ.get(name)]
+    if not unset:
+        return {}, ""
+    name, source = interface_towards(host)
+    return ({variable: name for variable in unset},
+            f"network interface {name} ({source}) reaches {host}: {' and '.join(unset)}={name}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from datetime import timedelta
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import DistEnv
+from lockstep.runtime.network import NoRouteError, socket_interface_variables
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -72,6 +75,26 @@ def init_process_group(
         device_id=device_id,
     )
     return True
+
+
+def choose_socket_interface(env: DistEnv) -> None:
+    """On several nodes, point Gloo and NCCL at the interface that reaches the master, unless set.
+
+    Without it Gloo binds to the address of this host's name, a loopback address on many images
+    (Debian and Ubuntu map it in /etc/hosts), and the nodes cannot connect to each other.
+    """
+    if env.num_nodes < 2:
+        return
+    try:
+        variables, line = socket_interface_variables(env.master_addr, os.environ)
+    except NoRouteError as error:
+        raise RuntimeError(
+            f"rank {env.rank}: {error}. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface "
+            "between the nodes, or check MASTER_ADDR."
+        ) from None
+    os.environ.update(variables)
+    if line and env.local_rank == 0:
+        print(f"lockstep: node {env.node_rank}: {line}", file=sys.stderr, flush=True)
 
 
 def _set_timeout(timeout: timedelta) -> None:

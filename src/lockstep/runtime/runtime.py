@@ -34,6 +34,7 @@ from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import (
     DEFAULT_TIMEOUT_S,
     choose_backend,
+    choose_socket_interface,
     destroy_process_group,
     init_process_group,
 )
@@ -136,6 +137,8 @@ class Runtime:
             torch.cuda.set_device(self.device)
         if not self.env.is_distributed:
             return False
+        if backend != "mpi":
+            choose_socket_interface(self.env)
         owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
         atexit.register(self.close)
         return owns
