@@ -13,7 +13,14 @@ from pathlib import Path
 from lockstep.env import RUNTIME_VARIABLES
 from lockstep.runtime.devices import parse_devices
 from lockstep.runtime.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
-from lockstep.runtime.network import NoRouteError, host_store, ipv4_of, socket_interface_variables
+from lockstep.runtime.network import (
+    NoRouteError,
+    host_store,
+    interface_towards,
+    interfaces,
+    ipv4_of,
+    socket_interface_variables,
+)
 from lockstep.runtime.node_watch import NodeWatch
 
 
@@ -119,16 +126,25 @@ def _parse_nodes(value: str) -> tuple[int, int]:
     return nodes
 
 
-def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str]]:
-    """The socket interface variables for the workers, when several nodes must reach ``host``."""
+def _resolve(host: str) -> str:
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
+    except OSError:
+        raise PreflightError(f"{host} does not resolve: give an address or a name this node knows.") from None
+
+
+def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
+    """For several nodes: the socket interface variables for the workers, the line saying so, and
+    this node's address towards ``host``."""
     if nodes < 2:
-        return {}, []
+        return {}, [], ""
     try:
         variables, line = socket_interface_variables(host, os.environ)
+        source = interface_towards(host)[1]
     except NoRouteError as error:
         raise PreflightError(f"{error}. Check --master/--rdzv-endpoint, or set GLOO_SOCKET_IFNAME and "
                              "NCCL_SOCKET_IFNAME to the interface between the nodes.") from None
-    return variables, [line] if line else []
+    return variables, [line] if line else [], source
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -154,9 +170,13 @@ def plan(args: argparse.Namespace) -> Plan:
         if not endpoint:
             raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
         host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
+        # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
+        # test compares with the address of the host name, a loopback address on many images.
+        address = _resolve(host)
+        hosting = not address.startswith("127.") and address in interfaces().values()
+        conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
-        if args.rdzv_conf:
-            rendezvous += ["--rdzv-conf", args.rdzv_conf]
+        rendezvous += ["--rdzv-conf", conf] if conf else []
     else:
         if args.master:
             host, port = _split_host_port(args.master, "--master")
@@ -175,7 +195,15 @@ def plan(args: argparse.Namespace) -> Plan:
                 ) from None
         rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
                       "--node-rank", str(args.node_rank)]
-    environment, notes = _network(host, nodes[1])
+    environment, notes, local_address = _network(host, nodes[1])
+    if elastic:
+        if local_address:  # the address this node's workers get if it becomes the group's rank 0
+            rendezvous += ["--local-addr", local_address]
+        environment["LOCKSTEP_ELASTIC_STORE"] = f"{host}:{port}"  # membership reports (runtime/membership.py)
+        # torch's agents share their rendezvous store with the workers unless told not to; a node that
+        # joins a later round then waits forever for the store address, which rank 0 published only in
+        # the round it created the store. Without sharing, every round publishes it again.
+        environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     target = (["-m"] if args.module else []) + [args.script, *args.script_args]
     return Plan(nproc, visible, host, port, common + rendezvous + target, store, elastic, nodes, environment, notes)
 
@@ -186,9 +214,10 @@ def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
         return None
     address = next(iter(job.environment.values()), None) or os.environ.get("GLOO_SOCKET_IFNAME", "")
     where = ", ".join(filter(None, [socket.gethostname(), ipv4_of(address) if address else None]))
-    if job.elastic:
-        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_local_workers)
-    return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node)
+    if job.elastic:  # a silent node leaves the job, which goes on without it
+        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers)
+    return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node,
+                     stop_this_node)
 
 
 def run_command(args: argparse.Namespace) -> int:

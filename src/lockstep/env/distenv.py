@@ -32,7 +32,8 @@ class DistEnv:
     ``WORLD_SIZE`` set by hand), ``"slurm"`` (``srun``) or ``"mpi"`` (Open MPI, MPICH, PMI).
     ``agent_store`` is true when a torch elastic agent already hosts the rendezvous store
     on ``master_addr:master_port``, so that no worker may start one. ``restart_count`` counts the
-    agent's restarts of the group (``--max-restarts``).
+    agent's restarts of the group (``--max-restarts``). ``elastic_store`` is the HOST:PORT of an
+    elastic job's rendezvous store (``lockstep run --nodes MIN:MAX``), which outlives the workers.
     """
 
     rank: int = 0
@@ -46,6 +47,7 @@ class DistEnv:
     launcher: str = "none"
     agent_store: bool = False
     restart_count: int = 0
+    elastic_store: str = ""
 
     def __post_init__(self) -> None:
         source = f"(launcher: {self.launcher})"
@@ -186,6 +188,7 @@ def _from_torch_env(env: Mapping[str, str], legacy_local_rank: int | None) -> Di
         launcher=launcher,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
+        elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", ""),
     )
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Any, NoReturn
 
 from lockstep.runtime.errors import lost_a_peer
@@ -46,7 +47,11 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
     except ChildFailedError as failed:
         cause = _report(failed.failures)
         if watch is not None:
-            watch.publish_failure(cause)
+            elsewhere = watch.failure_elsewhere(3 * watch.interval_s) if cause.startswith("lost a peer") else ""
+            if elsewhere:
+                print(f"lockstep: the failure began on node {elsewhere}", file=sys.stderr, flush=True)
+            else:
+                watch.publish_failure(cause)
             watch.stop(done=False)
         return 1
     except SignalException as signalled:
@@ -61,26 +66,56 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
     return 0
 
 
-def stop_this_node(verdict: str) -> None:
-    """A fixed-size job cannot go on without a node: stop this node's agent (run_elastic reports why)."""
+STOP_GRACE_S = 10.0
+
+
+def stop_this_node(verdict: str, since_s: float = 0.0) -> None:
+    """This node cannot go on: stop its agent, which stops the workers (run_elastic reports why).
+
+    The agent's shutdown talks to the rendezvous store, which may be out of reach; after
+    ``STOP_GRACE_S`` the workers are killed and the process exits regardless.
+    """
     os.kill(os.getpid(), signal.SIGTERM)
 
+    def hard_stop() -> None:
+        print(f"lockstep: {verdict}; the agent did not stop within {STOP_GRACE_S:g}s, killing its workers.",
+              file=sys.stderr, flush=True)
+        for pid in _children(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(1)
 
-def stop_local_workers(verdict: str) -> None:
-    """An elastic job goes on without a lost node: end this node's workers, so that the agent
-    restarts them and the rendezvous re-forms the group from the nodes still there."""
-    print(f"lockstep: {verdict}; restarting this node's workers to re-form the job without it.",
-          file=sys.stderr, flush=True)
-    for pid in _children(os.getpid()):
+    timer = threading.Timer(STOP_GRACE_S, hard_stop)
+    timer.daemon = True
+    timer.start()
+
+
+def stop_local_workers(verdict: str, since_s: float) -> None:
+    """An elastic job goes on without a lost node: end this node's workers that were started while
+    it was still there, so that the agent restarts them and the rendezvous re-forms the group from
+    the nodes still there. Workers the agent started since (it may have restarted them already,
+    when a collective failed first) are left alone."""
+    stale = [pid for pid, age in _children(os.getpid()).items() if age > since_s]
+    if stale:
+        print(f"lockstep: {verdict}; restarting this node's workers to re-form the job without it.",
+              file=sys.stderr, flush=True)
+    for pid in stale:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def _children(pid: int) -> dict[int, float]:
+    """This process's children (Linux /proc) and their ages in seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as handle:
+        uptime = float(handle.read().split()[0])
+    found = {}
     for path in glob.glob(f"/proc/{pid}/task/*/children"):
         with contextlib.suppress(OSError), open(path) as handle:
-            found += [int(child) for child in handle.read().split()]
+            for child in handle.read().split():
+                with contextlib.suppress(OSError, ValueError), open(f"/proc/{child}/stat") as stat:
+                    started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
+                    found[int(child)] = uptime - started
     return found
 
 
@@ -104,6 +139,7 @@ def _report(failures: dict[int, Any]) -> str:
     if all(_lost_a_peer(f) for f in failures.values()):
         print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
               "that node's output names it.", file=sys.stderr)
+        cause = "lost a peer: " + cause
     trace = _traceback_of(failure.error_file_data)
     if trace:
         print(trace, file=sys.stderr)

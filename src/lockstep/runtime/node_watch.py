@@ -10,13 +10,15 @@ rendezvous store it
 - publishes this node's failure (the root cause its agent reported), and watches for another
   node's.
 
-What a loss or a failure elsewhere does is the caller's ``on_lost``: a fixed-size job stops
-(every node exits non-zero, naming the cause); an elastic job ends this node's workers so that
-the agent re-forms the group without the lost node.
+A failure elsewhere, or the loss of the store itself, calls ``on_stop(verdict)``: this node
+cannot go on. A silent node calls ``on_lost(verdict, since_s)``, where ``since_s`` is how long
+ago it was last heard of: a fixed-size job stops too (every node exits non-zero, naming the
+cause); an elastic job ends this node's workers so that the agent re-forms the group without it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -32,10 +34,12 @@ _PREFIX = "lockstep/nodes"
 class NodeWatch:
     """One node's heartbeat and watch over the others (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, label: str, on_lost: Callable[[str], None],
-                 interval_s: float = INTERVAL_S, window_s: float = WINDOW_S) -> None:
+    def __init__(self, host: str, port: int, label: str, on_stop: Callable[[str], None],
+                 on_lost: Callable[[str, float], None], interval_s: float = INTERVAL_S,
+                 window_s: float = WINDOW_S) -> None:
         """``label`` names this node in the others' messages, e.g. ``node 1 (gpu7, 10.0.0.2)``."""
-        self.host, self.port, self.name, self.on_lost = host, port, label, on_lost
+        self.host, self.port, self.name = host, port, label
+        self.on_stop, self.on_lost = on_stop, on_lost
         self.interval_s, self.window_s = interval_s, window_s
         self.index: int | None = None
         self.store: Any = None
@@ -43,6 +47,7 @@ class NodeWatch:
         self._seen: dict[int, tuple[str, float]] = {}  # node index -> (last counter seen, local time)
         self._reported: set[int] = set()
         self.verdict = ""  # what ended the watch: another node's failure or loss
+        self._silent_for = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-node-watch", daemon=True)
 
@@ -54,8 +59,7 @@ class NodeWatch:
         """End the watch; ``done``: this node finished, so the others must not count it as lost."""
         self._stop.set()
         if done and self.store is not None and self.index is not None:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{_PREFIX}/{self.index}/beat", "done")
+            self._bounded(lambda: self.store.set(f"{_PREFIX}/{self.index}/beat", "done"))
 
     def publish_failure(self, cause: str) -> None:
         """Tell the other nodes that this node's workers failed, and why (one line).
@@ -63,11 +67,40 @@ class NodeWatch:
         Waits two heartbeats before returning: the node hosting the store keeps it up until the
         others have read the cause, rather than leaving them with a lost connection.
         """
-        if self.store is None:
-            return
-        with contextlib.suppress(Exception):
-            self.store.set(f"{_PREFIX}/failed", f"{self.name}: {cause}")
+        notice = f"{self.name}: {cause}"
+        self.connected.wait(self.window_s)  # a node that fails at once may not have reached the store yet
+        if self.store is not None and self._bounded(lambda: self.store.set(f"{_PREFIX}/failed", notice)):
             time.sleep(2 * self.interval_s)
+
+    def failure_elsewhere(self, wait_s: float) -> str:
+        """Another node's failure notice, waiting up to ``wait_s`` for it ('' when none came)."""
+        found: list[str] = []
+
+        def poll() -> None:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self.store.check([f"{_PREFIX}/failed"]):
+                    text = self.store.get(f"{_PREFIX}/failed").decode()
+                    if not text.startswith(self.name + ":"):
+                        found.append(text)
+                    return
+                time.sleep(0.1)
+
+        if self.store is not None:
+            self._bounded(poll, wait_s + 1)
+        return found[0] if found else ""
+
+    def _bounded(self, operation: Callable[[], object], limit_s: float | None = None) -> bool:
+        """Run store operations for at most ``limit_s`` (the window; see ``_run``); True when they succeeded."""
+        done = threading.Event()
+
+        def attempt() -> None:
+            with contextlib.suppress(Exception):
+                operation()
+                done.set()
+
+        threading.Thread(target=attempt, daemon=True).start()
+        return done.wait(limit_s or self.window_s)
 
     # -- the thread ------------------------------------------------------------------------
     def _connect(self) -> bool:
@@ -75,8 +108,10 @@ class NodeWatch:
 
         while not self._stop.is_set():
             try:
-                self.store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=self.window_s))
+                store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=2 * self.interval_s))  # short tries
+                store.set_timeout(timedelta(seconds=self.window_s))
+                self.store = store
                 self.index = int(self.store.add(f"{_PREFIX}/count", 1)) - 1
                 self.store.set(f"{_PREFIX}/{self.index}/name", self.name)
                 self.connected.set()
@@ -88,24 +123,36 @@ class NodeWatch:
     def _run(self) -> None:
         if not self._connect():
             return
+        # A store operation over a link that went down can block for good, whatever the store's
+        # timeout: each round runs in a helper thread, and a round with no answer within the
+        # window is a lost connection.
+        rounds = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-node-beat")
         beat = 0
         while not self._stop.is_set():
             beat += 1
             try:
-                self.store.set(f"{_PREFIX}/{self.index}/beat", str(beat))
-                verdict = self._check()
+                verdict = rounds.submit(self._round, beat).result(timeout=self.window_s)
             except Exception as error:  # noqa: BLE001 - the store's host is gone or unreachable
                 if self._stop.is_set():
-                    return
+                    break
+                reason = str(error).splitlines()[0][:120] if str(error) else f"no answer for {self.window_s:g}s"
                 verdict = (f"lost the connection to the rendezvous store at {self.host}:{self.port} "
-                           f"({str(error).splitlines()[0][:120]}): the node hosting it died or the "
-                           "network to it failed")
+                           f"({reason}): the node hosting it died or the network to it failed")
+                self._silent_for = 0.0
             if verdict:
                 self._stop.set()
                 self.verdict = verdict
-                self.on_lost(verdict)
-                return
+                if self._silent_for:
+                    self.on_lost(verdict, self._silent_for)
+                else:
+                    self.on_stop(verdict)
+                break
             self._stop.wait(self.interval_s)
+        rounds.shutdown(wait=False)
+
+    def _round(self, beat: int) -> str:
+        self.store.set(f"{_PREFIX}/{self.index}/beat", str(beat))
+        return self._check()
 
     def _check(self) -> str:
         """'' while all is well, else what went wrong elsewhere, in one line."""
@@ -129,6 +176,7 @@ class NodeWatch:
                 self._seen[index] = (value, now)
             elif now - previous[1] > self.window_s:
                 self._reported.add(index)
+                self._silent_for = now - previous[1]
                 name = self.store.get(f"{_PREFIX}/{index}/name").decode()
                 return (f"{name} sent no heartbeat for {now - previous[1]:.0f}s (window "
                         f"{self.window_s:g}s): its launcher died, or the network to it failed")

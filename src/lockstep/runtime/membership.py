@@ -1,0 +1,52 @@
+"""Which nodes an elastic job runs on, and what changed since the previous attempt.
+
+The rendezvous store (``lockstep run --nodes MIN:MAX`` names it in LOCKSTEP_ELASTIC_STORE)
+outlives the workers, so each attempt records its nodes and world size there; the next attempt
+compares and says which nodes left or joined.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.runtime.network import ipv4_of
+
+_KEY = "lockstep/membership"
+
+
+def node_label() -> str:
+    """This node as the others' messages name it: host name, and address between the nodes when known."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    address = ipv4_of(interface) if interface else None
+    return f"{socket.gethostname()} ({address})" if address else socket.gethostname()
+
+
+def membership_change(address: str, rank: int, world_size: int, all_gather: Callable[[Any], list[Any]]) -> str:
+    """On rank 0, the change of nodes and world size since the previous attempt ('' when none).
+
+    ``address`` is the rendezvous store's HOST:PORT; every rank must call this.
+    """
+    labels = all_gather(node_label())
+    nodes = list(dict.fromkeys(labels))
+    if rank != 0:
+        return ""
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    previous = store.get(_KEY).decode().split("\n") if store.check([_KEY]) else None
+    store.set(_KEY, "\n".join([str(world_size), *nodes]))
+    if previous is None:
+        return ""
+    before, old_nodes = int(previous[0]), previous[1:]
+    left = [node for node in old_nodes if node not in nodes]
+    joined = [node for node in nodes if node not in old_nodes]
+    if not left and not joined and before == world_size:
+        return ""
+    parts = [f"node {', '.join(nodes)} {verb}" for nodes, verb in ((left, "left"), (joined, "joined")) if nodes]
+    return (f"the job re-formed: {'; '.join(parts) or 'same nodes'}; world size {before} -> {world_size} "
+            f"on {len(nodes)} node(s)")

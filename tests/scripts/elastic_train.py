@@ -1,0 +1,33 @@
+"""A Trainer run for elastic jobs: checkpoints every 3 steps, resumes from the latest, paced so that a
+node can be killed mid-run. Rank 0 writes the global step to PROGRESS after each step, and at the end
+the weights, the steps and the world size to OUT."""
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import dist_checks as checks  # noqa: E402
+import lockstep  # noqa: E402
+import trainer_checks as tc  # noqa: E402
+
+checkpoint_dir, out, progress = sys.argv[1:4]
+
+
+class Pace(lockstep.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.is_global_zero:
+            with open(progress, "a") as handle:
+                handle.write(f"{trainer.global_step} {trainer.runtime.world_size} {time.time():.1f}\n")
+        time.sleep(0.3)
+
+
+module = tc.Classifier()
+trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
+    lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), Pace()])
+trainer.fit(module, checks.make_data(103), batch_size=16)
+if trainer.is_global_zero:
+    torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step,
+                "world_size": trainer.runtime.world_size}, out)
