@@ -213,6 +213,33 @@ def frozen_peer(_: int) -> str:
     return "the barrier passed"
 
 
+def skewed_clock_peer(_: int) -> str:
+    """Rank 1's wall clock runs an hour behind and it busy-waits; rank 0's barrier times out."""
+    from lockstep.runtime.watchdog import CollectiveError
+
+    rt = Runtime(accelerator="cpu", timeout=4)
+    if rt.rank == 1:
+        real = time.time
+        time.time = lambda: real() - 3600.0  # type: ignore[assignment]
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:  # alive, beating, but not in the collective
+            time.sleep(0.01)
+        return "rank 1 done"
+    try:
+        rt.barrier()
+    except CollectiveError as error:
+        return str(error)
+    return "the barrier passed"
+
+
+def test_a_rank_whose_clock_is_skewed_is_still_reported_alive():
+    """Heartbeats are counters seen on the reader's clock: an hour of skew must not read as silence."""
+    outcomes = rank_outcomes(skewed_clock_peer, 2, 0, timeout=60)
+    assert outcomes[0].ok, outcomes[0].error
+    message = outcomes[0].value
+    assert "rank 1: never reached a lockstep collective; alive (a heartbeat within" in message, message
+
+
 def test_a_frozen_rank_is_reported_as_silent_also_under_a_launch_made_group():
     outcomes = rank_outcomes(frozen_peer, 2, 0, timeout=60)
     assert outcomes[0].ok, outcomes[0].error

@@ -96,9 +96,11 @@ class Watchdog:
                 self.store.set(self._key(self.rank), f"{text}\n{self.position()}")
 
     def _heartbeat(self) -> None:
+        beat = 0
         while True:
+            beat += 1
             try:
-                self.store.set(self._key(self.rank, "alive"), f"{time.time():.3f} {self.position()}")
+                self.store.set(self._key(self.rank, "alive"), f"{beat} {self.position()}")
             except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
                 return
             if self._stop.wait(self.interval_s):
@@ -155,20 +157,33 @@ class Watchdog:
                     found[rank] = self.store.get(key).decode()
         return found
 
-    def _liveness(self, beats: dict[int, str], rank: int, lost_peer: bool) -> str:
-        """'alive 0.4s ago, in training_step, ...' or 'silent for 21s' from a rank's heartbeat."""
-        if rank not in beats or lost_peer:  # a peer that just closed its connection beat a moment ago
-            return ""
-        stamp, _, position = beats[rank].partition(" ")
-        age = max(0.0, time.time() - float(stamp))
-        if age <= 3 * self.interval_s:
-            return f"; alive {age:.1f}s ago" + (f", {position}" if position else "")
-        return f"; no heartbeat for {age:.0f}s (the process died or is frozen)"
+    def _liveness(self, ranks: list[int]) -> dict[int, str]:
+        """'; alive (...), in training_step, ...' or '; no heartbeat for 7.5s ...' for each of ``ranks``.
+
+        Heartbeats are counters, read twice on this rank's clock, so that no other node's clock is
+        compared with this one's: skewed clocks can neither fake a silent rank nor hide one.
+        """
+        first = self.positions("alive")
+        if not any(rank in first for rank in ranks):
+            return {}
+        wait = 1.5 * self.interval_s
+        time.sleep(wait)
+        second = self.positions("alive")
+        found = {}
+        for rank in ranks:
+            if rank not in second:
+                continue
+            count, _, position = second[rank].partition(" ")
+            if first.get(rank, "").partition(" ")[0] != count:
+                found[rank] = f"; alive (a heartbeat within {wait:g}s)" + (f", {position}" if position else "")
+            else:
+                found[rank] = f"; no heartbeat for {wait:g}s (the process died or is frozen)"
+        return found
 
     def explain(self, error: BaseException, op: str | None = None) -> CollectiveError:
         """A CollectiveError naming the ranks that are not where this rank is, and where they were."""
         here = op or self.last
-        positions, beats = self.positions(), self.positions("alive")
+        positions = self.positions()
         elsewhere: dict[int, str] = {}
         for r, entry in positions.items():
             text, _, where = entry.partition("\n")  # as ``mark`` stored it
@@ -181,10 +196,11 @@ class Watchdog:
         if lost:
             lines.append("A peer closed its connection: it crashed or was killed; its own error names the cause.")
         if elsewhere or silent:
+            # a peer that just closed its connection beat a moment ago: no heartbeat to read then
+            beats = {} if lost else self._liveness(sorted(elsewhere) + silent)
             lines.append("These ranks did not arrive at it:")
-            lines += [f"  rank {r}: last at {p}{self._liveness(beats, r, lost)}" for r, p in sorted(elsewhere.items())]
-            lines += [f"  rank {r}: never reached a lockstep collective{self._liveness(beats, r, lost)}"
-                      for r in silent]
+            lines += [f"  rank {r}: last at {p}{beats.get(r, '')}" for r, p in sorted(elsewhere.items())]
+            lines += [f"  rank {r}: never reached a lockstep collective{beats.get(r, '')}" for r in silent]
         else:
             lines.append("Every rank reached this collective: a rank may have died inside it, or the "
                          "network between the nodes failed.")
