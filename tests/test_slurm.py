@@ -93,7 +93,8 @@ def test_two_nodes_by_two_tasks_train_like_one_process(cluster, tmp_path):
 def _preempted_2x2_job(env, tmp_path: Path, script: str, state: str) -> tuple[str, str]:
     """Submit ``script STATE OUT MARKER`` on 2 x 2 tasks, USR1 it after step 5, wait through the requeue."""
     marker = tmp_path / "marker"
-    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", script, state, str(tmp_path / "out.pt"), str(marker))
+    job = _submit(env, tmp_path, "--requeue", "--nodes", "2", "--devices", "2", script, state, str(tmp_path / "out.pt"),
+                  str(marker))
     _wait_for(marker)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
     _wait_until_done(env, job, 240, hurry_requeue=True)
@@ -107,7 +108,8 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
     resumed = torch.load(tmp_path / "out.pt")
     assert resumed["restarts"] == "1" and resumed["steps"] == 21
     # the same job, uninterrupted, on the same 2 x 2 layout
-    reference = _submit(env, tmp_path / "whole", "--nodes", "2", "--devices", "2", "tests/scripts/trainer_preempt.py",
+    reference = _submit(env, tmp_path / "whole", "--requeue", "--nodes", "2", "--devices", "2",
+                        "tests/scripts/trainer_preempt.py",
                         str(tmp_path / "w"), str(tmp_path / "w.pt"), str(tmp_path / "w-marker"))
     _wait_until_done(env, reference, 120)
     whole = torch.load(tmp_path / "w.pt")
@@ -123,6 +125,24 @@ def test_a_runtime_loop_checkpoints_on_usr1_requeues_and_resumes_to_the_referenc
     result = torch.load(tmp_path / "out.pt")
     assert result["restarts"] == "1" and result["steps"] == 14
     assert torch.allclose(result["weights"], _reference(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("script", "option", "said"), [
+    ("tests/scripts/loop_preempt.py", None, "requeue on: tests/scripts/loop_preempt.py checkpoints on the signal "
+                                            "(it uses should_stop)"),
+    ("tests/scripts/train_tiny.py", None, "requeue off: tests/scripts/train_tiny.py does not checkpoint on the signal"),
+    ("tests/scripts/train_tiny.py", "--requeue", "requeue on, as asked"),
+    ("tests/scripts/loop_preempt.py", "--no-requeue", "requeue off, as asked"),
+])
+def test_lockstep_slurm_requeues_only_a_script_that_checkpoints_or_when_asked(script, option, said):
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "slurm", "--dry-run", "--accelerator", "cpu",
+                           *([option] if option else []), script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"lockstep slurm: {said}" in done.stderr
+    requeue = said.startswith("requeue on")
+    assert ("#SBATCH --requeue" in done.stdout) is requeue and ("#SBATCH --no-requeue" in done.stdout) is not requeue
+    assert f"export LOCKSTEP_REQUEUE={int(requeue)}" in done.stdout
 
 
 def test_tasks_per_node_disagreeing_with_devices_fails_fast_naming_the_sbatch_line(cluster, tmp_path):
@@ -155,3 +175,39 @@ def test_without_requeue_a_signal_still_checkpoints_and_exits_cleanly(cluster, t
     from lockstep.runtime.checkpoint import read_metadata
 
     assert 6 <= read_metadata(saved[0])["step"] < 21
+
+
+@pytest.mark.parametrize("mode", ["nopoll", "poll"])
+def test_scancel_ends_a_loop_that_never_polls_within_the_grace_period_and_a_polling_one_checkpoints(
+        cluster, tmp_path, mode):
+    """scancel sends TERM, and SIGKILL only after KillWait (30 s here)."""
+    env, _ = cluster
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", f"--output={tmp_path}/job.out",
+         f"--wrap=srun {sys.executable} tests/scripts/loop_term.py {tmp_path} {mode}"],
+        cwd=ROOT, env={**env, "LOCKSTEP_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+    assert len(pids) == 2, (tmp_path / "job.out").read_text()
+    time.sleep(1.0)  # a few steps in
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+    cancelled = time.monotonic()
+    while any(checks.pid_alive(pid) for pid in pids) and time.monotonic() - cancelled < 40:
+        time.sleep(0.1)
+    took = time.monotonic() - cancelled
+    _wait_until_done(env, job, 60)
+    output = (tmp_path / "job.out").read_text()
+    print(f"{mode}: the tasks ended {took:.1f}s after scancel")
+    if mode == "nopoll":
+        assert took < 12, output  # the 5 s grace, then TERM as without lockstep
+        assert "nothing called rt.should_stop() within 5s: ending the process as SIGTERM does" in output, output
+        assert not (tmp_path / "checkpoint.pt").exists()
+    else:
+        assert took < 12, output
+        assert "checkpointed at step" in output, output
+        assert torch.load(tmp_path / "checkpoint.pt")["step"] >= 5

@@ -69,8 +69,9 @@ def problems(env: DistEnv | None, found: dict[str, str | None]) -> list[str]:
                             "already holds it).")
     try:
         if socket.gethostbyname(socket.gethostname()).startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            seen.append(f"{socket.gethostname()} resolves to a loopback address: Gloo would use lo, so "
-                        "multi-node runs fail. Set GLOO_SOCKET_IFNAME to the interface between the nodes.")
+            seen.append(f"{socket.gethostname()} resolves to a loopback address: Gloo by itself would use lo. "
+                        "On several nodes the Runtime and lockstep run set GLOO_SOCKET_IFNAME to the interface "
+                        "that reaches the master; a process group made without them needs it set by hand.")
     except OSError:
         pass
     if not any(ip and name != "lo" for name, ip in found.items()):

@@ -18,7 +18,6 @@ from lockstep.runtime.network import (
     host_store,
     interface_towards,
     interfaces,
-    ipv4_of,
     socket_interface_variables,
 )
 from lockstep.runtime.node_watch import NodeWatch
@@ -80,6 +79,7 @@ class Plan:
     nodes: tuple[int, int]  # (min, max)
     environment: dict[str, str]  # set for the workers: the network interface between the nodes
     notes: list[str]  # what the launcher chose, one line each
+    local_address: str  # this node's address towards the master (several nodes)
 
 
 def _split_host_port(value: str, option: str) -> tuple[str, int]:
@@ -147,6 +147,44 @@ def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
     return variables, [line] if line else [], source
 
 
+def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, list[str]]:
+    """(host, port, torchrun options) of a c10d rendezvous on ``--rdzv-endpoint`` or ``--master``."""
+    endpoint = args.rdzv_endpoint or args.master
+    if not endpoint:
+        raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
+    host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
+    # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
+    # test compares with the address of the host name, a loopback address on many images.
+    address = _resolve(host)
+    hosting = not address.startswith("127.") and address in interfaces().values()
+    conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
+    options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
+    return host, port, options + (["--rdzv-conf", conf] if conf else [])
+
+
+def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, object | None, list[str]]:
+    """(host, port, store hosted here, torchrun options) of a static rendezvous on node 0."""
+    if args.master:
+        host, port = _split_host_port(args.master, "--master")
+    elif nodes > 1:
+        raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
+    else:
+        host, port = "127.0.0.1", 0  # single node: loopback only, a free port
+    store = None
+    if args.node_rank == 0:
+        try:
+            store, port = host_store(host, port)
+        except OSError as error:
+            raise PreflightError(
+                f"port {port} on {host} is in use by another program or not an address of this "
+                f"node ({error.strerror}): pick a free --master port, or leave --master out on a "
+                "single node."
+            ) from None
+    options = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
+               "--node-rank", str(args.node_rank)]
+    return host, port, store, options
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that can fail before a process starts; raises PreflightError."""
     if args.module:
@@ -162,39 +200,13 @@ def plan(args: argparse.Namespace) -> Plan:
     if restarts < 0:
         raise PreflightError("--max-restarts must be 0 or more.")
     nproc, visible = _resolve_devices(args.devices, args.accelerator)
-    common = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
-              "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
-    store = None
+    options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
+               "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
-        endpoint = args.rdzv_endpoint or args.master
-        if not endpoint:
-            raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
-        host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
-        # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
-        # test compares with the address of the host name, a loopback address on many images.
-        address = _resolve(host)
-        hosting = not address.startswith("127.") and address in interfaces().values()
-        conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
-        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
-        rendezvous += ["--rdzv-conf", conf] if conf else []
+        host, port, rendezvous = _elastic_rendezvous(args)
+        store = None
     else:
-        if args.master:
-            host, port = _split_host_port(args.master, "--master")
-        elif nodes[0] > 1:
-            raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
-        else:
-            host, port = "127.0.0.1", 0  # single node: loopback only, a free port
-        if args.node_rank == 0:
-            try:
-                store, port = host_store(host, port)
-            except OSError as error:
-                raise PreflightError(
-                    f"port {port} on {host} is in use by another program or not an address of this "
-                    f"node ({error.strerror}): pick a free --master port, or leave --master out on a "
-                    "single node."
-                ) from None
-        rendezvous = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
-                      "--node-rank", str(args.node_rank)]
+        host, port, store, rendezvous = _static_rendezvous(args, nodes[0])
     environment, notes, local_address = _network(host, nodes[1])
     if elastic:
         if local_address:  # the address this node's workers get if it becomes the group's rank 0
@@ -205,15 +217,15 @@ def plan(args: argparse.Namespace) -> Plan:
         # the round it created the store. Without sharing, every round publishes it again.
         environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     target = (["-m"] if args.module else []) + [args.script, *args.script_args]
-    return Plan(nproc, visible, host, port, common + rendezvous + target, store, elastic, nodes, environment, notes)
+    return Plan(nproc, visible, host, port, options + rendezvous + target, store, elastic, nodes, environment, notes,
+                local_address)
 
 
 def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
     """The node watch of a job on several nodes (None on one node)."""
     if job.nodes[1] < 2 or job.master_port is None:
         return None
-    address = next(iter(job.environment.values()), None) or os.environ.get("GLOO_SOCKET_IFNAME", "")
-    where = ", ".join(filter(None, [socket.gethostname(), ipv4_of(address) if address else None]))
+    where = ", ".join(filter(None, [socket.gethostname(), job.local_address]))
     if job.elastic:  # a silent node leaves the job, which goes on without it
         return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers)
     return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import shlex
 import subprocess
 import sys
@@ -23,8 +24,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--partition")
     parser.add_argument("--account")
     parser.add_argument("--job-name", default=None, help="default: the script's name")
-    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
-                        help="on the time-limit warning, checkpoint and requeue the job (default on)")
+    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None,
+                        help="on the time-limit warning, checkpoint and requeue the job (default: on when "
+                        "the script checkpoints on the signal, i.e. uses the Trainer or rt.should_stop())")
     parser.add_argument("--signal-lead", type=int, default=90, help="seconds of warning before the time limit")
     parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                         help="extra #SBATCH line, repeatable, e.g. --sbatch-arg=--mem=64G")
@@ -93,10 +95,37 @@ def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
     return "\n".join(lines)
 
 
+CHECKPOINTS_ON_SIGNAL = ("Trainer", "should_stop")
+
+
+def choose_requeue(args: argparse.Namespace) -> str:
+    """Set ``args.requeue`` when the user left it to lockstep; returns the line that says which and why.
+
+    A requeued job only gains from the requeue when the script checkpoints at the signal and
+    resumes: the Trainer does, and so does a loop that polls ``rt.should_stop()``. The script's
+    code (not its comments) is searched for those names.
+    """
+    if args.requeue is not None:
+        return f"requeue {'on' if args.requeue else 'off'}, as asked"
+    try:
+        tree = ast.parse(Path(args.script).read_text(errors="replace"))
+    except SyntaxError:
+        tree = ast.Module(body=[], type_ignores=[])
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    found = [name for name in CHECKPOINTS_ON_SIGNAL if name in names]
+    args.requeue = bool(found)
+    if found:
+        return f"requeue on: {args.script} checkpoints on the signal (it uses {found[0]}); --no-requeue turns it off"
+    return (f"requeue off: {args.script} does not checkpoint on the signal (no Trainer, no rt.should_stop()), "
+            "so a requeued job would start again from scratch; --requeue turns it on")
+
+
 def slurm_command(args: argparse.Namespace) -> int:
     if not Path(args.script).is_file():
         print(f"lockstep slurm: {args.script}: no such script.", file=sys.stderr)
         return 2
+    print(f"lockstep slurm: {choose_requeue(args)}", file=sys.stderr)
     if args.nodes < 1 or args.devices < 1:
         print("lockstep slurm: --nodes and --devices must be at least 1.", file=sys.stderr)
         return 2

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
+import threading
 from types import FrameType
 from typing import Any
+
+GRACE_S = 5.0
 
 
 class Preemption:
@@ -14,11 +19,18 @@ class Preemption:
     ``requeue_job`` is the SLURM job id to requeue when USR1 (the time-limit warning) arrived. USR2 is
     what the ``lockstep slurm`` job script sends the tasks when the job itself gets TERM (srun would
     kill the tasks on TERM): a last-chance checkpoint, no requeue.
+
+    A process that has never called ``should_stop`` when a signal comes gets ``GRACE_S`` seconds to
+    call it; if it does not (a loop that does not poll), the signal takes the effect it would have
+    without lockstep (TERM, USR1 and USR2 end the process). A loop that has polled before is trusted
+    to poll again at its next step boundary, however long its steps.
     """
 
-    def __init__(self, requeue_job: str | None) -> None:
-        self.requeue_job = requeue_job
+    def __init__(self, requeue_job: str | None, rank: int = 0) -> None:
+        self.requeue_job, self.rank = requeue_job, rank
         self.received: int | None = None
+        self.polled = False
+        self._timer: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             try:
@@ -28,6 +40,28 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
+        if self.polled or self._timer is not None:
+            return
+        # Nothing polls yet: from now on this signal acts as it would without lockstep, and this
+        # one is delivered again unless should_stop() is called within the grace period.
+        previous = self._previous.get(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._timer = threading.Timer(GRACE_S, self._expire, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        print(f"lockstep: rank {self.rank} got {name} and nothing called rt.should_stop() within {GRACE_S:g}s: "
+              f"ending the process as {name} does without lockstep (poll rt.should_stop() at each step, or "
+              "use the Trainer, to checkpoint first).", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signum)
+
+    def poll(self) -> None:
+        """should_stop() was called: the loop polls, so the signal waits for it."""
+        self.polled = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     @property
     def local_flag(self) -> float:

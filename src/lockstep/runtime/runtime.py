@@ -122,7 +122,7 @@ class Runtime:
         self._current = CurrentBatch(self._watchdog)
         self._items = ItemNormalizer(self.world_size, self.device, lambda t: self.all_reduce(t, op="sum"))
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
-        self.preemption = Preemption(slurm_requeue_from_environ()) if self.env.launcher == "slurm" else None
+        self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self.checkpointer = Checkpointer(self.rank, self.barrier)
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
@@ -426,10 +426,13 @@ class Runtime:
 
         Every rank must call it at the same points (e.g. each step boundary); it is one small
         all-reduce under SLURM and free elsewhere (always False). On True: save a checkpoint, call
-        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint.
+        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint. A process that
+        has never called it when the signal comes has 5 seconds to do so; after that the signal
+        ends it as it would without lockstep.
         """
         if self.preemption is None:
             return False
+        self.preemption.poll()
         return bool(self.all_reduce(self.preemption.local_flag, op="max"))
 
     def requeue(self) -> str:
