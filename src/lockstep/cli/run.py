@@ -80,6 +80,7 @@ class Plan:
     environment: dict[str, str]  # set for the workers: the network interface between the nodes
     notes: list[str]  # what the launcher chose, one line each
     local_address: str  # this node's address towards the master (several nodes)
+    hosts_store: bool  # the rendezvous store lives in this process (static node 0, or the c10d endpoint)
 
 
 def _split_host_port(value: str, option: str) -> tuple[str, int]:
@@ -147,8 +148,9 @@ def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
     return variables, [line] if line else [], source
 
 
-def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, list[str]]:
-    """(host, port, torchrun options) of a c10d rendezvous on ``--rdzv-endpoint`` or ``--master``."""
+def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, bool, list[str]]:
+    """(host, port, whether this node hosts it, torchrun options) of a c10d rendezvous on
+    ``--rdzv-endpoint`` or ``--master``."""
     endpoint = args.rdzv_endpoint or args.master
     if not endpoint:
         raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
@@ -159,7 +161,7 @@ def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, list[str]]:
     hosting = not address.startswith("127.") and address in interfaces().values()
     conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
     options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
-    return host, port, options + (["--rdzv-conf", conf] if conf else [])
+    return host, port, hosting, options + (["--rdzv-conf", conf] if conf else [])
 
 
 def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, object | None, list[str]]:
@@ -203,10 +205,11 @@ def plan(args: argparse.Namespace) -> Plan:
     options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
                "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
-        host, port, rendezvous = _elastic_rendezvous(args)
+        host, port, hosting, rendezvous = _elastic_rendezvous(args)
         store = None
     else:
         host, port, store, rendezvous = _static_rendezvous(args, nodes[0])
+        hosting = store is not None
     environment, notes, local_address = _network(host, nodes[1])
     if elastic:
         if local_address:  # the address this node's workers get if it becomes the group's rank 0
@@ -218,7 +221,7 @@ def plan(args: argparse.Namespace) -> Plan:
         environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     target = (["-m"] if args.module else []) + [args.script, *args.script_args]
     return Plan(nproc, visible, host, port, options + rendezvous + target, store, elastic, nodes, environment, notes,
-                local_address)
+                local_address, hosting)
 
 
 def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
@@ -227,9 +230,10 @@ def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
         return None
     where = ", ".join(filter(None, [socket.gethostname(), job.local_address]))
     if job.elastic:  # a silent node leaves the job, which goes on without it
-        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers)
+        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers,
+                         job.hosts_store)
     return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node,
-                     stop_this_node)
+                     stop_this_node, job.hosts_store)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -35,10 +35,12 @@ class NodeWatch:
     """One node's heartbeat and watch over the others (see the module docstring)."""
 
     def __init__(self, host: str, port: int, label: str, on_stop: Callable[[str], None],
-                 on_lost: Callable[[str, float], None], interval_s: float = INTERVAL_S,
-                 window_s: float = WINDOW_S) -> None:
-        """``label`` names this node in the others' messages, e.g. ``node 1 (gpu7, 10.0.0.2)``."""
-        self.host, self.port, self.name = host, port, label
+                 on_lost: Callable[[str, float], None], hosts_store: bool = False,
+                 interval_s: float = INTERVAL_S, window_s: float = WINDOW_S) -> None:
+        """``label`` names this node in the others' messages, e.g. ``node 1 (gpu7, 10.0.0.2)``;
+        ``hosts_store``: this node's process hosts the store, which ends with it."""
+        self.host, self.port, self.name, self.hosts_store = host, port, label, hosts_store
+        self._finished = False  # the job ended well: the store may go away
         self.on_stop, self.on_lost = on_stop, on_lost
         self.interval_s, self.window_s = interval_s, window_s
         self.index: int | None = None
@@ -56,10 +58,16 @@ class NodeWatch:
         return self
 
     def stop(self, done: bool) -> None:
-        """End the watch; ``done``: this node finished, so the others must not count it as lost."""
+        """End the watch; ``done``: this node finished, so the others must not count it as lost.
+
+        The node hosting the store says the job finished and waits two heartbeats, so that the
+        others do not take the store's end for a lost node while they finish too.
+        """
         self._stop.set()
         if done and self.store is not None and self.index is not None:
             self._bounded(lambda: self.store.set(f"{_PREFIX}/{self.index}/beat", "done"))
+            if self.hosts_store and self._bounded(lambda: self.store.set(f"{_PREFIX}/finished", "1")):
+                time.sleep(2 * self.interval_s)
 
     def publish_failure(self, cause: str) -> None:
         """Tell the other nodes that this node's workers failed, and why (one line).
@@ -133,7 +141,7 @@ class NodeWatch:
             try:
                 verdict = rounds.submit(self._round, beat).result(timeout=self.window_s)
             except Exception as error:  # noqa: BLE001 - the store's host is gone or unreachable
-                if self._stop.is_set():
+                if self._stop.is_set() or self._finished:
                     break
                 reason = str(error).splitlines()[0][:120] if str(error) else f"no answer for {self.window_s:g}s"
                 verdict = (f"lost the connection to the rendezvous store at {self.host}:{self.port} "
@@ -156,6 +164,9 @@ class NodeWatch:
 
     def _check(self) -> str:
         """'' while all is well, else what went wrong elsewhere, in one line."""
+        if self.store.check([f"{_PREFIX}/finished"]):
+            self._finished = True
+            return ""
         if self.store.check([f"{_PREFIX}/failed"]):
             text = self.store.get(f"{_PREFIX}/failed").decode()
             if not text.startswith(self.name + ":"):
