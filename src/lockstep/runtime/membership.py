@@ -47,6 +47,13 @@ def membership_change(address: str, rank: int, world_size: int, all_gather: Call
     joined = [node for node in nodes if node not in old_nodes]
     if not left and not joined and before == world_size:
         return ""
-    parts = [f"node {', '.join(nodes)} {verb}" for nodes, verb in ((left, "left"), (joined, "joined")) if nodes]
+    parts = [f"node {', '.join(names)} {verb}" for names, verb in ((left, "left"), (joined, "joined")) if names]
     return (f"the job re-formed: {'; '.join(parts) or 'same nodes'}; world size {before} -> {world_size} "
             f"on {len(nodes)} node(s)")
+
+
+def report_membership(address: str, rank: int, world_size: int, all_gather: Callable[[Any], list[Any]]) -> None:
+    """Rank 0 prints the change that ``membership_change`` finds, if any; every rank must call this."""
+    change = membership_change(address, rank, world_size, all_gather)
+    if change:
+        print(f"lockstep: {change}.", flush=True)

@@ -63,6 +63,7 @@ def init_process_group(
     if backend == "mpi":
         dist.init_process_group("mpi", timeout=timeout)
         return True
+    choose_socket_interface(env)
     if init_method is not None:
         dist.init_process_group(
             backend, init_method=init_method, rank=env.rank, world_size=env.world_size,

@@ -29,16 +29,10 @@ from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
 from lockstep.runtime.items import ItemNormalizer
 from lockstep.runtime.loader_options import dataset_length, global_batches, resolve_loader_options
-from lockstep.runtime.membership import membership_change
+from lockstep.runtime.membership import report_membership
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.preemption import Preemption
-from lockstep.runtime.process_group import (
-    DEFAULT_TIMEOUT_S,
-    choose_backend,
-    choose_socket_interface,
-    destroy_process_group,
-    init_process_group,
-)
+from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, choose_backend, destroy_process_group, init_process_group
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.streams import is_stream
@@ -138,15 +132,11 @@ class Runtime:
             torch.cuda.set_device(self.device)
         if not self.env.is_distributed:
             return False
-        if backend != "mpi":
-            choose_socket_interface(self.env)
         owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
         atexit.register(self.close)
         if self.env.elastic_store:  # say which nodes left or joined since the last attempt
-            change = membership_change(self.env.elastic_store, self.rank, self.world_size,
-                                       lambda d: collectives.all_gather(d, self.device))
-            if change:
-                print(f"lockstep: {change}.", flush=True)
+            report_membership(self.env.elastic_store, self.rank, self.world_size,
+                              lambda d: collectives.all_gather(d, self.device))
         return owns
 
     # -- where this process sits -------------------------------------------------------------
