@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import dist_checks as checks
 import lockstep
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +50,47 @@ def test_worker_exception_names_the_rank_fast_and_leaves_no_process(tmp_path):
     assert not any(checks.pid_alive(pid) for pid in pids)
 
 
+def _what_the_worker_sees() -> tuple[str | None, bool, str, int]:
+    environ = os.environ
+    return environ.get("LOCKSTEP_TEST_VALUE"), "LOCKSTEP_TEST_GONE" in environ, os.getcwd(), torch.get_num_threads()
+
+
+def test_each_launch_gives_the_workers_the_callers_environment_and_directory_at_that_moment(monkeypatch, tmp_path):
+    """The fork server started with the first launch's environment; later launches must not see it."""
+    monkeypatch.setenv("LOCKSTEP_TEST_VALUE", "first")
+    monkeypatch.setenv("LOCKSTEP_TEST_GONE", "1")
+    lockstep.launch(_what_the_worker_sees, nprocs=1)
+    monkeypatch.setenv("LOCKSTEP_TEST_VALUE", "second")
+    monkeypatch.delenv("LOCKSTEP_TEST_GONE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    seen = run_ranks(_what_the_worker_sees, 2)
+    assert seen == [("second", False, str(tmp_path), 1)] * 2
+
+
+REDIRECTED = """
+import os, sys
+import lockstep
+
+def hello(tag):
+    print("worker says", tag, flush=True)
+
+if __name__ == "__main__":
+    lockstep.launch(hello, nprocs=1, args=("first",))
+    os.dup2(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+    lockstep.launch(hello, nprocs=2, args=("second",))
+"""
+
+
+def test_workers_write_to_the_standard_output_the_caller_has_at_the_launch(tmp_path):
+    script, redirected = tmp_path / "launcher.py", tmp_path / "redirected.txt"
+    script.write_text(REDIRECTED)
+    first = subprocess.run([sys.executable, str(script), str(redirected)], capture_output=True, text=True, timeout=50)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "worker says first\n"
+    assert redirected.read_text() == "worker says second\n" * 2
+
+
 def test_launch_rejects_zero_processes():
     with pytest.raises(ValueError, match="at least one process"):
         lockstep.launch(_sum_of_ranks, nprocs=0)
@@ -78,8 +122,6 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
     import signal
-    import subprocess
-    import sys
 
     script = tmp_path / "launcher.py"
     script.write_text(ORPHANED)
