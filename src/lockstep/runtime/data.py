@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -238,6 +239,7 @@ class DistributedLoader:
         self._epoch, self._batches_done, self._started, self._pass_start = 0, 0, False, 0
         self.wait_s = 0.0  # time spent waiting for batches (data loading not hidden behind compute)
         self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
+        self._workers: weakref.finalize | None = None  # shuts down persistent workers: see __iter__
         self._stream_state: Any = None  # a stream's own state, loaded from a checkpoint
         self._non_blocking = bool(options.get("pin_memory")) and device.type == "cuda"
         generator = torch.Generator().manual_seed(mix_seed(seed, rank, _WORKER_BASE_STREAM))
@@ -296,6 +298,11 @@ class DistributedLoader:
         self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
         self.sampler.set_epoch(epoch, start)
         observer, batches, stream = self._observer, iter(self.loader), self._stream
+        if self.loader.persistent_workers and self._workers is None:
+            # Persistent workers outlive the pass. Freed by the garbage collector (this loader in a
+            # reference cycle, e.g. with its Runtime), the DataLoader would find its queues to them
+            # closed already and wait 5 s for each: this shuts them down first, while they answer.
+            self._workers = weakref.finalize(self, batches._shutdown_workers)  # type: ignore[attr-defined]
         if observer is not None:
             observer.pass_started(self)
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
@@ -327,6 +334,9 @@ class DistributedLoader:
         if start and self.loader.persistent_workers and workers_started:
             # Persistent workers hold a copy of the stream made when they started, at pass 0 of their
             # own: a mid-epoch position needs new workers, which copy it.
+            if self._workers is not None:
+                self._workers()
+                self._workers = None
             self.loader = self._stream_loader()
         self._stream.start_step, self._stream.skip = start, start * self._stream.batch_size
         state, self._stream_state = self._stream_state, None
