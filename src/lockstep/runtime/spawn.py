@@ -164,8 +164,10 @@ def _die_with_launcher(launcher: int) -> None:
         pidfd = None
 
     def watch() -> None:
-        if pidfd is not None:
-            select.select([pidfd], [], [])
+        if pidfd is not None:  # readable once the launcher has exited
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll()
         else:
             while _alive(launcher):
                 time.sleep(0.5)
