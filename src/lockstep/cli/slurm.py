@@ -38,7 +38,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
-    """The job script, commented line by line."""
+    """The job script, commented line by line: its #SBATCH directives, then the shell that runs the tasks."""
+    return "\n".join(_directives(args, folder) + _task_shell(args, python))
+
+
+def _directives(args: argparse.Namespace, folder: Path) -> list[str]:
+    """The script's first line and its #SBATCH lines."""
     name = args.job_name or Path(args.script).stem
     lines = [
         "#!/bin/bash",
@@ -62,9 +67,13 @@ def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
     else:
         lines += ["#SBATCH --no-requeue",
                   f"#SBATCH --signal=B:USR1@{args.signal_lead}   # still warn: checkpoint and exit cleanly"]
-    lines += [f"#SBATCH {extra}" for extra in args.sbatch_arg]
+    return lines + [f"#SBATCH {extra}" for extra in args.sbatch_arg]
+
+
+def _task_shell(args: argparse.Namespace, python: str) -> list[str]:
+    """The shell after the directives: the rendezvous variables, then srun with the signals passed on."""
     command = shlex.join([python, args.script, *args.script_args])
-    lines += [
+    return [
         "",
         "set -u",
         "# Rank 0 runs on the first node of the allocation; it hosts the rendezvous store.",
@@ -92,7 +101,6 @@ def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
         "exit $status",
         "",
     ]
-    return "\n".join(lines)
 
 
 CHECKPOINTS_ON_SIGNAL = ("Trainer", "should_stop")

@@ -4,7 +4,7 @@ Functions travel by value (cloudpickle), so functions defined in a notebook or a
 fresh process. On Linux the workers are forked from a ``forkserver`` that imported torch and
 lockstep once, so a launch costs milliseconds instead of one torch import per worker; the server
 never touches CUDA, so this is as safe with CUDA as ``spawn`` (used elsewhere). Each worker takes
-the launching process's current environment variables and working directory. Processes are
+the launching process's current environment variables, working directory, stdout and stderr. Processes are
 started and supervised by ``torch.multiprocessing``; on the first failure the others are stopped,
 and nothing is left behind.
 """
