@@ -1,4 +1,7 @@
-"""Workers that keep synchronising until stopped; each writes its pid; rank 1 can raise on request."""
+"""Workers that keep synchronising until stopped; each writes its pid; rank 1 can raise on request.
+
+With SPIN_DEVICES=N in the environment the script asks for N devices itself: started with plain
+python, it becomes their agent (self-launch)."""
 
 import os
 import sys
@@ -6,7 +9,7 @@ import time
 
 import lockstep
 
-rt = lockstep.Runtime(accelerator="cpu", timeout=60)
+rt = lockstep.Runtime(accelerator="cpu", timeout=60, devices=int(os.environ.get("SPIN_DEVICES", 0)) or "auto")
 with open(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), "w") as handle:
     handle.write(str(os.getpid()))
 # Renamed once written: a test that sees N.pid never reads it half-written.

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from typing import Any, NoReturn
 
@@ -32,18 +33,28 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
     a ``watch`` (several nodes), this node's failure is published to the others, and a failure or
     a lost node elsewhere stops this node (see NodeWatch).
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
-    from torch.distributed.run import run as elastic_run
 
     if watch is not None:
         # What torch's agent installs once its workers start; here from the start, so that a stop
         # during the rendezvous is reported too.
         signal.signal(signal.SIGTERM, _raise_signal)
         watch.start()
+    # The agent's log folder holds the workers' error files (read by _report); left to torch, it
+    # would be a /tmp/torchelastic_* folder that nobody removes.
+    args = parse_args(torchrun_args)
+    with tempfile.TemporaryDirectory(prefix="lockstep-elastic-") as logs:
+        args.log_dir = args.log_dir or logs
+        return _run_watched(args, watch)
+
+
+def _run_watched(args: Any, watch: NodeWatch | None) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run as elastic_run
+
     try:
-        elastic_run(parse_args(torchrun_args))
+        elastic_run(args)
     except ChildFailedError as failed:
         cause = _report(failed.failures)
         if watch is not None:

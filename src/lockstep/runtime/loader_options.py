@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lockstep.runtime.lifetime import DieWithParent
 from lockstep.runtime.order import (
     Arange,
     Batches,
@@ -119,6 +120,9 @@ def resolve_loader_options(
     opts.setdefault("pin_memory", device.type == "cuda")
     if opts["num_workers"] > 0:
         opts.setdefault("persistent_workers", True)
+        # torch's worker watchdog watches the worker's parent, a forkserver under lockstep.launch
+        # (or Python 3.14's default): this one watches the rank itself.
+        opts["worker_init_fn"] = DieWithParent(os.getpid(), opts.get("worker_init_fn"))
     return dataset, opts
 
 

@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import gc
 import logging
+import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from lockstep.runtime.elastic import self_launch
 from lockstep.runtime.errors import record_uncaught_exceptions
 from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
 from lockstep.runtime.items import ItemNormalizer
+from lockstep.runtime.lifetime import die_with
 from lockstep.runtime.loader_options import dataset_length, global_batches, resolve_loader_options
 from lockstep.runtime.membership import report_membership
 from lockstep.runtime.precision import make_precision
@@ -100,6 +102,9 @@ class Runtime:
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
             record_uncaught_exceptions()
+            # The agent (torchrun, lockstep run, self-launch) started this worker. Killed itself, it
+            # stops nothing: without this the worker would train on, orphaned, into the checkpoints.
+            die_with(os.getppid(), name="lockstep-agent-watch")
         launch_workers_if_asked(config, self.env)
         self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
         self.placement = resolve_placement(

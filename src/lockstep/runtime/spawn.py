@@ -14,11 +14,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import select
-import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,6 +32,7 @@ import torch.multiprocessing as tmp
 from lockstep.env import DistEnv
 from lockstep.runtime.elastic import threads_per_process
 from lockstep.runtime.files import write_atomic
+from lockstep.runtime.lifetime import die_with, exit_now
 from lockstep.runtime.network import free_port
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 
@@ -78,7 +76,7 @@ class _Caller:
 
     def adopt(self) -> None:
         """In the worker: die with the caller, and take its variables, directory and streams."""
-        _die_with_launcher(self.pid)
+        die_with(self.pid, name="lockstep-launcher-watch")  # even a SIGKILLed launcher ends its workers
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
@@ -141,49 +139,7 @@ def _child(
                 # Rank 0 hosts the store: nobody tears down before everybody is done with it.
                 torch.distributed.barrier()
             destroy_process_group()
-    # The result is on disk. Skip the interpreter's teardown: C++ static destructors of
-    # still-joinable backend threads can abort() a finished worker at exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _die_with_launcher(launcher: int) -> None:
-    """End this worker at once when the launcher dies, even by SIGKILL, which runs none of its
-    clean-up; otherwise the workers would train on, orphaned.
-
-    A thread waits on the launcher's pidfd (Linux 5.3+), or checks it twice a second, then kills
-    this process. (``PR_SET_PDEATHSIG`` cannot serve: a forkserver's child has the server as its
-    parent, and the server lives while any worker holds its pipe.)
-    """
-    try:
-        pidfd = os.pidfd_open(launcher) if hasattr(os, "pidfd_open") else None
-    except ProcessLookupError:  # the launcher died while this worker started
-        os._exit(1)
-    except OSError:  # a kernel without pidfd_open
-        pidfd = None
-
-    def watch() -> None:
-        if pidfd is not None:  # readable once the launcher has exited
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            poller.poll()
-        else:
-            while _alive(launcher):
-                time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="lockstep-launcher-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, and another user's
-        pass
-    return True
+    exit_now(code)  # the result is on disk
 
 
 def _start_method() -> str:

@@ -1,0 +1,75 @@
+"""Shared test fixtures: no test may leave a process running.
+
+Every process the suite starts, directly or not (workers, DataLoader workers, forkservers, agents,
+processes in network namespaces), inherits ``LOCKSTEP_TEST_SESSION``, which ``/proc/PID/environ``
+shows even after its parent is gone. After each test, any such process that the test started and
+that still runs after a grace period fails the test (and is then killed, so that the next test
+starts clean). The suite's own forkserver and resource tracker (children of pytest that serve every
+launch) are the only long-lived ones allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TOKEN = f"LOCKSTEP_TEST_SESSION={uuid.uuid4().hex}".encode()
+os.environ["LOCKSTEP_TEST_SESSION"] = TOKEN.split(b"=", 1)[1].decode()
+LEFTOVER_GRACE_S = 10.0
+_SERVERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def session_processes() -> dict[int, str]:
+    """Running (not zombie) processes started by this test session, other than pytest and the
+    launch servers it owns: pid -> command line."""
+    me = os.getpid()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        if TOKEN not in _read(f"/proc/{pid}/environ").split(b"\0"):
+            continue
+        stat = _read(f"/proc/{pid}/stat")
+        if not stat:
+            continue
+        state, ppid = stat.rsplit(b")", 1)[1].split()[:2]
+        cmdline = _read(f"/proc/{pid}/cmdline")
+        if state == b"Z" or (int(ppid) == me and any(s in cmdline for s in _SERVERS)):
+            continue
+        found[pid] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    if not os.path.isdir("/proc"):
+        yield
+        return
+    before = set(session_processes())
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = {pid: cmd for pid, cmd in session_processes().items() if pid not in before}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = {pid: cmd for pid, cmd in session_processes().items() if pid not in before}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        pytest.fail(f"the test left {len(left)} process(es) running {LEFTOVER_GRACE_S:g}s after it ended:\n{lines}")
