@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import trainer_checks as tc
-from lockstep.train.checkpoint import CheckpointError, load, newest_valid, save_atomic
+from lockstep.runtime.checkpoint import read_metadata
+from lockstep.train.checkpoint import CheckpointError, complete_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
@@ -101,64 +102,52 @@ def test_elastic_restart_after_a_kill_continues_from_the_checkpoint_bitwise(tmp_
 KILL_DURING_SAVE = """
 import os, signal, sys, torch
 from pathlib import Path
-from lockstep.train.checkpoint import save_atomic
+from lockstep.runtime.files import write_atomic
 path = Path(sys.argv[1])
-save_atomic({"value": 1}, path)
-def dying_save(obj, handle):
+write_atomic(path, lambda handle: torch.save({"value": 1}, handle))
+def dying_save(handle):
     handle.write(b"PK" + b"x" * 4096)  # part of a file, then the process dies
     handle.flush()
     os.kill(os.getpid(), signal.SIGKILL)
-torch.save = dying_save
-save_atomic({"value": 2}, path)
+write_atomic(path, dying_save)
 """
 
 
 def test_a_kill_during_checkpoint_writing_leaves_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "last.ckpt"
+    path = tmp_path / "state.pt"
     done = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(path)], capture_output=True, timeout=60)
     assert done.returncode == -9
-    assert load(path)["value"] == 1
-    assert list(tmp_path.glob(".last.ckpt.*.partial"))  # the interrupted write, never renamed
+    assert torch.load(path)["value"] == 1
+    assert list(tmp_path.glob(".state.pt.*.partial"))  # the interrupted write, never renamed
 
 
-def test_newest_valid_skips_a_truncated_newer_checkpoint(tmp_path):
-    save_atomic({"value": 1, "loop": {"global_step": 5}}, tmp_path / "epoch=0-step=00000005.ckpt")
-    save_atomic({"value": 2, "loop": {"global_step": 9}}, tmp_path / "epoch=1-step=00000009.ckpt")
-    full = (tmp_path / "epoch=1-step=00000009.ckpt").read_bytes()
-    (tmp_path / "epoch=1-step=00000009.ckpt").write_bytes(full[: len(full) // 2])
-    path, step = newest_valid(tmp_path)
-    assert path.name == "epoch=0-step=00000005.ckpt" and step == 5
-
-
-def test_newest_valid_reads_folder_metadata_and_ignores_partial_saves(tmp_path):
+def test_complete_checkpoints_reads_folder_metadata_and_ignores_partial_saves_and_links(tmp_path):
     def folder(name: str, step: int | None) -> None:
         (tmp_path / name).mkdir()
         if step is not None:
             (tmp_path / name / "lockstep.json").write_text(json.dumps({"format": 2, "step": step}))
 
-    save_atomic({"value": 1, "loop": {"global_step": 5}}, tmp_path / "epoch=0-step=00000005.ckpt")  # format 1
+    folder("epoch=0-step=00000005.ckpt", 5)
     folder("epoch=1-step=00000009.ckpt", 9)
     folder(".epoch=2-step=00000012.ckpt.partial", 12)  # a save that was interrupted: never renamed
     folder("epoch=3-step=00000015.ckpt", None)  # no metadata: not complete
-    assert newest_valid(tmp_path) == (tmp_path / "epoch=1-step=00000009.ckpt", 9)
+    (tmp_path / "epoch=4-step=00000020.ckpt").mkdir()
+    (tmp_path / "epoch=4-step=00000020.ckpt" / "lockstep.json").write_text("{not json")  # damaged metadata
+    (tmp_path / "last.ckpt").symlink_to("epoch=1-step=00000009.ckpt")
+    assert complete_checkpoints(tmp_path) == [(tmp_path / "epoch=1-step=00000009.ckpt", 9),
+                                              (tmp_path / "epoch=0-step=00000005.ckpt", 5)]
 
 
 def test_unusable_checkpoints_say_why(tmp_path):
-    truncated = tmp_path / "truncated.ckpt"
-    save_atomic({"value": 1}, truncated)
-    truncated.write_bytes(truncated.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="truncated, damaged or not a lockstep checkpoint"):
-        load(truncated)
-    newer = tmp_path / "newer.ckpt"
-    torch.save({"format": 99}, newer)
+    (tmp_path / "newer").mkdir()
+    (tmp_path / "newer" / "lockstep.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(CheckpointError, match="written by a newer lockstep .* format 99"):
-        load(newer)
-    with pytest.raises(CheckpointError, match="no such checkpoint"):
-        load(tmp_path / "missing.ckpt")
-    code = tmp_path / "code.ckpt"
-    torch.save({"format": 1, "payload": print}, code)  # a pickled callable: refused, never run
-    with pytest.raises(CheckpointError, match="cannot read it"):
-        load(code)
+        read_metadata(tmp_path / "newer")
+    with pytest.raises(CheckpointError, match="not a complete lockstep checkpoint"):
+        read_metadata(tmp_path / "missing")
+    trainer = tc.quiet_trainer(max_steps=2, resume=tmp_path / "missing")
+    with pytest.raises(CheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
+        trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
 
 
 def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):

@@ -7,17 +7,20 @@ A checkpoint folder holds:
 - ``state.pt``: the small non-tensor state (loader position, counters, schedulers, random states),
   written by rank 0 and read with weights-only unpickling;
 - ``lockstep.json``: the metadata (format, step, world size, strategy, ...), readable without
-  loading any tensor. It is written last: a folder without it is not a checkpoint.
+  loading any tensor, with every other file's size and CRC-32 (``checkpoint_files``). It is
+  written last: a folder without it is not a checkpoint.
 
 A save goes to a hidden ``.NAME.partial`` folder that rank 0 renames to ``NAME`` once every rank
 has written, so a crash mid-save leaves the previous checkpoint as it was. DCP reshards on load:
-a checkpoint loads on any number of processes, under any strategy.
+a checkpoint loads on any number of processes, under any strategy. Loading checks every file
+against its checksum first, and runs no code from any file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import inspect
 import io
 import json
@@ -43,6 +46,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lockstep.runtime.checkpoint_files import (
+    DCP_METADATA,
+    SafePlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    files_written_by,
+    verify,
+)
 from lockstep.runtime.files import write_atomic
 from lockstep.runtime.wrappers import unwrap
 
@@ -141,11 +152,12 @@ class Checkpointer:
 
     ``blocking=False`` copies the state to host memory, then writes it in a background thread while
     training goes on (``dcp.async_save`` over a Gloo group of its own, so its collectives never mix
-    with the training loop's). The next save, ``wait()`` and ``close()`` wait for it.
+    with the training loop's); the checksums are computed in that thread too. The next save,
+    ``wait()`` and ``close()`` wait for it; ``raise_if_failed()`` raises a failure as soon as it is known.
     """
 
-    def __init__(self, rank: int, barrier: Callable[[], None]) -> None:
-        self.rank, self._barrier = rank, barrier
+    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None]) -> None:
+        self.rank, self.world_size, self._barrier = rank, world_size, barrier
         self._pending: concurrent.futures.Future[Any] | None = None
         self._group: Any = None
 
@@ -160,49 +172,73 @@ class Checkpointer:
         self.wait()
         final = Path(path)
         partial = final.parent / f".{final.name}.partial"
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            write_atomic(partial / OBJECTS, lambda handle: torch.save(objects, handle))
+        with _plainly(final, partial if self.rank == 0 else None):
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                write_atomic(partial / OBJECTS, lambda handle: torch.save(objects, handle))
         self._barrier()
         info = {"format": FORMAT, "lockstep": lockstep_version(), "saved_at": time.time(),
                 "sharded": sorted(sharded), "objects": sorted(objects), **metadata}
 
-        def commit() -> None:
+        def commit() -> None:  # every rank, once every rank has written
+            extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
+            files = self._gather(files_written_by(partial, self.rank, extra))
             if self.rank == 0:
-                _commit(partial, final, info)
+                with _plainly(final, partial):
+                    _commit(partial, final, {**info, "files": files})
                 if then is not None:
                     then()
 
         alone = not dist.is_initialized()
         if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
-            with _one_process_quietly():
+            with _one_process_quietly(), _plainly(final, partial if self.rank == 0 else None):
                 dcp.save(sharded, checkpoint_id=str(partial), no_dist=alone)
             commit()
             self._barrier()
         else:
-            if self._group is None and not alone:
-                self._group = dist.new_group(backend="gloo")
-            options: dict[str, Any] = {"no_dist": True} if alone else {}
+            options: dict[str, Any] = {"no_dist": True} if alone else {"process_group": self._files_group()}
             with _one_process_quietly():
-                written = dcp.async_save(sharded, checkpoint_id=str(partial), process_group=self._group, **options)
-            self._pending = _then(written, commit)  # type: ignore[arg-type]
+                written = dcp.async_save(sharded, checkpoint_id=str(partial), **options)
+            self._pending = _then(written, commit, final, partial if self.rank == 0 else None)  # type: ignore[arg-type]
         return time.perf_counter() - start
 
-    def load(self, path: Path | str, sharded: dict[str, Any]) -> dict[str, Any]:
-        """Load the sharded parts in place (resharded to this job) and return the saved objects."""
+    def load(self, path: Path | str, sharded: dict[str, Any], verify_files: bool = True) -> dict[str, Any]:
+        """Load the sharded parts in place (resharded to this job) and return the saved objects.
+
+        The files are checked against the checksums written at commit first (each rank checks its
+        share), unless ``verify_files`` is False; a damaged checkpoint is refused, naming the file."""
         path = Path(path)
-        read_metadata(path)
+        if verify_files:
+            problems = self.verify(path)
+            if problems:
+                raise CheckpointError(f"{path}: damaged, not loaded:\n  " + "\n  ".join(problems))
+        else:
+            read_metadata(path)
         try:
             with _one_process_quietly():
-                dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+                dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
+                         storage_reader=SafeReader(str(path)), planner=SafePlanner())
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
-            first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
-            raise CheckpointError(
-                f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
-                "optimizer: build the same model, with the same optimizers, as the run that saved it."
-            ) from error
+            raise _load_error(path, error) from error
         return read_objects(path)
+
+    def verify(self, path: Path | str) -> list[str]:
+        """Every problem with the files of checkpoint ``path`` (none when intact); the same list on
+        every rank, each rank having read its share of the files."""
+        path = Path(path)
+        try:
+            recorded = read_metadata(path).get("files")
+            mine = verify(path, recorded, (self.rank, self.world_size))
+        except CheckpointError as error:
+            mine = [str(error)]
+        found = self._gather({str(i): problem for i, problem in enumerate(mine)}, everyone=True)
+        return sorted(set(found.values()))
+
+    def raise_if_failed(self) -> None:
+        """Raise the error of a background save that has failed; return at once otherwise."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
 
     def wait(self) -> None:
         """Wait for a background save to be written (and committed)."""
@@ -212,6 +248,29 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+    def _files_group(self) -> Any:
+        """A Gloo group of the checkpointer's own: async saves and the checksum exchange run on it,
+        from any thread, without mixing with the training loop's collectives."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _gather(self, mine: dict[str, Any], everyone: bool = False) -> dict[str, Any]:
+        """Every rank's dict merged: on rank 0 (on all ranks with ``everyone``); ``mine`` elsewhere."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return mine
+        group = self._files_group()
+        if everyone:
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=group)
+        else:
+            every = [None] * self.world_size if self.rank == 0 else []
+            dist.gather_object(mine, every if self.rank == 0 else None, dst=0, group=group)
+        merged: dict[str, Any] = {}
+        for rank, part in enumerate(every):
+            merged.update({f"{rank}:{k}" if everyone else k: v for k, v in part.items()})
+        return merged if every else mine
 
 
 @contextlib.contextmanager
@@ -231,13 +290,17 @@ def read_objects(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / OBJECTS}: cannot read it ({type(error).__name__}: {error}).") from None
 
 
-def _then(future: concurrent.futures.Future[Any], action: Callable[[], None]) -> concurrent.futures.Future[None]:
-    """A future that completes once ``future`` has and ``action`` ran after it (not if it failed)."""
+def _then(
+    future: concurrent.futures.Future[Any], action: Callable[[], None], final: Path, partial: Path | None,
+) -> concurrent.futures.Future[None]:
+    """A future that completes once ``future`` has and ``action`` ran after it (not if it failed);
+    a failure removes the ``partial`` folder and is told plainly."""
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def follow(finished: concurrent.futures.Future[Any]) -> None:
         try:
-            finished.result()
+            with _plainly(final, partial):
+                finished.result()
             action()
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits
             done.set_exception(error)
@@ -246,6 +309,54 @@ def _then(future: concurrent.futures.Future[Any], action: Callable[[], None]) ->
 
     future.add_done_callback(follow)
     return done
+
+
+@contextlib.contextmanager
+def _plainly(final: Path, partial: Path | None) -> Iterator[None]:
+    """A failed save removes its ``partial`` folder (on rank 0, which made it) and says what went
+    wrong in words: a full disk reads as one, not as torch's ``enforce fail at inline_container.cc``."""
+    try:
+        yield
+    except BaseException as error:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if _no_space(error):
+            free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
+            raise CheckpointError(
+                f"{final}: not saved, the disk is full ({free:,} bytes free on the file system of "
+                f"{final.parent}): free space there, or save elsewhere (checkpoint_dir)."
+            ) from error
+        raise
+
+
+def _no_space(error: BaseException) -> bool:
+    seen: BaseException | None = error
+    for _ in range(8):  # the cause chain (DCP wraps each rank's error)
+        if seen is None:
+            return False
+        text = str(seen)
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in text \
+                or "errno 28" in text.lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _load_error(path: Path, error: BaseException) -> CheckpointError:
+    """What a failed DCP load means: an unsafe file (refused), or another model's checkpoint."""
+    chain: BaseException | None = error
+    for _ in range(8):
+        if chain is None:
+            break
+        if isinstance(chain, UnsafeCheckpointError) or "UnsafeCheckpointError" in str(chain):
+            reason = str(chain).strip().splitlines()[-1][:300]
+            return CheckpointError(f"{path}: refused ({reason}).")
+        chain = chain.__cause__ or chain.__context__
+    first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+    return CheckpointError(
+        f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
+        "optimizer: build the same model, with the same optimizers, as the run that saved it."
+    )
 
 
 def _commit(partial: Path, final: Path, metadata: dict[str, Any]) -> None:

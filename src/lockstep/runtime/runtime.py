@@ -123,7 +123,7 @@ class Runtime:
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
-        self.checkpointer = Checkpointer(self.rank, self.barrier)
+        self.checkpointer = Checkpointer(self.rank, self.world_size, self.barrier)
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
 
     @classmethod
@@ -213,8 +213,13 @@ class Runtime:
         self._wrapped.append(weakref.ref(forward_module))
         for optimizer in optimizers:
             self._items.watch(optimizer)
-            patch_optimizer_step(optimizer, self.precision, before_step=self._items.finish_step)
+            patch_optimizer_step(optimizer, self.precision, before_step=self._before_step)
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    def _before_step(self) -> None:
+        """Before each optimizer step: a background save that failed is raised now, not at the next save."""
+        self.checkpointer.raise_if_failed()
+        self._items.finish_step()
 
     def init_module(self, empty: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Build the model inside this block: on this rank's device, or with ``empty=True`` on the meta

@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lockstep.runtime.checkpoint import METADATA, read_metadata
+from lockstep.train.checkpoint import complete_checkpoints, prepare_folder
 
 if TYPE_CHECKING:
     from lockstep.train.module import Module
@@ -54,6 +58,17 @@ def _link(link: Path, target: Path) -> None:
     os.replace(temporary, link)
 
 
+_CHECKPOINT_NAME = re.compile(r"epoch=\d+-step=\d+\.ckpt")
+
+
+def _remove_checkpoint(folder: Path, path: Path) -> None:
+    """Delete the checkpoint ``path`` only if it is one, directly inside ``folder``: a folder of
+    ModelCheckpoint's name pattern holding lockstep's metadata, not a link."""
+    if (path.parent.resolve() == folder.resolve() and _CHECKPOINT_NAME.fullmatch(path.name)
+            and not path.is_symlink() and (path / METADATA).is_file()):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -90,8 +105,12 @@ class ModelCheckpoint(Callback):
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
         self.async_save = async_save
-        self.kept: dict[str, float] = {}  # path -> score (monitor value, or the step)
         self.best_model_path: str | None = None
+
+    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
+        folder = self.dirpath or trainer.checkpoint_dir
+        if folder is not None:
+            prepare_folder(trainer.runtime, Path(folder))
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
@@ -106,34 +125,49 @@ class ModelCheckpoint(Callback):
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is None:
             raise ValueError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
-        path = Path(folder) / f"epoch={trainer.current_epoch}-step={trainer.global_step:08d}.ckpt"
-        if str(path) in self.kept:
+        folder = Path(folder)
+        path = folder / f"epoch={trainer.current_epoch}-step={trainer.global_step:08d}.ckpt"
+        trainer.runtime.checkpointer.wait()  # a save in the background: the folder then shows it
+        kept = self._kept(folder)
+        if path in kept:
             return  # already saved at this step (e.g. by both the step and the epoch rule)
         score = self._score(trainer)
         mode = self.mode if self.monitor is not None else "max"
         keep = self.save_top_k != 0 and (
-            self.save_top_k < 0 or len(self.kept) < self.save_top_k
-            or _better(mode, score, min(self.kept.values()) if mode == "max" else max(self.kept.values())))
-        last = Path(folder) / "last.ckpt"
+            self.save_top_k < 0 or len(kept) < self.save_top_k
+            or _better(mode, score, min(kept.values()) if mode == "max" else max(kept.values())))
+        last = folder / "last.ckpt"
         if not keep:
             if self.save_last:
                 trainer.save_checkpoint(last, blocking=not self.async_save)
             return
-        self.kept[str(path)] = score
-        dropped = []
-        if self.save_top_k > 0 and len(self.kept) > self.save_top_k:
-            dropped.append((min if mode == "max" else max)(self.kept, key=lambda p: self.kept[p]))
-            del self.kept[dropped[0]]
-        pick = max if mode == "max" else min
-        self.best_model_path = pick(self.kept, key=lambda p: self.kept[p])
+        kept[path] = score
+        ranked = sorted(kept, key=lambda p: kept[p], reverse=mode == "max")  # the best first
+        dropped = ranked[self.save_top_k:] if self.save_top_k > 0 else []
+        self.best_model_path = str(ranked[0])
 
         def after_commit() -> None:  # rank 0, once the new checkpoint is complete
             if self.save_last:
                 _link(last, path)
             for old in dropped:
-                _remove(Path(old))
+                _remove_checkpoint(folder, old)
 
         trainer.save_checkpoint(path, blocking=not self.async_save, then=after_commit)
+
+    def _kept(self, folder: Path) -> dict[Path, float]:
+        """This callback's checkpoints in ``folder`` and their scores, read from the folder itself
+        (never from restored state: a copied run folder must not delete the original's)."""
+        kept = {}
+        for path, step in complete_checkpoints(folder):
+            if not _CHECKPOINT_NAME.fullmatch(path.name):
+                continue
+            if self.monitor is None:
+                kept[path] = float(step)
+                continue
+            value = read_metadata(path).get("metrics", {}).get(self.monitor)
+            if isinstance(value, int | float) and not math.isnan(value):
+                kept[path] = float(value)
+        return kept
 
     def _score(self, trainer: Trainer) -> float:
         if self.monitor is None:
@@ -143,13 +177,6 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
                              f"metrics are {sorted(trainer.callback_metrics)}.")
         return score
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kept": dict(self.kept), "best_model_path": self.best_model_path}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kept = dict(state.get("kept", {}))
-        self.best_model_path = state.get("best_model_path")
 
 
 class EarlyStopping(Callback):

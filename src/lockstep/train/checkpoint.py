@@ -1,80 +1,70 @@
-"""The Trainer's checkpoints: its stateful parts, finding the newest complete one, and resuming.
+"""The Trainer's checkpoints: its stateful parts, finding the newest intact one, and resuming.
 
-A checkpoint is a folder (``lockstep.runtime.checkpoint``, format 2): the module and optimizers as
-shards, the other parts' states from rank 0. Single-file checkpoints of format 1 still resume.
+A checkpoint is a folder (``lockstep.runtime.checkpoint``): the module and optimizers as shards,
+the other parts' states from rank 0.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import shutil
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.runtime import Runtime, write_atomic
+from lockstep.runtime import Runtime
 from lockstep.runtime.checkpoint import CheckpointError, ModelState, is_checkpoint_folder, read_metadata
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
-
-FORMAT = 1  # the single-file layout (still read); folders are format 2
-
-
-def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` whole or not at all: a crash mid-write leaves the previous file."""
-    write_atomic(path, lambda handle: torch.save({**state, "format": FORMAT}, handle))
-
-
-def load(path: Path | str) -> dict[str, Any]:
-    """Read a checkpoint with weights-only unpickling (a checkpoint cannot run code)."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file.")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - torch raises many kinds for a damaged file
-        raise CheckpointError(
-            f"{path}: cannot read it ({type(error).__name__}: {str(error).splitlines()[0][:200]}). It is "
-            "truncated, damaged or not a lockstep checkpoint: delete it, or resume from another one."
-        ) from None
-    if not isinstance(state, dict) or "format" not in state:
-        raise CheckpointError(f"{path}: not a lockstep checkpoint (no format field).")
-    if state["format"] > FORMAT:
-        raise CheckpointError(
-            f"{path}: written by a newer lockstep (checkpoint format {state['format']}); this one reads "
-            f"format {FORMAT}: upgrade lockstep to resume from it."
-        )
-    return dict(state)
-
 
 def _step_of(path: Path) -> int:
     match = re.search(r"step=(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
 
-def newest_valid(folder: Path) -> tuple[Path, int] | None:
-    """The complete checkpoint in ``folder`` with the most training steps (ties: the newest), and
-    that step. Folders are judged by their metadata alone; format-1 files are read whole."""
+def complete_checkpoints(folder: Path) -> list[tuple[Path, int]]:
+    """The complete checkpoint folders in ``folder`` and their steps, the most training steps first
+    (ties: the newest first). Judged by their metadata alone; links (``last.ckpt``) are skipped,
+    the folder they point to is listed itself."""
     if not folder.is_dir():
-        return None
-    best: tuple[int, float, Path] | None = None
+        return []
+    found = []
     for path in folder.iterdir():
+        if path.is_symlink() or not is_checkpoint_folder(path):
+            continue
         try:
-            if is_checkpoint_folder(path):
-                step = int(read_metadata(path).get("step", _step_of(path)))
-            elif path.suffix == ".ckpt" and path.is_file() and not path.name.startswith("."):
-                step = int(load(path).get("loop", {}).get("global_step", _step_of(path)))
-            else:
-                continue
-        except CheckpointError:
-            continue  # e.g. truncated by a crash: fall back to an older one
-        candidate = (step, path.stat().st_mtime, path)
-        if best is None or candidate[:2] > best[:2]:
-            best = candidate
-    return None if best is None else (best[2], best[0])
+            step = int(read_metadata(path).get("step", _step_of(path)))
+        except (CheckpointError, TypeError, ValueError):
+            continue  # e.g. damaged metadata: fall back to an older one
+        found.append((step, path.stat().st_mtime, path))
+    return [(path, step) for step, _, path in sorted(found, key=lambda c: c[:2], reverse=True)]
+
+
+def prepare_folder(rt: Runtime, folder: Path) -> None:
+    """Before training: remove what interrupted saves left (``.NAME.partial`` folders, on rank 0),
+    and check that every rank can write into ``folder``, so that a read-only or missing folder
+    fails now, naming itself, instead of at the first save. Every rank must call it."""
+    if rt.is_global_zero and folder.is_dir():
+        for leftover in folder.glob(".*.partial"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+    problem = ""
+    probe = folder / f".lockstep-write-check-{rt.rank}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        problem = f"rank {rt.rank} on {socket.gethostname()}: {error.strerror or error}"
+    problems = [p for p in rt.all_gather(problem) if p]
+    if problems:
+        raise CheckpointError(f"cannot write checkpoints into {folder}: " + "; ".join(problems)
+                              + ". Choose a checkpoint_dir every rank can write to.")
 
 
 def capture_rng() -> dict[str, Any]:
@@ -115,52 +105,47 @@ def restore_rank_rng(rt: Runtime, states: list[dict[str, Any]]) -> None:
                  f"{rt.world_size}: random states are not restored (the sample order still is).")
 
 
-def load_module_state(module: torch.nn.Module, state: dict[str, Any], path: Path | str) -> None:
-    """``load_state_dict`` with an error that names the mismatch instead of torch's wall of keys."""
-    own = module.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in state if k in own and tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s), e.g. {missing[:3]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
-        if shapes:
-            parts.append(f"different shapes for {shapes[:3]}")
-        raise CheckpointError(f"{path}: was saved from a different model ({'; '.join(parts)}).")
-    module.load_state_dict(state)
-
-
 def agreed_checkpoint(rt: Runtime, resume: str | Path, checkpoint_dir: Path | None) -> tuple[Path, int] | None:
-    """The checkpoint to resume from (``"auto"``: the newest complete one in ``checkpoint_dir``) and
-    its step, the same on every rank, or an error that says why not. Every rank must call it.
+    """The checkpoint to resume from and its step, the same on every rank, or an error that says why
+    not. Every rank must call it.
 
-    Each rank looks on its own file system: one that the nodes do not share would otherwise
-    resume some ranks and train the others from scratch.
+    ``"auto"``: the newest complete checkpoint in ``checkpoint_dir`` whose files match their
+    checksums; a damaged one is skipped, in one line saying which file and why. A path: that
+    checkpoint, refused if damaged. Each rank looks on its own file system: one that the nodes do
+    not share would otherwise resume some ranks and train the others from scratch.
     """
-    found, problem = None, ""
+    found, problem = [], ""
     try:
         if str(resume) == "auto":
             assert checkpoint_dir is not None, "TrainerConfig checks that resume='auto' has a folder"
-            found = newest_valid(checkpoint_dir)
+            found = complete_checkpoints(checkpoint_dir)
         else:
             path = Path(resume)
-            step = read_metadata(path).get("step", -1) if path.is_dir() else load(path)["loop"]["global_step"]
-            found = path, int(step)
+            if not path.exists():
+                raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint.")
+            found = [(path, int(read_metadata(path).get("step", -1)))]
     except CheckpointError as error:
         problem = str(error)
-    mine = problem or (f"{found[0].name} (step {found[1]})" if found else "none")
+    mine = problem or ", ".join(f"{p.name} (step {step})" for p, step in found) or "none"
     seen = rt.all_gather((socket.gethostname(), mine))
-    if len({what for _, what in seen}) > 1 or problem:
+    if len({what for _, what in seen}) > 1:
         lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
         raise CheckpointError(
             "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
             "Every rank writes its shards into the checkpoint folder: put checkpoint_dir (or the resume path) "
             "on a file system that every node shares."
         )
-    return found
+    if problem:
+        raise CheckpointError(problem)
+    for path, step in found:
+        damage = rt.checkpointer.verify(path)
+        if not damage:
+            return path, step
+        if str(resume) != "auto":
+            raise CheckpointError(f"{path}: damaged, not resumed from:\n  " + "\n  ".join(damage))
+        more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
+        rt.print(f"lockstep: skipping the damaged checkpoint {path.name}: {damage[0]}{more}")
+    return None
 
 
 class _Loop:
@@ -238,41 +223,21 @@ def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> floa
     trainer.fire("on_save_checkpoint", objects)
     loader = trainer.train_loader
     metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": rt.world_size,
-                "strategy": rt.strategy.name, "global_batch": loader.sampler.batch_size if loader else None}
+                "strategy": rt.strategy.name, "global_batch": loader.sampler.batch_size if loader is not None else None,
+                "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
     sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
     return rt.checkpointer.save(path, sharded, objects, metadata, blocking=blocking, then=then)
 
 
 def resume(trainer: Trainer, path: Path) -> None:
-    """Load the checkpoint ``path`` (a folder, or a format-1 file) into the Trainer's parts; random
-    states last, and only on the same number of processes."""
+    """Load the checkpoint folder ``path`` (already verified by ``agreed_checkpoint``) into the
+    Trainer's parts; random states last, and only on the same number of processes."""
     rt = trainer.runtime
-    if path.is_dir():
-        sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
-        state = rt.checkpointer.load(path, sharded)
-        named = parts(trainer)
-        for name, part in named.items():
-            if name not in state:
-                raise CheckpointError(f"{path}: holds no {name!r} state; it holds {sorted(state)}.")
-            part.load_state_dict(state[name])
-    else:
-        state = load(path)
-        _resume_format_1(trainer, path, state)
+    sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
+    state = rt.checkpointer.load(path, sharded, verify_files=False)
+    for name, part in parts(trainer).items():
+        if name not in state:
+            raise CheckpointError(f"{path}: holds no {name!r} state; it holds {sorted(state)}.")
+        part.load_state_dict(state[name])
     trainer.fire("on_load_checkpoint", state)
     restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it
-
-
-def _resume_format_1(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
-    """A single-file checkpoint: whole module and per-optimizer states, saved by rank 0."""
-    if trainer.runtime.strategy.collective_forward:
-        raise CheckpointError(f"{path}: a single-file checkpoint (format 1) resumes under ddp or one process, "
-                              "not FSDP: resume it with strategy='ddp', save, then switch.")
-    load_module_state(trainer.module, state["module"], path)
-    for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
-    named = parts(trainer)
-    named["loop"].load_state_dict(state["loop"])
-    named["schedulers"].load_state_dict(state["schedulers"])
-    named["precision"].load_state_dict(state["precision"])
-    named["metrics"].load_state_dict(state)
-    named["callbacks"].load_state_dict(state["callbacks"])

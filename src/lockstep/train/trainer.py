@@ -291,7 +291,7 @@ class Trainer:
         rt = self.runtime
         found = ckpt.agreed_checkpoint(rt, self.config.resume, self.config.checkpoint_dir)
         if found is None:
-            return rt.print(f"lockstep: no checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
+            return rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
         ckpt.resume(self, found[0])
         rt.print(f"lockstep: resumed from {found[0]} in epoch {self.current_epoch + 1}, after step {self.global_step}.")
 

@@ -1,0 +1,161 @@
+"""A checkpoint folder's files, trusted only once checked: checksums written at commit and verified
+before use, and readers that never run code from a file.
+
+- **Integrity.** Each rank checksums the files it wrote (CRC-32, from zlib: several GB/s); rank 0
+  records every file's size and checksum in ``lockstep.json`` at commit. ``verify`` compares them,
+  each rank reading its share of the files. A CRC finds damage (a flipped bit, a truncated or
+  missing shard), not tampering: whoever can write the folder can rewrite the checksums too.
+- **No code from a file.** DCP reads ``.metadata`` with ``pickle.load`` and non-tensor entries
+  (optimizer hyper-parameters, ...) with ``torch.load(weights_only=False)``: either runs whatever
+  code a crafted file names. ``SafeReader`` unpickles ``.metadata`` allowing only DCP's own
+  metadata classes, and ``SafePlanner`` reads every entry weights-only; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+DCP_METADATA = ".metadata"
+_CHUNK = 8 << 20
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file names something other than the data a checkpoint holds."""
+
+
+def crc32_of(path: Path) -> tuple[int, str]:
+    """A file's size and CRC-32 (8 hex digits)."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        while read := handle.readinto(buffer):
+            crc = zlib.crc32(view[:read], crc)
+            size += read
+    return size, f"{crc:08x}"
+
+
+def files_written_by(folder: Path, rank: int, extra: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """Size and checksum of the DCP shards rank ``rank`` wrote into ``folder`` (``__RANK_*``), and of
+    ``extra`` names (rank 0: DCP's ``.metadata``, lockstep's objects)."""
+    names = sorted(p.name for p in folder.glob(f"__{rank}_*") if p.is_file())
+    names += [name for name in extra if (folder / name).is_file()]
+    found = {}
+    for name in names:
+        size, crc = crc32_of(folder / name)
+        found[name] = {"size": size, "crc32": crc}
+    return found
+
+
+def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the files of the checkpoint ``folder`` against the checksums ``recorded``
+    at commit: one line per damaged file, none when intact. ``share=(i, n)`` checks every n-th
+    file from the i-th, so that n ranks check a folder together. A checkpoint written before
+    checksums were recorded (``recorded`` None) has nothing to check against."""
+    if recorded is None:
+        return []
+    if not isinstance(recorded, dict):
+        return [f"{folder / 'lockstep.json'}: its list of files is damaged"]
+    problems = []
+    index, count = share
+    for name in sorted(recorded)[index::count]:
+        entry = recorded[name]
+        path = folder / name
+        if Path(name).name != name or not isinstance(entry, dict):
+            problems.append(f"{folder / 'lockstep.json'}: a damaged entry for {name!r}")
+        elif not path.is_file() or path.is_symlink():
+            problems.append(f"{path}: missing")
+        else:
+            size, crc = crc32_of(path)
+            if size != entry.get("size"):
+                problems.append(f"{path}: {size:,} bytes where {entry.get('size')} were written (truncated or damaged)")
+            elif crc != entry.get("crc32"):
+                problems.append(f"{path}: its checksum differs from the one written at commit (the file is damaged)")
+    return problems
+
+
+# -- reading without running code -------------------------------------------------------------
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: DCP's metadata classes, torch sizes, dtypes and layouts, paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _METADATA_MODULE and not name.startswith("__"):
+            import torch.distributed.checkpoint.metadata as metadata
+
+            found = getattr(metadata, name, None)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            if module == "pathlib":
+                return getattr(pathlib, name)
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"it names {module}.{name}, which is not part of a checkpoint's metadata: the file may run code "
+            "when loaded, so lockstep does not load it"
+        )
+
+
+def read_dcp_metadata(folder: Path, name: str = DCP_METADATA) -> Any:
+    """DCP's ``Metadata`` of ``folder``, unpickled with only DCP's metadata classes allowed."""
+    with open(folder / name, "rb") as handle:
+        return _MetadataUnpickler(io.BytesIO(handle.read())).load()
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with ``.metadata`` read by the restricted unpickler (tensors are already
+    read weights-only by DCP)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+        metadata = read_dcp_metadata(Path(os.fspath(self.path)), name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor entries weights-only (DCP's own reads them with
+    ``torch.load(weights_only=False)``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpointError(
+                f"the entry {read_item.dest_index.fqn!r} is not plain data ({str(error).splitlines()[0][:200]}): "
+                "it may run code when loaded, so lockstep does not load it"
+            ) from None
+        # Handed on re-serialised: DCP's own load_bytes then unpickles only what this just wrote.
+        plain = io.BytesIO()
+        torch.save(loaded, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
