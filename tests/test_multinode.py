@@ -291,3 +291,35 @@ def test_a_node_cut_off_by_its_link_is_noticed_by_heartbeat_well_before_the_coll
     for namespace, _link, _address in two_hosts:
         left = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10)
         assert left.stdout.split() == [], f"processes left in {namespace}"
+
+
+FORGE = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=10))
+store.set("lockstep/nodes/failed", "node 1 (forged): rank 3 failed with exit code 1")
+print("forged", flush=True)
+"""
+
+
+def test_a_forged_node_failure_in_the_store_does_not_stop_a_two_node_job(two_hosts, tmp_path):
+    """Another program that reaches the rendezvous port writes the failure notice: without the job's
+    secret it carries no valid signature, and both nodes train on to the end."""
+    port = 29519
+    jobs = _start_nodes(two_hosts, port, "tests/scripts/spin.py", str(tmp_path), LOCKSTEP_JOB_SECRET="s3cret",
+                        SPIN_SECONDS="12")
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("*.pid"))) == 4
+        forger = subprocess.run(["ip", "netns", "exec", two_hosts[1][0], sys.executable, "-c", FORGE,
+                                 two_hosts[0][2], str(port)], capture_output=True, text=True, timeout=30)
+        assert forger.stdout.strip() == "forged", forger.stderr
+        outputs = [job.communicate(timeout=60)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert any("ignored a message in the rendezvous store" in output for output in outputs), outputs

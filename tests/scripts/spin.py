@@ -14,7 +14,7 @@ with open(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), "w") as handle:
     handle.write(str(os.getpid()))
 # Renamed once written: a test that sees N.pid never reads it half-written.
 os.replace(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), os.path.join(sys.argv[1], f"{rt.rank}.pid"))
-deadline = time.monotonic() + 60
+deadline = time.monotonic() + float(os.environ.get("SPIN_SECONDS", 60))
 step = 0
 while time.monotonic() < deadline:
     if len(sys.argv) > 2 and sys.argv[2] == "raise" and rt.rank == 1 and step == 5:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.env import RUNTIME_VARIABLES
+from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.runtime.devices import parse_devices
 from lockstep.runtime.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
 from lockstep.runtime.network import (
@@ -229,11 +229,16 @@ def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
     if job.nodes[1] < 2 or job.master_port is None:
         return None
     where = ", ".join(filter(None, [socket.gethostname(), job.local_address]))
+    secret = job_secret_from_environ()
+    if secret is None:
+        print(f"lockstep run: LOCKSTEP_JOB_SECRET is not set: the messages that stop nodes are not signed, and "
+              f"whoever reaches {job.master_addr}:{job.master_port} can forge one. Set the same secret on every "
+              "node (see docs/reliability.md).", file=sys.stderr, flush=True)
     if job.elastic:  # a silent node leaves the job, which goes on without it
         return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers,
-                         job.hosts_store)
+                         job.hosts_store, secret=secret)
     return NodeWatch(job.master_addr, job.master_port, f"node {args.node_rank} ({where})", stop_this_node,
-                     stop_this_node, job.hosts_store)
+                     stop_this_node, job.hosts_store, secret=secret)
 
 
 def run_command(args: argparse.Namespace) -> int:

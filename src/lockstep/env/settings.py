@@ -49,3 +49,14 @@ def slurm_requeue_from_environ(environ: Mapping[str, str] | None = None) -> str 
     if env.get("LOCKSTEP_REQUEUE", "") == "1" and env.get("SLURM_JOB_ID"):
         return env["SLURM_JOB_ID"]
     return None
+
+
+def job_secret_from_environ(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret that signs the messages a job's launchers exchange: ``LOCKSTEP_JOB_SECRET``, else
+    the SLURM job id (known to the cluster's users, not to other hosts), else None (unsigned)."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCKSTEP_JOB_SECRET"):
+        return env["LOCKSTEP_JOB_SECRET"].encode()
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-job-{env['SLURM_JOB_ID']}".encode()
+    return None

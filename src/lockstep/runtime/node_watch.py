@@ -10,6 +10,10 @@ rendezvous store it
 - publishes this node's failure (the root cause its agent reported), and watches for another
   node's.
 
+With a job secret (``LOCKSTEP_JOB_SECRET``, else the SLURM job id), every value this watch writes
+carries an HMAC of its key and value: a notice that does not is ignored, so whoever else reaches
+the store cannot stop the job, or hide a lost node, with a forged one.
+
 A failure elsewhere, or the loss of the store itself, calls ``on_stop(verdict)``: this node
 cannot go on. A silent node calls ``on_lost(verdict, since_s)``, where ``since_s`` is how long
 ago it was last heard of: a fixed-size job stops too (every node exits non-zero, naming the
@@ -20,6 +24,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
+import hmac
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +43,12 @@ class NodeWatch:
 
     def __init__(self, host: str, port: int, label: str, on_stop: Callable[[str], None],
                  on_lost: Callable[[str, float], None], hosts_store: bool = False,
-                 interval_s: float = INTERVAL_S, window_s: float = WINDOW_S) -> None:
+                 interval_s: float = INTERVAL_S, window_s: float = WINDOW_S, secret: bytes | None = None) -> None:
         """``label`` names this node in the others' messages, e.g. ``node 1 (gpu7, 10.0.0.2)``;
-        ``hosts_store``: this node's process hosts the store, which ends with it."""
+        ``hosts_store``: this node's process hosts the store, which ends with it; ``secret``: the
+        job's secret, which signs and checks every message (None: messages are not signed)."""
+        self._secret = secret
+        self._forged_seen = False
         self.host, self.port, self.name, self.hosts_store = host, port, label, hosts_store
         self._finished = False  # the job ended well: the store may go away
         self.on_stop, self.on_lost = on_stop, on_lost
@@ -65,8 +75,8 @@ class NodeWatch:
         """
         self._stop.set()
         if done and self.store is not None and self.index is not None:
-            self._bounded(lambda: self.store.set(f"{_PREFIX}/{self.index}/beat", "done"))
-            if self.hosts_store and self._bounded(lambda: self.store.set(f"{_PREFIX}/finished", "1")):
+            self._bounded(lambda: self._put(f"{self.index}/beat", "done"))
+            if self.hosts_store and self._bounded(lambda: self._put("finished", "1")):
                 time.sleep(2 * self.interval_s)
 
     def publish_failure(self, cause: str) -> None:
@@ -77,7 +87,7 @@ class NodeWatch:
         """
         notice = f"{self.name}: {cause}"
         self.connected.wait(self.window_s)  # a node that fails at once may not have reached the store yet
-        if self.store is not None and self._bounded(lambda: self.store.set(f"{_PREFIX}/failed", notice)):
+        if self.store is not None and self._bounded(lambda: self._put("failed", notice)):
             time.sleep(2 * self.interval_s)
 
     def failure_elsewhere(self, wait_s: float) -> str:
@@ -87,8 +97,8 @@ class NodeWatch:
         def poll() -> None:
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if self.store.check([f"{_PREFIX}/failed"]):
-                    text = self.store.get(f"{_PREFIX}/failed").decode()
+                text = self._read("failed")
+                if text is not None:
                     if not text.startswith(self.name + ":"):
                         found.append(text)
                     return
@@ -121,7 +131,7 @@ class NodeWatch:
                 store.set_timeout(timedelta(seconds=self.window_s))
                 self.store = store
                 self.index = int(self.store.add(f"{_PREFIX}/count", 1)) - 1
-                self.store.set(f"{_PREFIX}/{self.index}/name", self.name)
+                self._put(f"{self.index}/name", self.name)
                 self.connected.set()
                 return True
             except Exception:  # noqa: BLE001 - the store is not up yet (the master starts later)
@@ -159,36 +169,68 @@ class NodeWatch:
         rounds.shutdown(wait=False)
 
     def _round(self, beat: int) -> str:
-        self.store.set(f"{_PREFIX}/{self.index}/beat", str(beat))
+        self._put(f"{self.index}/beat", str(beat))
         return self._check()
 
     def _check(self) -> str:
         """'' while all is well, else what went wrong elsewhere, in one line."""
-        if self.store.check([f"{_PREFIX}/finished"]):
+        if self._read("finished") is not None:
             self._finished = True
             return ""
-        if self.store.check([f"{_PREFIX}/failed"]):
-            text = self.store.get(f"{_PREFIX}/failed").decode()
-            if not text.startswith(self.name + ":"):
-                return text
+        text = self._read("failed")
+        if text is not None and not text.startswith(self.name + ":"):
+            return text
         now = time.monotonic()
         count = int(self.store.add(f"{_PREFIX}/count", 0))
         for index in range(count):
             if index == self.index or index in self._reported:
                 continue
-            key = f"{_PREFIX}/{index}/beat"
-            if not self.store.check([key]):
+            value = self._read(f"{index}/beat")
+            if value is None:
                 continue
-            value = self.store.get(key).decode()
             previous = self._seen.get(index)
             if value == "done":
                 self._reported.add(index)
-            elif previous is None or previous[0] != value:
+            elif previous is None or _newer(value, previous[0]):
                 self._seen[index] = (value, now)
             elif now - previous[1] > self.window_s:
                 self._reported.add(index)
                 self._silent_for = now - previous[1]
-                name = self.store.get(f"{_PREFIX}/{index}/name").decode()
+                name = self._read(f"{index}/name") or f"node watch {index}"
                 return (f"{name} sent no heartbeat for {now - previous[1]:.0f}s (window "
                         f"{self.window_s:g}s): its launcher died, or the network to it failed")
         return ""
+
+    # -- signed messages -------------------------------------------------------------------
+    def _put(self, key: str, value: str) -> None:
+        self.store.set(f"{_PREFIX}/{key}", value if self._secret is None else f"{value}|{self._mac(key, value)}")
+
+    def _read(self, key: str) -> str | None:
+        """The value at ``key``; None when there is none, or when it does not carry this job's
+        signature (said once: somebody else writes into the job's store)."""
+        if not self.store.check([f"{_PREFIX}/{key}"]):
+            return None
+        raw = self.store.get(f"{_PREFIX}/{key}").decode(errors="replace")
+        if self._secret is None:
+            return raw
+        value, _, mac = raw.rpartition("|")
+        if hmac.compare_digest(mac, self._mac(key, value)):
+            return value
+        if not self._forged_seen:
+            self._forged_seen = True
+            print(f"lockstep: ignored a message in the rendezvous store ({key}) that is not signed with this "
+                  f"job's secret: something other than this job writes to {self.host}:{self.port}.",
+                  file=sys.stderr, flush=True)
+        return None
+
+    def _mac(self, key: str, value: str) -> str:
+        assert self._secret is not None
+        return hmac.new(self._secret, f"{key}\0{value}".encode(), hashlib.sha256).hexdigest()
+
+
+def _newer(value: str, previous: str) -> bool:
+    """A heartbeat counter that moved on (a replayed older value does not count)."""
+    try:
+        return int(value) > int(previous)
+    except ValueError:
+        return value != previous
