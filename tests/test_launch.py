@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -137,3 +138,13 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
     while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(pid) for pid in workers), "workers outlived their launcher"
+
+
+def _listening_addresses_of_this_process() -> set[str]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if f"pid={os.getpid()}," in line}
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_store_of_a_launch_listens_on_loopback_only():
+    assert lockstep.launch(_listening_addresses_of_this_process, nprocs=2) == {"127.0.0.1"}  # rank 0 hosts it

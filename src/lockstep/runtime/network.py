@@ -14,7 +14,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def host_store(host: str, port: int = 0) -> tuple[Any, int]:
+def host_store(host: str, port: int = 0, timeout: Any = None) -> tuple[Any, int]:
     """Host the rendezvous store on ``host:port`` only (port 0: a free one); returns (store, port).
 
     torch's TCPStore server listens on every interface. This one listens on the socket bound here,
@@ -31,9 +31,24 @@ def host_store(host: str, port: int = 0) -> tuple[Any, int]:
         listener.close()
         raise
     port = int(listener.getsockname()[1])
+    options = {} if timeout is None else {"timeout": timeout}
     store = dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                          master_listen_fd=listener.detach())
+                          master_listen_fd=listener.detach(), **options)
     return store, port
+
+
+def store_listen_address(master_addr: str, one_node: bool) -> str | None:
+    """Where rank 0 hosts the store: the IPv4 address ``master_addr`` names, so that it listens on
+    the interface the other ranks reach it by (loopback on one node), not on every interface.
+    None (every interface) only when a job of several nodes names its master by a loopback
+    address, which the other nodes could not reach anyway."""
+    try:
+        address = str(socket.getaddrinfo(master_addr, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        return None
+    if address.startswith("127.") and not one_node:
+        return None
+    return address
 
 
 SOCKET_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import DistEnv
-from lockstep.runtime.network import NoRouteError, socket_interface_variables
+from lockstep.runtime.network import NoRouteError, host_store, socket_interface_variables, store_listen_address
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -116,8 +116,12 @@ def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     address = f"{env.master_addr}:{env.master_port}"
     try:
         if is_master:
-            store = dist.TCPStore(env.master_addr, int(env.master_port or 0), is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
+            listen = store_listen_address(env.master_addr, env.num_nodes == 1)
+            if listen is not None:
+                store, _ = host_store(listen, int(env.master_port or 0), timeout)
+            else:
+                store = dist.TCPStore(env.master_addr, int(env.master_port or 0), is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
         else:
             store = _connect_within(env.master_addr, int(env.master_port or 0), timeout)
         if env.agent_store:
