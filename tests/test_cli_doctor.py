@@ -24,7 +24,8 @@ def test_doctor_reports_versions_devices_launcher_network():
     import torch
 
     for expected in (f"torch {torch.__version__}", "Gloo: yes", "CPUs usable:", "launcher environment",
-                     "none: rank 0 of 1", "lo: 127.0.0.1", "Gloo would use:", "NCCL would use:", "problems"):
+                     "none: rank 0 of 1", "lo: 127.0.0.1", "Gloo would use:", "NCCL would use:", "problems",
+                     "listens on loopback only (one node)", "let only the job's hosts reach them"):
         assert expected in done.stdout, expected
 
 

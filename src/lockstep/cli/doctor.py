@@ -98,6 +98,23 @@ def copy_bandwidth(index: int, size: int = 256 * 2**20, repeats: int = 5) -> tup
     return rates[0], rates[1]
 
 
+def exposure(env: DistEnv | None) -> list[str]:
+    """Who can reach this job's ports, and whether the launchers' messages are signed."""
+    master = f"{env.master_addr}:{env.master_port or 'PORT'}" if env is not None else "MASTER_ADDR:PORT"
+    one_node = env is None or env.num_nodes == 1
+    where = ("loopback only (one node)" if one_node
+             else f"the address {env.master_addr if env else 'MASTER_ADDR'} names, on its interface only")
+    signed = ("signed with LOCKSTEP_JOB_SECRET" if os.environ.get("LOCKSTEP_JOB_SECRET")
+              else "signed with the SLURM job id" if os.environ.get("SLURM_JOB_ID")
+              else "NOT signed: set LOCKSTEP_JOB_SECRET to the same random value on every node")
+    return [
+        f"rendezvous store {master}: listens on {where}",
+        "the store and the Gloo/NCCL ports take commands from anyone who reaches them (torch has no "
+        "authentication): let only the job's hosts reach them (a private network or firewall)",
+        f"messages that stop nodes (lockstep run --nodes): {signed}",
+    ]
+
+
 def report() -> str:
     import torch
     import torch.distributed as dist
@@ -136,6 +153,7 @@ def report() -> str:
         lines.append(f"  {name}: {ip or '(no IPv4 address)'}")
     lines.append(f"  Gloo would use: {gloo_interface(found)}")
     lines.append(f"  NCCL would use: {nccl_interface(found)}")
+    lines += ["", "security"] + [f"  {line}" for line in exposure(env)]
     seen = problems(env, found)
     lines += ["", "problems"] + ([f"  - {p}" for p in seen] or ["  none found"])
     return "\n".join(lines)
