@@ -3,6 +3,7 @@ runs code, and cleaning up never deletes anything but the run's own checkpoints.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pickle
@@ -204,3 +205,50 @@ def test_partial_folders_of_interrupted_saves_are_removed_at_the_next_start(tmp_
     (leftover / "__0_0.distcp").write_bytes(b"x" * 1000)
     _fit(tmp_path, max_steps=2, save_top_k=1)
     assert not leftover.exists()
+
+
+def _one_process_model():
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = torch.nn.Linear(512, 512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    return rt, model, optimizer
+
+
+def _step(rt, model, optimizer) -> None:
+    rt.backward(model(torch.randn(4, 512)).square().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_failed_background_save_is_raised_at_the_next_step_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    import lockstep.runtime.checkpoint as checkpoint
+
+    def failing(*args, **kwargs):
+        raise OSError("injected failure while committing")
+
+    rt, model, optimizer = _one_process_model()
+    monkeypatch.setattr(checkpoint, "files_written_by", failing)
+    rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer}, blocking=False)
+    pending = rt.checkpointer._pending
+    assert pending is not None
+    concurrent.futures.wait([pending], timeout=30)
+    with pytest.raises(OSError, match="injected failure while committing"):
+        _step(rt, model, optimizer)  # the very next step, not the next save
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / ".ckpt.partial").exists()
+    _step(rt, model, optimizer)  # raised once; training can go on
+
+
+def test_a_full_disk_is_said_plainly_and_leaves_no_partial_folder(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        rt, model, optimizer = _one_process_model()  # 1 MiB of weights
+        with pytest.raises(CheckpointError, match=r"not saved, the disk is full \([\d,]+ bytes free on the file"):
+            rt.save(small / "ckpt", {"model": model, "optimizer": optimizer})
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

@@ -182,13 +182,13 @@ class Checkpointer:
                 "sharded": sorted(sharded), "objects": sorted(objects), **metadata}
 
         def commit() -> None:  # every rank, once every rank has written
-            extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
-            files = self._gather(files_written_by(partial, self.rank, extra))
-            if self.rank == 0:
-                with _plainly(final, partial):
+            with _plainly(final, partial if self.rank == 0 else None):
+                extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
+                files = self._gather(files_written_by(partial, self.rank, extra))
+                if self.rank == 0:
                     _commit(partial, final, {**info, "files": files})
-                if then is not None:
-                    then()
+            if self.rank == 0 and then is not None:
+                then()
 
         alone = not dist.is_initialized()
         if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
@@ -318,10 +318,10 @@ def _plainly(final: Path, partial: Path | None) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
+        free = _free_bytes(final.parent)
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        if _no_space(error):
-            free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
+        if _no_space(error, free):
             raise CheckpointError(
                 f"{final}: not saved, the disk is full ({free:,} bytes free on the file system of "
                 f"{final.parent}): free space there, or save elsewhere (checkpoint_dir)."
@@ -329,16 +329,29 @@ def _plainly(final: Path, partial: Path | None) -> Iterator[None]:
         raise
 
 
-def _no_space(error: BaseException) -> bool:
-    seen: BaseException | None = error
-    for _ in range(8):  # the cause chain (DCP wraps each rank's error)
-        if seen is None:
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return -1
+
+
+_FULL_DISK_BELOW = 64 << 20  # torch.save reports a short write as "unexpected pos": with so little left, a full disk
+
+
+def _no_space(error: BaseException, free: int) -> bool:
+    pending: list[BaseException] = [error]
+    for _ in range(32):  # the cause chains, and DCP's per-rank failures
+        if not pending:
             return False
+        seen = pending.pop()
         text = str(seen)
-        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in text \
-                or "errno 28" in text.lower():
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in text:
             return True
-        seen = seen.__cause__ or seen.__context__
+        if "unexpected pos" in text and 0 <= free < _FULL_DISK_BELOW:
+            return True
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        pending += [e for e in getattr(seen, "failures", {}).values() if isinstance(e, BaseException)]
     return False
 
 
