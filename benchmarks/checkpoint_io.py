@@ -6,7 +6,8 @@ parameters) with AdamW, after one step, so a checkpoint holds weights plus two m
 all, split over N CPU processes (Gloo) by the strategy (FSDP by default). One thread per process.
 
 1. Throughput, over ``--rounds`` alternating rounds after a warm-up round (medians reported):
-   - ``rt.save(path, {"model", "optimizer"})`` (blocking) and ``rt.load`` of the same folder;
+   - ``rt.save(path, {"model", "optimizer"})`` (blocking) and ``rt.load`` of the same folder, with
+     the files' checksums written and verified (the default), and without them ("no crc");
    - the plain equivalent: every rank ``torch.save``s its own tensors (model and optimizer state
      dicts, local shards) to a file and fsyncs it (DCP's writer fsyncs its files too), then
      ``torch.load(weights_only=True)`` and copies them back into the live tensors.
@@ -84,20 +85,33 @@ def _timed(rt: lockstep.Runtime, action) -> float:
 
 
 def throughput(rt, model, optimizer, folder: Path, rounds: int) -> dict[str, list[float]]:
-    ours = folder / "ours"
+    ours, bare = folder / "ours", folder / "bare"
     plain = folder / f"plain-{rt.rank}.pt"
+    state = {"model": model, "optimizer": optimizer}
+
+    def without_checksums(action):
+        def run():
+            rt.checkpointer.checksums = False
+            try:
+                action()
+            finally:
+                rt.checkpointer.checksums = True
+        return run
+
     actions = {
-        "lockstep save": lambda: rt.save(ours, {"model": model, "optimizer": optimizer}),
-        "lockstep load": lambda: rt.load(ours, {"model": model, "optimizer": optimizer}),
+        "lockstep save": lambda: rt.save(ours, state),
+        "lockstep load": lambda: rt.load(ours, state),
+        "save, no crc": without_checksums(lambda: rt.save(bare, state)),
+        "load, no crc": without_checksums(lambda: rt.load(bare, state)),
         "torch.save": lambda: plain_save(model, optimizer, plain),
         "torch.load": lambda: plain_load(model, optimizer, plain),
     }
     seconds: dict[str, list[float]] = {name: [] for name in actions}
+    families = [["lockstep save", "lockstep load"], ["save, no crc", "load, no crc"], ["torch.save", "torch.load"]]
     for round_index in range(rounds + 1):  # round 0 warms up
-        # saves come before their loads; which family goes first alternates
-        order = ["lockstep save", "lockstep load", "torch.save", "torch.load"]
-        if round_index % 2:
-            order = order[2:] + order[:2]
+        # saves come before their loads; which family goes first rotates
+        shift = round_index % len(families)
+        order = [name for family in families[shift:] + families[:shift] for name in family]
         for name in order:
             took = _timed(rt, actions[name])
             if round_index:

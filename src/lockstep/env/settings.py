@@ -60,3 +60,9 @@ def job_secret_from_environ(environ: Mapping[str, str] | None = None) -> bytes |
     if env.get("SLURM_JOB_ID"):
         return f"slurm-job-{env['SLURM_JOB_ID']}".encode()
     return None
+
+
+def checksums_from_environ(environ: Mapping[str, str] | None = None) -> bool:
+    """``LOCKSTEP_CHECKPOINT_CHECKSUMS=0`` turns checkpoint checksums off (on by default)."""
+    env = os.environ if environ is None else environ
+    return env.get("LOCKSTEP_CHECKPOINT_CHECKSUMS", "1").strip().lower() not in ("0", "false", "no", "off")

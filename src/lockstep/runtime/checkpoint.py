@@ -156,8 +156,11 @@ class Checkpointer:
     ``wait()`` and ``close()`` wait for it; ``raise_if_failed()`` raises a failure as soon as it is known.
     """
 
-    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None]) -> None:
+    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None], checksums: bool = True) -> None:
+        """``checksums=False`` (``LOCKSTEP_CHECKPOINT_CHECKSUMS=0``) neither records checksums at a
+        save nor checks them at a load: for checkpoints so large that reading them back costs too much."""
         self.rank, self.world_size, self._barrier = rank, world_size, barrier
+        self.checksums = checksums
         self._pending: concurrent.futures.Future[Any] | None = None
         self._group: Any = None
 
@@ -184,7 +187,7 @@ class Checkpointer:
         def commit() -> None:  # every rank, once every rank has written
             with _plainly(final, partial if self.rank == 0 else None):
                 extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
-                files = self._gather(files_written_by(partial, self.rank, extra))
+                files = self._gather(files_written_by(partial, self.rank, extra)) if self.checksums else None
                 if self.rank == 0:
                     _commit(partial, final, {**info, "files": files})
             if self.rank == 0 and then is not None:
@@ -228,7 +231,7 @@ class Checkpointer:
         every rank, each rank having read its share of the files."""
         path = Path(path)
         try:
-            recorded = read_metadata(path).get("files")
+            recorded = read_metadata(path).get("files") if self.checksums else None
             mine = verify(path, recorded, (self.rank, self.world_size))
         except CheckpointError as error:
             mine = [str(error)]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lockstep.env import DistEnv, slurm_requeue_from_environ
+from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
 from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
@@ -123,7 +123,7 @@ class Runtime:
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
-        self.checkpointer = Checkpointer(self.rank, self.world_size, self.barrier)
+        self.checkpointer = Checkpointer(self.rank, self.world_size, self.barrier, checksums_from_environ())
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
 
     @classmethod
