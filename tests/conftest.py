@@ -5,7 +5,8 @@ processes in network namespaces), inherits ``LOCKSTEP_TEST_SESSION``, which ``/p
 shows even after its parent is gone. After each test, any such process that the test started and
 that still runs after a grace period fails the test (and is then killed, so that the next test
 starts clean). The suite's own forkserver and resource tracker (children of pytest that serve every
-launch) are the only long-lived ones allowed.
+launch) are the only long-lived ones allowed, with wandb's service, which wandb starts once per
+process and ends when that process (here pytest) ends.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def session_processes() -> dict[int, str]:
         state, ppid = stat.rsplit(b")", 1)[1].split()[:2]
         cmdline = _read(f"/proc/{pid}/cmdline")
         if state == b"Z" or (int(ppid) == me and any(s in cmdline for s in _SERVERS)):
+            continue
+        if b"wandb-core" in cmdline and f"--pid\0{me}\0".encode() in cmdline + b"\0":
             continue
         found[pid] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
     return found
