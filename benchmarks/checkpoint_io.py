@@ -7,7 +7,9 @@ all, split over N CPU processes (Gloo) by the strategy (FSDP by default). One th
 
 1. Throughput, over ``--rounds`` alternating rounds after a warm-up round (medians reported):
    - ``rt.save(path, {"model", "optimizer"})`` (blocking) and ``rt.load`` of the same folder, with
-     the files' checksums written and verified (the default), and without them ("no crc");
+     the files' checksums written and verified (the default), and without them ("no sums");
+   - the checksum work alone: each rank's checksum of the bytes it writes (what a save adds: it
+     is taken as they are written) and ``verify`` (what a load adds: every file read back);
    - the plain equivalent: every rank ``torch.save``s its own tensors (model and optimizer state
      dicts, local shards) to a file and fsyncs it (DCP's writer fsyncs its files too), then
      ``torch.load(weights_only=True)`` and copies them back into the live tensors.
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from fsdp_memory import MLPStack
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -101,13 +104,19 @@ def throughput(rt, model, optimizer, folder: Path, rounds: int) -> dict[str, lis
     actions = {
         "lockstep save": lambda: rt.save(ours, state),
         "lockstep load": lambda: rt.load(ours, state),
-        "save, no crc": without_checksums(lambda: rt.save(bare, state)),
-        "load, no crc": without_checksums(lambda: rt.load(bare, state)),
+        "save, no sums": without_checksums(lambda: rt.save(bare, state)),
+        "load, no sums": without_checksums(lambda: rt.load(bare, state)),
         "torch.save": lambda: plain_save(model, optimizer, plain),
         "torch.load": lambda: plain_load(model, optimizer, plain),
+        "checksums": lambda: [xxhash.xxh3_64(blob).hexdigest() for blob in written],
+        "verify": lambda: rt.checkpointer.verify(ours),
     }
+    rt.save(ours, state)
+    # What a save adds: the checksum of the bytes each rank writes, taken as they are written.
+    written = [path.read_bytes() for path in sorted(ours.glob(f"__{rt.rank}_*"))]
     seconds: dict[str, list[float]] = {name: [] for name in actions}
-    families = [["lockstep save", "lockstep load"], ["save, no crc", "load, no crc"], ["torch.save", "torch.load"]]
+    families = [["lockstep save", "checksums", "verify", "lockstep load"], ["save, no sums", "load, no sums"],
+                ["torch.save", "torch.load"]]
     for round_index in range(rounds + 1):  # round 0 warms up
         # saves come before their loads; which family goes first rotates
         shift = round_index % len(families)

@@ -75,7 +75,7 @@ def flipped(folder: Path) -> str:
     dcp.save(state, checkpoint_id=str(folder / "ckpt"), no_dist=True)
     shard = next((folder / "ckpt").glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
-    start = len(data) // 4
+    start = bytes(data).find(state["model"]["weight"].numpy().tobytes()[:256]) + 1024  # inside the weights
     for i in range(start, start + 64):
         data[i] ^= 0xFF
     shard.write_bytes(bytes(data))

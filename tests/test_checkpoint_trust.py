@@ -17,7 +17,7 @@ import torch
 
 import lockstep
 import trainer_checks as tc
-from lockstep.runtime.checkpoint_files import crc32_of
+from lockstep.runtime.checkpoint_files import checksum_of
 from lockstep.train.callbacks import ModelCheckpoint
 from lockstep.train.checkpoint import CheckpointError
 
@@ -102,8 +102,8 @@ class _RunsCode:
 def _update_checksum(checkpoint: Path, name: str) -> None:
     """What whoever plants a file does too: checksums find damage, not tampering."""
     info = json.loads((checkpoint / "lockstep.json").read_text())
-    size, crc = crc32_of(checkpoint / name)
-    info["files"][name] = {"size": size, "crc32": crc}
+    size, digest = checksum_of(checkpoint / name)
+    info["files"][name] = {"size": size, "xxh3": digest}
     (checkpoint / "lockstep.json").write_text(json.dumps(info))
 
 
@@ -252,3 +252,22 @@ def test_a_full_disk_is_said_plainly_and_leaves_no_partial_folder(tmp_path):
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_shards_are_checksummed_as_they_are_written_and_the_sums_match_the_files(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from lockstep.runtime.checkpoint_files import checksummed_writer
+
+    model = torch.nn.Linear(300, 300)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    optimizer.step()
+    writer, files = checksummed_writer(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, storage_writer=writer,
+                 no_dist=True)
+    shards = sorted(p.name for p in (tmp_path / "ckpt").glob("__0_*.distcp"))
+    assert shards and set(shards) <= set(files.sums)  # written in order: nothing needs reading back
+    for name in shards:
+        assert checksum_of(tmp_path / "ckpt" / name) == (files.sums[name]["size"], files.sums[name]["xxh3"])

@@ -7,7 +7,7 @@ A checkpoint folder holds:
 - ``state.pt``: the small non-tensor state (loader position, counters, schedulers, random states),
   written by rank 0 and read with weights-only unpickling;
 - ``lockstep.json``: the metadata (format, step, world size, strategy, ...), readable without
-  loading any tensor, with every other file's size and CRC-32 (``checkpoint_files``). It is
+  loading any tensor, with every other file's size and XXH3 checksum (``checkpoint_files``). It is
   written last: a folder without it is not a checkpoint.
 
 A save goes to a hidden ``.NAME.partial`` folder that rank 0 renames to ``NAME`` once every rank
@@ -51,6 +51,7 @@ from lockstep.runtime.checkpoint_files import (
     SafePlanner,
     SafeReader,
     UnsafeCheckpointError,
+    checksummed_writer,
     files_written_by,
     verify,
 )
@@ -184,10 +185,13 @@ class Checkpointer:
         info = {"format": FORMAT, "lockstep": lockstep_version(), "saved_at": time.time(),
                 "sharded": sorted(sharded), "objects": sorted(objects), **metadata}
 
+        writer, written_files = checksummed_writer(partial)
+
         def commit() -> None:  # every rank, once every rank has written
             with _plainly(final, partial if self.rank == 0 else None):
                 extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
-                files = self._gather(files_written_by(partial, self.rank, extra)) if self.checksums else None
+                mine = files_written_by(partial, self.rank, extra, written_files.sums) if self.checksums else {}
+                files = self._gather(mine) if self.checksums else None
                 if self.rank == 0:
                     _commit(partial, final, {**info, "files": files})
             if self.rank == 0 and then is not None:
@@ -196,13 +200,13 @@ class Checkpointer:
         alone = not dist.is_initialized()
         if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
             with _one_process_quietly(), _plainly(final, partial if self.rank == 0 else None):
-                dcp.save(sharded, checkpoint_id=str(partial), no_dist=alone)
+                dcp.save(sharded, storage_writer=writer, no_dist=alone)
             commit()
             self._barrier()
         else:
             options: dict[str, Any] = {"no_dist": True} if alone else {"process_group": self._files_group()}
             with _one_process_quietly():
-                written = dcp.async_save(sharded, checkpoint_id=str(partial), **options)
+                written = dcp.async_save(sharded, storage_writer=writer, **options)
             self._pending = _then(written, commit, final, partial if self.rank == 0 else None)  # type: ignore[arg-type]
         return time.perf_counter() - start
 

@@ -1,10 +1,12 @@
 """A checkpoint folder's files, trusted only once checked: checksums written at commit and verified
 before use, and readers that never run code from a file.
 
-- **Integrity.** Each rank checksums the files it wrote (CRC-32, from zlib: several GB/s); rank 0
-  records every file's size and checksum in ``lockstep.json`` at commit. ``verify`` compares them,
-  each rank reading its share of the files. A CRC finds damage (a flipped bit, a truncated or
-  missing shard), not tampering: whoever can write the folder can rewrite the checksums too.
+- **Integrity.** Each rank checksums the shards it writes as it writes them (XXH3-64, about 20
+  GB/s, in the writing thread: nothing is read back), and the few small files by reading them;
+  rank 0 records every file's size and checksum in ``lockstep.json`` at commit. ``verify``
+  compares them, each rank reading its share of the files. A checksum finds damage (a flipped
+  bit, a truncated or missing shard), not tampering: whoever can write the folder can rewrite
+  the checksums too.
 - **No code from a file.** DCP reads ``.metadata`` with ``pickle.load`` and non-tensor entries
   (optimizer hyper-parameters, ...) with ``torch.load(weights_only=False)``: either runs whatever
   code a crafted file names. ``SafeReader`` unpickles ``.metadata`` allowing only DCP's own
@@ -13,18 +15,20 @@ before use, and readers that never run code from a file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pathlib
 import pickle
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
 DCP_METADATA = ".metadata"
@@ -35,27 +39,92 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file names something other than the data a checkpoint holds."""
 
 
-def crc32_of(path: Path) -> tuple[int, str]:
-    """A file's size and CRC-32 (8 hex digits)."""
-    crc, size = 0, 0
+def checksum_of(path: Path) -> tuple[int, str]:
+    """A file's size and XXH3-64 checksum (16 hex digits)."""
+    digest, size = xxhash.xxh3_64(), 0
     with open(path, "rb", buffering=0) as handle:
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
         while read := handle.readinto(buffer):
-            crc = zlib.crc32(view[:read], crc)
+            digest.update(view[:read])
             size += read
-    return size, f"{crc:08x}"
+    return size, digest.hexdigest()
 
 
-def files_written_by(folder: Path, rank: int, extra: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+class _HashingStream:
+    """A file being written, checksummed on the way. A seek (out of order writes) makes the sum
+    unusable; the file is then read back instead."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._digest, self.size, self.in_order = stream, xxhash.xxh3_64(), 0, True
+
+    def write(self, data: Any) -> int:
+        written = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        self._digest.update(view if written is None or written == len(view) else view[:written])
+        self.size += len(view) if written is None else written
+        return int(len(view) if written is None else written)
+
+    def seek(self, *args: Any) -> int:
+        self.in_order = False
+        return int(self._stream.seek(*args))
+
+    def truncate(self, *args: Any) -> int:
+        self.in_order = False
+        return int(self._stream.truncate(*args))
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def entry(self) -> dict[str, Any]:
+        return {"size": self.size, "xxh3": self._digest.hexdigest()}
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, checksumming every file it writes (``sums``: name -> entry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.in_order:
+            self.sums[Path(path).name] = hashing.entry()
+
+
+def checksummed_writer(folder: Path) -> tuple[FileSystemWriter, ChecksummingFileSystem]:
+    """A DCP writer into ``folder`` that checksums the shards as it writes them."""
+    writer = FileSystemWriter(str(folder))
+    writer.fs = files = ChecksummingFileSystem()
+    return writer, files
+
+
+def files_written_by(
+    folder: Path, rank: int, extra: Iterable[str] = (), known: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Size and checksum of the DCP shards rank ``rank`` wrote into ``folder`` (``__RANK_*``), and of
-    ``extra`` names (rank 0: DCP's ``.metadata``, lockstep's objects)."""
+    ``extra`` names (rank 0: DCP's ``.metadata``, lockstep's objects): taken from ``known`` (summed
+    while written) where it has them, else read back."""
     names = sorted(p.name for p in folder.glob(f"__{rank}_*") if p.is_file())
     names += [name for name in extra if (folder / name).is_file()]
     found = {}
     for name in names:
-        size, crc = crc32_of(folder / name)
-        found[name] = {"size": size, "crc32": crc}
+        if known and name in known and known[name]["size"] == (folder / name).stat().st_size:
+            found[name] = known[name]
+            continue
+        size, digest = checksum_of(folder / name)
+        found[name] = {"size": size, "xxh3": digest}
     return found
 
 
@@ -78,10 +147,10 @@ def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int]
         elif not path.is_file() or path.is_symlink():
             problems.append(f"{path}: missing")
         else:
-            size, crc = crc32_of(path)
+            size, digest = checksum_of(path)
             if size != entry.get("size"):
                 problems.append(f"{path}: {size:,} bytes where {entry.get('size')} were written (truncated or damaged)")
-            elif crc != entry.get("crc32"):
+            elif digest != entry.get("xxh3"):
                 problems.append(f"{path}: its checksum differs from the one written at commit (the file is damaged)")
     return problems
 
