@@ -271,3 +271,22 @@ def test_shards_are_checksummed_as_they_are_written_and_the_sums_match_the_files
     assert shards and set(shards) <= set(files.sums)  # written in order: nothing needs reading back
     for name in shards:
         assert checksum_of(tmp_path / "ckpt" / name) == (files.sums[name]["size"], files.sums[name]["xxh3"])
+
+
+def _fit_on_ranks(folder: str, max_steps: int, resume: str | None) -> torch.Tensor:
+    return tc.checks.flat_weights(_fit(Path(folder), max_steps, resume=resume, save_top_k=-1))
+
+
+def test_on_two_ranks_each_checks_its_share_and_both_skip_the_damaged_checkpoint(uninterrupted, tmp_path, capfd):
+    from lockstep.testing import run_ranks
+
+    run_ranks(_fit_on_ranks, 2, str(tmp_path), 6, None)
+    newest = tmp_path / "epoch=1-step=00000006.ckpt"
+    _flip(sorted(newest.glob("__1_*.distcp"))[0])  # a shard rank 1 wrote
+    capfd.readouterr()
+    resumed = run_ranks(_fit_on_ranks, 2, str(tmp_path), 10, "auto")
+    out = capfd.readouterr().out
+    assert f"skipping the damaged checkpoint {newest.name}" in out and "__1_0.distcp" in out, out
+    assert "after step 4." in out
+    for weights in resumed:
+        assert torch.allclose(weights, uninterrupted, atol=1e-6, rtol=0)  # 2 ranks: equal up to summation order
