@@ -101,10 +101,7 @@ class Runtime:
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
-            record_uncaught_exceptions()
-            # The agent (torchrun, lockstep run, self-launch) started this worker. Killed itself, it
-            # stops nothing: without this the worker would train on, orphaned, into the checkpoints.
-            die_with(os.getppid(), name="lockstep-agent-watch")
+            _as_elastic_worker()
         launch_workers_if_asked(config, self.env)
         self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
         self.placement = resolve_placement(
@@ -485,6 +482,14 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_elastic_worker() -> None:
+    """In a worker of a torch elastic agent (torchrun, lockstep run, self-launch): record an uncaught
+    exception for the agent's report, and end with the agent. An agent killed itself stops nothing:
+    without the watch its workers would train on, orphaned, into the checkpoints."""
+    record_uncaught_exceptions()
+    die_with(os.getppid(), name="lockstep-agent-watch")
 
 
 def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
