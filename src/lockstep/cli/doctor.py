@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-from lockstep.env import DistEnv, EnvError
+from lockstep.env import DistEnv, EnvError, job_secret_from_environ
 from lockstep.runtime.network import interfaces
 
 
@@ -104,9 +104,10 @@ def exposure(env: DistEnv | None) -> list[str]:
     one_node = env is None or env.num_nodes == 1
     where = ("loopback only (one node)" if one_node
              else f"the address {env.master_addr if env else 'MASTER_ADDR'} names, on its interface only")
-    signed = ("signed with LOCKSTEP_JOB_SECRET" if os.environ.get("LOCKSTEP_JOB_SECRET")
-              else "signed with the SLURM job id" if os.environ.get("SLURM_JOB_ID")
-              else "NOT signed: set LOCKSTEP_JOB_SECRET to the same random value on every node")
+    if job_secret_from_environ() is None:
+        signed = "NOT signed: set LOCKSTEP_JOB_SECRET to the same random value on every node"
+    else:
+        signed = f"signed with {'LOCKSTEP_JOB_SECRET' if os.environ.get('LOCKSTEP_JOB_SECRET') else 'the SLURM job id'}"
     return [
         f"rendezvous store {master}: listens on {where}",
         "the store and the Gloo/NCCL ports take commands from anyone who reaches them (torch has no "

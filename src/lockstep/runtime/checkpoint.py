@@ -190,8 +190,8 @@ class Checkpointer:
         def commit() -> None:  # every rank, once every rank has written
             with _plainly(final, partial if self.rank == 0 else None):
                 extra = (DCP_METADATA, OBJECTS) if self.rank == 0 else ()
-                mine = files_written_by(partial, self.rank, extra, written_files.sums) if self.checksums else {}
-                files = self._gather(mine) if self.checksums else None
+                files = (self._gather(files_written_by(partial, self.rank, extra, written_files.sums))
+                         if self.checksums else None)
                 if self.rank == 0:
                     _commit(partial, final, {**info, "files": files})
             if self.rank == 0 and then is not None:
@@ -346,32 +346,34 @@ def _free_bytes(folder: Path) -> int:
 _FULL_DISK_BELOW = 64 << 20  # torch.save reports a short write as "unexpected pos": with so little left, a full disk
 
 
-def _no_space(error: BaseException, free: int) -> bool:
-    pending: list[BaseException] = [error]
-    for _ in range(32):  # the cause chains, and DCP's per-rank failures
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error``, its causes and contexts, and the per-rank failures DCP wraps (at most 32 in all)."""
+    pending = [error]
+    for _ in range(32):
         if not pending:
-            return False
+            return
         seen = pending.pop()
+        yield seen
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        pending += [e for e in getattr(seen, "failures", {}).values() if isinstance(e, BaseException)]
+
+
+def _no_space(error: BaseException, free: int) -> bool:
+    for seen in _causes(error):
         text = str(seen)
         if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in text:
             return True
         if "unexpected pos" in text and 0 <= free < _FULL_DISK_BELOW:
             return True
-        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
-        pending += [e for e in getattr(seen, "failures", {}).values() if isinstance(e, BaseException)]
     return False
 
 
 def _load_error(path: Path, error: BaseException) -> CheckpointError:
     """What a failed DCP load means: an unsafe file (refused), or another model's checkpoint."""
-    chain: BaseException | None = error
-    for _ in range(8):
-        if chain is None:
-            break
-        if isinstance(chain, UnsafeCheckpointError) or "UnsafeCheckpointError" in str(chain):
-            reason = str(chain).strip().splitlines()[-1][:300]
+    for seen in _causes(error):
+        if isinstance(seen, UnsafeCheckpointError) or "UnsafeCheckpointError" in str(seen):
+            reason = str(seen).strip().splitlines()[-1][:300]
             return CheckpointError(f"{path}: refused ({reason}).")
-        chain = chain.__cause__ or chain.__context__
     first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
     return CheckpointError(
         f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
