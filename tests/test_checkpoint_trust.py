@@ -65,7 +65,7 @@ DAMAGE = {
 def test_resume_auto_skips_a_damaged_checkpoint_and_ends_at_the_uninterrupted_weights(
         damage, uninterrupted, tmp_path, capsys):
     _fit(tmp_path, max_steps=6, save_top_k=-1)  # checkpoints at steps 2, 4, 6
-    newest = tmp_path / "epoch=1-step=00000006.ckpt"
+    newest = tmp_path / "epoch=2-step=00000006.ckpt"
     harm, why = DAMAGE[damage]
     harm(newest)
     capsys.readouterr()
@@ -80,7 +80,7 @@ def test_resume_auto_skips_a_damaged_checkpoint_and_ends_at_the_uninterrupted_we
 
 def test_lockstep_checkpoint_verify_names_the_damaged_file(tmp_path):
     _fit(tmp_path, max_steps=2, save_top_k=1)
-    checkpoint = tmp_path / "epoch=0-step=00000002.ckpt"
+    checkpoint = tmp_path / "epoch=1-step=00000002.ckpt"
     cli = [sys.executable, "-m", "lockstep.cli.main", "checkpoint", "verify", str(checkpoint)]
     intact = subprocess.run(cli, capture_output=True, text=True, timeout=60)
     assert intact.returncode == 0 and "intact (3 files match their checksums)" in intact.stdout, intact.stderr
@@ -177,7 +177,7 @@ def test_a_copied_run_folder_resumes_without_touching_the_original(tmp_path):
     _fit(copy, max_steps=8, resume="auto", save_top_k=1)
     after = {p.relative_to(original): p.read_bytes() for p in original.rglob("*") if p.is_file()}
     assert after == before
-    assert [p.name for p in copy.iterdir() if p.name.startswith("epoch=")] == ["epoch=1-step=00000008.ckpt"]
+    assert [p.name for p in copy.iterdir() if p.name.startswith("epoch=")] == ["epoch=2-step=00000008.ckpt"]
 
 
 def test_cleanup_never_follows_a_link_out_of_the_checkpoint_folder(tmp_path):
@@ -281,7 +281,7 @@ def test_on_two_ranks_each_checks_its_share_and_both_skip_the_damaged_checkpoint
     from lockstep.testing import run_ranks
 
     run_ranks(_fit_on_ranks, 2, str(tmp_path), 6, None)
-    newest = tmp_path / "epoch=1-step=00000006.ckpt"
+    newest = tmp_path / "epoch=2-step=00000006.ckpt"
     _flip(sorted(newest.glob("__1_*.distcp"))[0])  # a shard rank 1 wrote
     capfd.readouterr()
     resumed = run_ranks(_fit_on_ranks, 2, str(tmp_path), 10, "auto")

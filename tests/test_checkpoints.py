@@ -171,9 +171,9 @@ def test_checkpoint_dir_alone_writes_checkpoints_and_resume_auto_continues(tmp_p
     """The README's Trainer(checkpoint_dir=..., resume="auto") as written, with no ModelCheckpoint."""
     first = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path, resume="auto")
     first.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
-    assert (tmp_path / "epoch=1-step=00000004.ckpt" / "lockstep.json").is_file()
-    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=1-step=00000004.ckpt").resolve()
-    assert not (tmp_path / "epoch=0-step=00000002.ckpt").exists()  # the default keeps the newest, plus last
+    assert (tmp_path / "epoch=2-step=00000004.ckpt" / "lockstep.json").is_file()
+    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=2-step=00000004.ckpt").resolve()
+    assert not (tmp_path / "epoch=1-step=00000002.ckpt").exists()  # the default keeps the newest, plus last
     module = tc.Classifier()
     second = tc.quiet_trainer(max_epochs=3, checkpoint_dir=tmp_path, resume="auto")
     second.fit(module, tc.checks.make_data(32), batch_size=16)
@@ -203,3 +203,46 @@ def test_one_process_saves_in_the_background_and_commits_on_wait(tmp_path):
     assert state["step"] == 5 and torch.equal(fresh.weight, model.weight)
     moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
     assert torch.equal(*moments)
+
+
+def _stream_run(tmp_path: Path, name: str, kill_at: int, variant: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator", "cpu",
+                           "tests/scripts/trainer_stream.py", str(tmp_path / name), str(tmp_path / f"{name}.pt"),
+                           str(kill_at), variant], cwd=ROOT, capture_output=True, text=True, timeout=150)
+
+
+def _rows(path: Path) -> list[tuple[int, str]]:
+    import csv
+
+    with open(path, newline="") as handle:
+        return [(int(row["step"]), row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
+
+
+@pytest.mark.parametrize("variant", ["workers", "shuffle"])
+def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_its_logs(tmp_path, variant):
+    """A stream without __len__ (2 loader workers, or a shuffle buffer whose own state would lose
+    its buffer), checkpointed every 3 steps; rank 0 dies after step 14 and the rerun resumes at
+    step 12. The weights equal an uninterrupted run's bitwise, the resumed ranks see the
+    uninterrupted run's items from step 13 on, and metrics.csv / metrics.jsonl hold every logged
+    step once, with the uninterrupted run's values."""
+    pytest.importorskip("datasets")
+    whole = _stream_run(tmp_path, "whole", -1, variant)
+    assert whole.returncode == 0, whole.stderr
+    killed = _stream_run(tmp_path, "resumed", 14, variant)
+    assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
+    resumed = _stream_run(tmp_path, "resumed", -1, variant)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "in epoch 2 after its batch 2, after step 12." in resumed.stdout, resumed.stdout
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert torch.equal(a["weights"], b["weights"])
+    assert a["epoch"] == b["epoch"] == 2
+    for rank in range(2):  # 5 items of each global batch of 10 per rank
+        assert torch.equal(b["seen"][rank], a["seen"][rank][12 * 5:])
+    steps = [step for step, _ in _rows(tmp_path / "whole" / "metrics.csv")]
+    assert steps == list(range(2, 25, 2))
+    assert _rows(tmp_path / "resumed" / "metrics.csv") == _rows(tmp_path / "whole" / "metrics.csv")
+    logged = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "train_loss" in r] == steps
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("epoch=*")) == [
+        *(f"epoch=1-step={s:08d}.ckpt" for s in (3, 6, 9, 10)), *(f"epoch=2-step={s:08d}.ckpt" for s in (12, 15, 18)),
+        "epoch=2-step=00000020.ckpt", *(f"epoch=3-step={s:08d}.ckpt" for s in (21, 24))]

@@ -148,3 +148,13 @@ def _listening_addresses_of_this_process() -> set[str]:
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 def test_the_store_of_a_launch_listens_on_loopback_only():
     assert lockstep.launch(_listening_addresses_of_this_process, nprocs=2) == {"127.0.0.1"}  # rank 0 hosts it
+
+
+def test_a_dataset_class_defined_in_the_script_reaches_the_loader_workers_of_launched_ranks():
+    """A script's own Dataset class, read by 2 loader workers on each of 2 launched ranks (the
+    workers are started with the standard pickler, which finds classes by name)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "tests/scripts/launch_loader.py", "squares"], cwd=root,
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"samples of rank 0: {[i * i for i in range(12)]}" in done.stdout

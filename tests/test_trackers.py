@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_wandb_offline_run_holds_hyperparameters_metrics_by_step_and_the_checkpo
     assert history[8]["val_acc"] == pytest.approx(trainer.callback_metrics["val_acc"])
     assert history[8]["train_loss_epoch"] == pytest.approx(trainer.callback_metrics["train_loss_epoch"])
     assert config["max_epochs"] == 2 and config["log_every_n_steps"] == 2
-    assert summary["checkpoint_path"].endswith("epoch=1-step=00000008.ckpt")
+    assert summary["checkpoint_path"].endswith("epoch=2-step=00000008.ckpt")
     ((kind, files),) = artifacts
     assert kind == "model" and ".metadata" in files and any(f.endswith(".distcp") for f in files), files
 
@@ -87,7 +88,7 @@ def test_mlflow_file_store_holds_parameters_metrics_by_step_and_the_checkpoint_f
     (val_acc,) = client.get_metric_history(run.info.run_id, "val_acc")[-1:]
     assert val_acc.step == 8 and val_acc.value == pytest.approx(trainer.callback_metrics["val_acc"])
     checkpoint = Path(run.data.tags["checkpoint_path"])
-    assert checkpoint.name == "epoch=1-step=00000008.ckpt"
+    assert checkpoint.name == "epoch=2-step=00000008.ckpt"
     uploaded = {a.path for a in client.list_artifacts(run.info.run_id, f"checkpoints/{checkpoint.name}")}
     assert uploaded and all(p.startswith("checkpoints/") for p in uploaded)
 
@@ -102,3 +103,64 @@ def test_the_mlflow_string_spec_logs_to_a_sqlite_store_in_the_log_folder(tmp_pat
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
+
+
+def _fit_and_resume(tmp_path, make_logger) -> None:
+    """Two epochs, then a third resumed from the checkpoint, each with a new logger object."""
+    for epochs in (2, 3):
+        trainer = tc.quiet_trainer(max_epochs=epochs, log_every_n_steps=2, loggers=[make_logger()],
+                                   checkpoint_dir=tmp_path / "ckpt", resume="auto")
+        trainer.fit(tc.Classifier(), tc.checks.make_data(64), batch_size=16)
+
+
+def test_wandb_without_a_key_runs_offline_in_the_log_folder_and_a_resume_continues_its_run(
+        tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _fit_and_resume(tmp_path, lambda: lockstep.WandbLogger(project="t"))
+    out = capsys.readouterr().out
+    assert out.count("lockstep: no Weights & Biases API key") == 2, out
+    runs = sorted((tmp_path / "ckpt" / "wandb").glob("offline-run-*"))  # the Trainer's log_dir
+    ids = {re.match(r"offline-run-\d+_\d+-([a-z0-9]+)", run.name).group(1) for run in runs}
+    assert len(runs) == 2 and len(ids) == 1  # the resumed fit continued the run id
+
+
+def test_mlflow_resume_continues_the_checkpoints_run(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _fit_and_resume(tmp_path, lambda: lockstep.MLflowLogger(experiment="t", tracking_uri=uri))
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [2, 4, 6, 8, 10, 12]
+    assert run.data.params["max_epochs"] == "2" and run.data.tags["resumed.max_epochs"] == "3"
+
+
+def test_tensorboard_and_csv_keep_the_steps_before_a_resume_once(tmp_path):
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for epochs in (2, 3):
+        trainer = tc.quiet_trainer(max_epochs=epochs, log_every_n_steps=2, loggers=("csv", "tensorboard"),
+                                   checkpoint_dir=tmp_path, resume="auto")
+        trainer.fit(tc.Classifier(), tc.checks.make_data(64), batch_size=16)
+        if epochs == 2:  # as if the first run had gone on past its checkpoint before it died
+            with open(tmp_path / "metrics.csv", "a") as handle:
+                handle.write("10,99.0" + "," * (len(open(tmp_path / "metrics.csv").readline().split(",")) - 2) + "\n")
+            later = lockstep.TensorBoardLogger(tmp_path)
+            later.log_metrics({"train_loss": 99.0}, 10)
+            later.finalize()
+
+    rows = [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(open(tmp_path / "metrics.csv"))
+            if r.get("train_loss")]
+    assert [step for step, _ in rows] == [2, 4, 6, 8, 10, 12] and 99.0 not in [v for _, v in rows]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train_loss")]
+    assert [step for step, _ in scalars] == [2, 4, 6, 8, 10, 12] and 99.0 not in [v for _, v in scalars]

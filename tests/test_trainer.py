@@ -130,3 +130,48 @@ def test_metrics_of_mapping_batches_are_exact_over_the_dataset():
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(module(data.tensors[0]), data.tensors[1])
     assert abs(metrics["val_loss"] - float(expected)) < 1e-6
+
+
+# -- what a user gets told -------------------------------------------------------------------------
+class _EmptyStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def test_empty_training_data_is_an_error_and_a_batch_larger_than_the_data_is_said(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"the training data \(TensorDataset\) holds no samples"):
+        tc.quiet_trainer(max_epochs=1).fit(tc.Classifier(), checks.make_data(0), batch_size=8)
+    with pytest.raises(ValueError, match="yielded no batch in epoch 1: an empty stream"):
+        tc.quiet_trainer(max_steps=5).fit(tc.Classifier(), _EmptyStream(), batch_size=8)
+    with pytest.raises(ValueError, match="drop_last=True drops the only batch"):
+        tc.quiet_trainer(max_epochs=1).fit(tc.Classifier(), checks.make_data(5), batch_size=8,
+                                           loader_options={"drop_last": True})
+    assert not list(tmp_path.rglob("*.ckpt"))
+    trainer = tc.quiet_trainer(max_epochs=2)
+    trainer.fit(tc.Classifier(), checks.make_data(5), batch_size=8)
+    assert "batch_size=8 is larger than the training data (5 samples): each epoch is one step of 5" in \
+        capsys.readouterr().out
+    assert trainer.global_step == 2
+
+
+def test_a_resume_path_that_is_no_checkpoint_says_what_it_is(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    cases = {"missing": "no such checkpoint", "a-file": "a file, not a checkpoint folder",
+             "a-folder": r"not a lockstep checkpoint \(it holds no lockstep.json\)"}
+    for name, message in cases.items():
+        with pytest.raises(Exception, match=message) as raised:
+            tc.quiet_trainer(max_epochs=1, resume=tmp_path / name).fit(tc.Classifier(), checks.make_data(8),
+                                                                      batch_size=4)
+        assert "rank" not in str(raised.value) and "file system" not in str(raised.value)
+
+
+def test_early_stopping_on_train_loss_with_epochs_shorter_than_the_logging_interval():
+    """Epochs of 2 steps, logging every 50: train_loss holds each epoch's value at its end, as
+    train_loss_epoch, and EarlyStopping judges it per epoch when there is no validation."""
+    stopper = tc.lockstep.EarlyStopping(monitor="train_loss", patience=2, min_delta=1e-5)
+    trainer = tc.quiet_trainer(max_epochs=20, callbacks=[stopper])
+    trainer.fit(tc.Classifier(lr=0.0), checks.make_data(16), batch_size=8)  # never improves
+    assert trainer.callback_metrics["train_loss"] == trainer.callback_metrics["train_loss_epoch"]
+    assert trainer.current_epoch == 3 and stopper.stopped_at_step == 6

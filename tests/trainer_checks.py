@@ -165,3 +165,29 @@ class MappingBatches(Classifier):
 
 def collate_to_mapping(rows):
     return checks.Encoding({"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])})
+
+
+class BatchNormClassifier(Classifier):
+    """Each rank's BatchNorm statistics follow its own share of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def batchnorm_predictions(folder: str) -> dict:
+    """Fit with checkpoints, then predict: every rank's rows and the last checkpoint's path."""
+    module = BatchNormClassifier()
+    trainer = quiet_trainer(max_epochs=2, checkpoint_dir=folder)
+    trainer.fit(module, checks.make_data(64), batch_size=16)
+    rows = trainer.predict(module, checks.make_data(40, seed=1), batch_size=8)
+    metrics = trainer.validate(module, checks.make_data(40, seed=1), batch_size=8)
+    return {"rows": rows, "val_loss": metrics["val_loss"], "checkpoint": str(trainer.callbacks[0].best_model_path)}
+
+
+def batchnorm_model_from(folder: str) -> nn.Module:
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = rt.setup(BatchNormClassifier())
+    rt.load(folder, {"model": model})
+    return lockstep.unwrap(model).eval()

@@ -124,6 +124,12 @@ def lockstep_version() -> str:
 def read_metadata(path: Path | str) -> dict[str, Any]:
     """The metadata of the complete checkpoint folder ``path``, without loading a tensor."""
     path = Path(path)
+    if not path.is_dir():
+        what = "no such file or folder" if not path.exists() else "a file, not a checkpoint folder"
+        raise CheckpointError(f"{path}: {what}. A lockstep checkpoint is a folder holding {METADATA}.")
+    if not (path / METADATA).exists() and not path.name.startswith("."):
+        raise CheckpointError(f"{path}: not a lockstep checkpoint (it holds no {METADATA}). Give a checkpoint "
+                              "folder such as runs/exp/last.ckpt, or resume='auto' to take the newest.")
     try:
         metadata = json.loads((path / METADATA).read_text())
     except (OSError, ValueError) as error:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_
 
 from lockstep.runtime.order import Batches, split_evenly
 from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
-from lockstep.runtime.streams import StreamBatches, StreamShard
+from lockstep.runtime.streams import StreamBatches, StreamShard, restores_its_position
 from lockstep.runtime.tree import empty_rows, to_device
 from lockstep.runtime.watchdog import Watchdog
 
@@ -40,11 +40,6 @@ _END = object()
 
 def _as_is(batch: Any) -> Any:
     return batch
-
-
-def _stateful(stream: Any) -> bool:
-    """Whether a stream can save and restore its position (the torchdata convention)."""
-    return callable(getattr(stream, "state_dict", None)) and callable(getattr(stream, "load_state_dict", None))
 
 
 class BatchObserver(Protocol):
@@ -381,7 +376,7 @@ class DistributedLoader:
         batches = getattr(self.sampler, "batches", None)
         state = {"epoch": epoch, "batches_done": done, "batch_size": getattr(self.sampler, "batch_size", None),
                  "order": batches.kind if batches is not None else "shards"}
-        if self._stream is not None and self.loader.num_workers == 0 and _stateful(self.dataset):
+        if self._stream is not None and self.loader.num_workers == 0 and restores_its_position(self.dataset):
             state["stream"] = self.dataset.state_dict() if self._pending is None else self._stream_state
         return state
 
@@ -405,7 +400,7 @@ class DistributedLoader:
                 )
         epoch, done = int(state["epoch"]), int(state["batches_done"])
         if self._stream is not None:
-            self._stream_state = state.get("stream") if _stateful(self.dataset) else None
+            self._stream_state = state.get("stream") if restores_its_position(self.dataset) else None
         elif done >= self.sampler.steps_per_epoch():
             epoch, done = epoch + 1, 0
         self._pending = (epoch, done)

@@ -32,6 +32,7 @@ from lockstep.runtime.items import ItemNormalizer
 from lockstep.runtime.lifetime import die_with
 from lockstep.runtime.loader_options import dataset_length, global_batches, resolve_loader_options
 from lockstep.runtime.membership import report_membership
+from lockstep.runtime.order import FixedBatches
 from lockstep.runtime.precision import make_precision
 from lockstep.runtime.preemption import Preemption
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, choose_backend, destroy_process_group, init_process_group
@@ -301,7 +302,21 @@ class Runtime:
                                               self.device)
         shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
+        if isinstance(batches, FixedBatches):
+            self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
         return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=True)
+
+    def _check_size(self, samples: int, batch_size: int, drop_last: bool, name: str) -> None:
+        """No epoch of a training loader may be empty; one shorter than a batch is said once."""
+        if samples == 0:
+            raise ValueError(f"the training data ({name}) holds no samples: an epoch would train nothing. Check "
+                             "the dataset's path, filter or split.")
+        if batch_size > samples and drop_last:
+            raise ValueError(f"batch_size={batch_size} is larger than the training data ({samples} samples) and "
+                             "drop_last=True drops the only batch: lower batch_size, or pass drop_last=False.")
+        if batch_size > samples:
+            self.print(f"lockstep: batch_size={batch_size} is larger than the training data ({samples} samples): "
+                       f"each epoch is one step of {samples} samples.")
 
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
@@ -342,6 +357,8 @@ class Runtime:
         ``blocking=False`` writes in the background while training goes on.
         """
         sharded, objects, optimizer_of = split_state(state)
+        for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
+            self.sync_buffers(part.model)
         metadata = {"world_size": self.world_size, "strategy": self.strategy.name, "optimizers": optimizer_of}
         with self._watchdog.watch("checkpoint save"):
             return self.checkpointer.save(path, sharded, objects, metadata, blocking=blocking)
@@ -412,6 +429,20 @@ class Runtime:
         indices = source.handed_out() if source is not None else None
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices)
+
+    def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
+        """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
+
+        Each rank updates such statistics from its own share of the batch, so after training the
+        ranks hold different ones (DDP hands rank 0's to all at the start of each training forward;
+        FSDP never). Call it before evaluating, predicting or saving from every rank, so that all
+        ranks compute with, and save, the same model. ``rt.save`` and the Trainer (before
+        evaluation, prediction and checkpoints) call it for you. Every rank must call it.
+        """
+        buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
+        if buffers and self.world_size > 1:
+            with self._watchdog.watch("sync_buffers"):
+                collectives.broadcast_in_place(buffers, src)
 
     def broadcast(self, data: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``data`` on every rank."""

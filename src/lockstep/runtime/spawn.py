@@ -12,8 +12,12 @@ and nothing is left behind.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import io
 import multiprocessing
+import multiprocessing.spawn
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import FunctionType
 from typing import Any
 
 import cloudpickle
@@ -142,6 +147,42 @@ def _child(
     exit_now(code)  # the result is on disk
 
 
+class _ScriptPickler(cloudpickle.Pickler):
+    """cloudpickle, except that a class or function defined at the top level of the script being
+    run goes by reference. Each worker imports that script as its ``__main__`` (as
+    multiprocessing does), so the dataset classes a script defines stay the script's own there:
+    the worker's DataLoader workers, started with the standard pickler, then find them by name.
+    Whatever else (notebooks, ``python -c``, nested definitions) still goes by value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type | FunctionType) and _top_level_in_script(obj):
+            return NotImplemented  # the standard pickler: by reference, as __main__.NAME
+        return super().reducer_override(obj)
+
+
+def _top_level_in_script(obj: type | FunctionType) -> bool:
+    main = sys.modules.get("__main__")
+    if getattr(obj, "__module__", None) != "__main__" or main is None or "." in obj.__qualname__:
+        return False
+    prepared = multiprocessing.spawn.get_preparation_data("lockstep")
+    if "init_main_from_path" not in prepared and "init_main_from_name" not in prepared:
+        return False  # nothing the workers import: an interactive session, a notebook
+    if getattr(main, obj.__qualname__, None) is not obj:
+        return False
+    try:  # defined at column 0: not under `if __name__ == "__main__":`, which a worker does not run
+        lines, _ = inspect.getsourcelines(obj)
+    except (OSError, TypeError):
+        return False
+    first = next((line for line in lines if not line.lstrip().startswith("@")), "")
+    return first.startswith(("def ", "class ", "async def "))
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _ScriptPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def _start_method() -> str:
     """``forkserver`` where there is one (Linux), its server importing torch and lockstep once."""
     if sys.platform.startswith("linux"):
@@ -181,7 +222,7 @@ def spawn(
     if backend == "auto":
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    payload = cloudpickle.dumps((fn, tuple(args)))
+    payload = _dumps((fn, tuple(args)))
     with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir:
         context = tmp.start_processes(
             _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all, _Caller.here()),

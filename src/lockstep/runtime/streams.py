@@ -10,7 +10,8 @@ worker ``w`` makes the batches of steps ``w, w+k, ...``, which the DataLoader ha
 
 A resumed pass skips the items already trained on: through the stream's own
 ``load_state_dict`` when the checkpoint holds its ``state_dict`` (the torchdata convention, taken
-with ``num_workers=0``), else by reading and dropping them.
+with ``num_workers=0`` from a stream whose state restores its exact position), else by reading
+and dropping them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,26 @@ def is_stream(dataset: Any) -> bool:
     """An IterableDataset, or any other iterable with neither ``__getitem__`` nor ``__len__``."""
     return isinstance(dataset, IterableDataset) or (
         hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and not hasattr(dataset, "__len__"))
+
+
+def restores_its_position(stream: Any) -> bool:
+    """Whether the stream saves and restores its exact position (the torchdata convention:
+    ``state_dict``/``load_state_dict``). A Hugging Face stream with a shuffle buffer does not: its
+    state holds no buffer content, and a restored one refills the buffer from later items,
+    losing some and repeating others. Such a stream is read from its start and the items already
+    trained on dropped, which is exact."""
+    if not (callable(getattr(stream, "state_dict", None)) and callable(getattr(stream, "load_state_dict", None))):
+        return False
+    pending, seen = [getattr(stream, "_ex_iterable", None)], 0
+    while pending and seen < 1000:  # Hugging Face's chain of example iterables
+        node, seen = pending.pop(), seen + 1
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return False
+        pending.append(getattr(node, "ex_iterable", None))
+        pending.extend(getattr(node, "ex_iterables", None) or [])
+    return True
 
 
 def stream_length(stream: Any) -> int | None:

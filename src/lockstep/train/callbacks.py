@@ -126,7 +126,8 @@ class ModelCheckpoint(Callback):
         if folder is None:
             raise ValueError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
         folder = Path(folder)
-        path = folder / f"epoch={trainer.current_epoch}-step={trainer.global_step:08d}.ckpt"
+        # The epoch counts from 1, as in the progress lines: epoch=1 is the first epoch's.
+        path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}.ckpt"
         trainer.runtime.checkpointer.wait()  # a save in the background: the folder then shows it
         kept = self._kept(folder)
         if path in kept:
@@ -180,7 +181,9 @@ class ModelCheckpoint(Callback):
 
 
 class EarlyStopping(Callback):
-    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` validations.
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` validations (for
+    ``patience`` epochs when the fit has no validation data). A metric logged in ``training_step``
+    holds the epoch's value at an epoch's end.
 
     The metric is reduced over all ranks before it is compared, so every rank decides the same and
     stops at the same step.
@@ -194,6 +197,13 @@ class EarlyStopping(Callback):
         self.stopped_at_step: int | None = None
 
     def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        self._check(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if not trainer.validates:  # no validation to wait for: judge each epoch (a training metric)
+            self._check(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
         if self.monitor not in trainer.callback_metrics:
             raise ValueError(f"EarlyStopping(monitor={self.monitor!r}): no such metric; logged metrics are "
                              f"{sorted(trainer.callback_metrics)}.")

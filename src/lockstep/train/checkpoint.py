@@ -156,14 +156,18 @@ class _Loop:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {"epoch": t.current_epoch, "global_step": t.global_step,
+        return {"epoch": t.current_epoch, "global_step": t.global_step, "epoch_ended": t.epoch_ended,
                 "batches_done_in_epoch": t.batches_done_in_epoch, "samples_seen": t.samples_seen}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         t = self.trainer
         t.current_epoch, t.global_step = int(loop["epoch"]), int(loop["global_step"])
         t.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
-        if t.steps_per_epoch is not None and batches_done >= t.steps_per_epoch:
+        # Saved once the epoch's end ran (its scheduler step, validation): the next epoch starts. Saved
+        # at its last batch before that: the resumed epoch has no batch left, only its end to run.
+        # (Checkpoints without the flag were written at the end of an epoch of known length.)
+        ended = loop.get("epoch_ended", t.steps_per_epoch is not None and batches_done >= t.steps_per_epoch)
+        if ended:
             t.current_epoch, batches_done = t.current_epoch + 1, 0
         t.resume_at(batches_done)
 
@@ -217,9 +221,11 @@ def parts(trainer: Trainer) -> dict[str, Any]:
 def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> float:
     """Write the Trainer's checkpoint folder; every rank calls it. Returns the seconds it blocked."""
     rt = trainer.runtime
+    rt.sync_buffers(trainer.module)  # the ranks' BatchNorm statistics differ: rank 0's are saved
     objects = {name: part.state_dict() for name, part in parts(trainer).items()}
     objects["rng"] = rt.all_gather(capture_rng())
     objects["config"] = {k: str(v) for k, v in trainer.config.hparams().items()}
+    objects["loggers"] = logger_states(trainer.loggers)  # rank 0's: its objects are the ones written
     trainer.fire("on_save_checkpoint", objects)
     loader = trainer.train_loader
     metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": rt.world_size,
@@ -229,9 +235,16 @@ def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> floa
     return rt.checkpointer.save(path, sharded, objects, metadata, blocking=blocking, then=then)
 
 
-def resume(trainer: Trainer, path: Path) -> None:
+def logger_states(loggers: list[Any]) -> list[dict[str, Any]]:
+    """What the loggers that keep a run (trackers' run ids) need to continue it after a resume."""
+    return [{"type": type(logger).__name__, "state": logger.state_dict()}
+            for logger in loggers if callable(getattr(logger, "state_dict", None))]
+
+
+def resume(trainer: Trainer, path: Path) -> list[dict[str, Any]]:
     """Load the checkpoint folder ``path`` (already verified by ``agreed_checkpoint``) into the
-    Trainer's parts; random states last, and only on the same number of processes."""
+    Trainer's parts; random states last, and only on the same number of processes. Returns the
+    loggers' saved states (for ``resume_loggers``)."""
     rt = trainer.runtime
     sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
     state = rt.checkpointer.load(path, sharded, verify_files=False)
@@ -241,3 +254,4 @@ def resume(trainer: Trainer, path: Path) -> None:
         part.load_state_dict(state[name])
     trainer.fire("on_load_checkpoint", state)
     restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it
+    return list(state.get("loggers", []))

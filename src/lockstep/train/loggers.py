@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -10,8 +11,15 @@ from typing import Any, Protocol
 
 
 class Logger(Protocol):
-    """What the Trainer calls on rank 0. A logger may also define ``log_checkpoint(path)``: the end of
-    ``fit`` passes it the final checkpoint (the best one kept by ``ModelCheckpoint``)."""
+    """What the Trainer calls on rank 0. A logger may also define:
+
+    - ``log_checkpoint(path)``: the end of ``fit`` passes it the final checkpoint (the best one kept
+      by ``ModelCheckpoint``);
+    - ``state_dict()``: saved in each checkpoint (a tracker's run id);
+    - ``resume(step, state)``: called after a resume, before anything is logged, with the step the
+      checkpoint was written at and the saved ``state_dict()`` (None if there was none): continue
+      the run, and drop what was logged after ``step`` (the resumed run logs it again).
+    """
 
     def log_hyperparams(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -32,18 +40,34 @@ class CSVLogger:
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
 
+    def resume(self, step: int, state: dict[str, Any] | None) -> None:
+        """Keep the rows of ``metrics.csv`` up to ``step``; a row that cannot be read ends what is kept."""
+        self.rows, self.columns = [], ["step"]
+        with contextlib.suppress(OSError, csv.Error, UnicodeDecodeError):
+            with open(self.path, newline="") as handle:
+                reader = csv.DictReader(handle)
+                self.columns = [c for c in reader.fieldnames or [] if c] or ["step"]
+                for row in reader:
+                    if not _up_to(row, step):
+                        break
+                    self.rows.append({k: v for k, v in row.items() if k in self.columns})
+        self._rewrite()
+
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         (self.folder / "hparams.json").write_text(json.dumps(plain_params(params), indent=2))
+
+    def _rewrite(self) -> None:
+        with open(self.path, "w", newline="") as handle:  # the header names every column
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.rows.append({"step": step, **metrics})
         new = [k for k in metrics if k not in self.columns]
         if new or not self.path.exists():
             self.columns += new
-            with open(self.path, "w", newline="") as handle:  # a new column: rewrite with the wider header
-                writer = csv.DictWriter(handle, fieldnames=self.columns)
-                writer.writeheader()
-                writer.writerows(self.rows)
+            self._rewrite()  # a new column: the header widens
         else:
             with open(self.path, "a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=self.columns).writerow(self.rows[-1])
@@ -58,7 +82,21 @@ class JSONLinesLogger:
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.previous = self.path.read_text(errors="replace") if self.path.is_file() else ""  # for resume
         self.path.write_text("")
+
+    def resume(self, step: int, state: dict[str, Any] | None) -> None:
+        """Keep the hyperparameter lines and the records up to ``step``; an unreadable line ends what is kept."""
+        kept = []
+        for line in self.previous.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(record, dict) or ("hparams" not in record and not _up_to(record, step)):
+                break
+            kept.append(line + "\n")
+        self.path.write_text("".join(kept))
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as handle:
@@ -80,10 +118,21 @@ class TensorBoardLogger:
     def __init__(self, folder: str | Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"))
+        self.folder = Path(folder) / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.folder))
+        self.resumed = False
+
+    def resume(self, step: int, state: dict[str, Any] | None) -> None:
+        """TensorBoard discards the events of the earlier run logged after ``step`` (its ``purge_step``)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step + 1)
+        self.resumed = True
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self.writer.add_text("hparams", json.dumps(plain_params(params), indent=2))
+        if not self.resumed:  # again, at step 0 after later steps, it would make TensorBoard drop them all
+            self.writer.add_text("hparams", json.dumps(plain_params(params), indent=2))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -113,6 +162,29 @@ LOGGERS: dict[str, Any] = {"csv": CSVLogger, "jsonl": JSONLinesLogger, "tensorbo
                            "wandb": _wandb, "mlflow": _mlflow}
 
 
+def _up_to(record: dict[str, Any], step: int) -> bool:
+    """Whether ``record`` (a row read back) was logged at ``step`` or before; False if it names no step."""
+    try:
+        return int(record["step"]) <= step
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def resume_loggers(loggers: list[Logger], saved: list[dict[str, Any]], step: int) -> None:
+    """Continue each logger after a resume at ``step``, with its saved state when the checkpoint has
+    one for a logger of its type (matched in order)."""
+    states: dict[str, list[Any]] = {}
+    for entry in saved:
+        if isinstance(entry, dict) and isinstance(entry.get("type"), str):
+            states.setdefault(entry["type"], []).append(entry.get("state"))
+    for logger in loggers:
+        mine = states.get(type(logger).__name__)
+        state = mine.pop(0) if mine else None
+        resume = getattr(logger, "resume", None)
+        if callable(resume):
+            resume(step, state if isinstance(state, dict) else None)
+
+
 def make_loggers(specs: Any, folder: Path) -> list[Logger]:
     made: list[Logger] = []
     for spec in specs:
@@ -121,5 +193,8 @@ def make_loggers(specs: Any, folder: Path) -> list[Logger]:
                 raise ValueError(f"unknown logger {spec!r}: use one of {', '.join(LOGGERS)} or a logger object.")
             made.append(LOGGERS[spec](folder))
         else:
+            default_dir = getattr(spec, "default_dir", None)
+            if callable(default_dir):  # a logger object whose folder was left to the Trainer
+                default_dir(folder)
             made.append(spec)
     return made

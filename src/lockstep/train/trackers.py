@@ -8,6 +8,7 @@ an artifact with ``log_model=True`` (a checkpoint is a folder of shard files).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,25 +27,52 @@ class WandbLogger:
     """A Weights & Biases run: hyperparameters as its config, metrics by step, the checkpoint as a model artifact.
 
     ``mode="offline"`` writes the run under ``save_dir/wandb`` without a network (``wandb sync``
-    uploads it later); by default wandb's own setting (``WANDB_MODE``) decides. Other keyword
-    arguments go to ``wandb.init`` (``entity``, ``group``, ``tags``, ...).
+    uploads it later); by default wandb's own setting (``WANDB_MODE``) decides, and without an API
+    key (``WANDB_API_KEY`` or ``wandb login``) the run is written offline, in one line saying so.
+    ``save_dir`` defaults to the Trainer's ``log_dir``. Other keyword arguments go to
+    ``wandb.init`` (``entity``, ``group``, ``tags``, ...).
+
+    A resumed ``fit`` continues the checkpoint's wandb run (its id is saved in each checkpoint);
+    wandb keeps what the run logged after the checkpoint and ignores the resumed run's values for
+    those steps.
     """
 
-    def __init__(self, project: str = "lockstep", name: str | None = None, save_dir: str | Path = "runs/lockstep",
+    def __init__(self, project: str = "lockstep", name: str | None = None, save_dir: str | Path | None = None,
                  mode: str | None = None, log_model: bool = False, **init_kwargs: Any) -> None:
         _needs("wandb", "wandb")
-        self.project, self.name, self.save_dir, self.mode = project, name, Path(save_dir), mode
+        self.project, self.name, self.mode = project, name, mode
+        self.save_dir = Path(save_dir) if save_dir is not None else None
         self.log_model, self.init_kwargs = log_model, init_kwargs
         self.run: Any = None
+
+    def default_dir(self, folder: Path) -> None:
+        """The Trainer's ``log_dir``, where ``save_dir`` was not given."""
+        if self.save_dir is None:
+            self.save_dir = folder
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"id": self.run.id} if self.run is not None else {}
+
+    def resume(self, step: int, state: dict[str, Any] | None) -> None:
+        if state and isinstance(state.get("id"), str) and "id" not in self.init_kwargs:
+            self.init_kwargs.update(id=state["id"], resume="allow")
 
     def _start(self, config: dict[str, Any] | None = None) -> Any:
         if self.run is None:
             import wandb
 
-            self.save_dir.mkdir(parents=True, exist_ok=True)
-            options: dict[str, Any] = {"mode": self.mode, **self.init_kwargs}
-            self.run = wandb.init(project=self.project, name=self.name, dir=str(self.save_dir), config=config,
-                                  **options)
+            folder = self.save_dir or Path("runs/lockstep")
+            folder.mkdir(parents=True, exist_ok=True)
+            options: dict[str, Any] = {"project": self.project, "name": self.name, "dir": str(folder),
+                                       "config": config, **self.init_kwargs}
+            try:
+                self.run = wandb.init(**{"mode": self.mode, **options})
+            except wandb.errors.UsageError as error:
+                if self.mode is not None or os.environ.get("WANDB_MODE") or "api key" not in str(error).lower():
+                    raise
+                print(f"lockstep: no Weights & Biases API key (set WANDB_API_KEY or run `wandb login`): the run is "
+                      f"written offline under {folder / 'wandb'}; `wandb sync` uploads it.", flush=True)
+                self.run = wandb.init(**{"mode": "offline", **options})
         return self.run
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -89,6 +117,27 @@ class MLflowLogger:
         self.client: Any = None
         self.run_id: str | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id} if self.run_id is not None else {}
+
+    def resume(self, step: int, state: dict[str, Any] | None) -> None:
+        """Continue the checkpoint's run (MLflow keeps every value logged, also those after the
+        checkpoint: the resumed run logs those steps again)."""
+        run_id = state.get("run_id") if state else None
+        if self.run_id is not None or not isinstance(run_id, str):
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        try:
+            client.get_run(run_id)
+        except Exception as error:  # noqa: BLE001 - MLflow raises its own errors for a run it does not hold
+            print(f"lockstep: MLflow run {run_id} of the checkpoint is not in this tracking store ({error}); "
+                  "a new run is started.", flush=True)
+            return
+        client.update_run(run_id, status="RUNNING")
+        self.client, self.run_id = client, run_id
+
     def _start(self) -> str:
         if self.run_id is None:
             from mlflow.tracking import MlflowClient
@@ -104,7 +153,14 @@ class MLflowLogger:
         from mlflow.entities import Param
 
         run_id = self._start()
-        self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in _plain(params).items()])
+        values = {k: str(v)[:6000] for k, v in _plain(params).items()}
+        # A resumed run keeps its parameters (MLflow never changes one): a changed value becomes a tag.
+        logged = self.client.get_run(run_id).data.params
+        for key in [k for k in values if k in logged]:
+            if logged[key] != values[key]:
+                self.client.set_tag(run_id, f"resumed.{key}", values[key])
+            del values[key]
+        self.client.log_batch(run_id, params=[Param(k, v) for k, v in values.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

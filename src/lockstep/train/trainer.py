@@ -22,7 +22,7 @@ from lockstep.runtime.streams import is_stream
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
-from lockstep.train.loggers import Logger, make_loggers
+from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
 from lockstep.train.module import Module, StepRouter, configure_optimizers, loss_of
 from lockstep.train.profilers import make_profiler
@@ -74,12 +74,12 @@ class Trainer:
         self._logger_specs, self.profiler = list(loggers), make_profiler(profiler)
         self._runtime: Runtime | None = None
         self.compiled: list[str] = []  # what compile= compiled: block names, "" for the module's forward
-        self._loggers: list[Logger] = []
+        self.loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}
         self.current_epoch = self.global_step = self.batches_done_in_epoch = self.samples_seen = 0
         self.steps_per_epoch: int | None = 0  # None: a stream without __len__
-        self.should_stop, self.at_step_boundary = False, False
+        self.should_stop, self.at_step_boundary, self.epoch_ended = False, False, False
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[tuple[Any, str]] = []  # (scheduler, "step" | "epoch")
         self._module: Module | None = None
@@ -121,6 +121,11 @@ class Trainer:
         return self.train_loader.wait_s if self.train_loader is not None else 0.0
 
     @property
+    def validates(self) -> bool:
+        """Whether the current fit has validation data."""
+        return self._val_loader is not None
+
+    @property
     def checkpoint_dir(self) -> Path | None:
         return self.config.checkpoint_dir
 
@@ -144,11 +149,13 @@ class Trainer:
         self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
             self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size, **options)
+        saved_loggers = self._restore()
         if rt.is_global_zero:
-            self._loggers = make_loggers(self._logger_specs, self.log_dir)
-            for logger in self._loggers:
+            self.loggers = make_loggers(self._logger_specs, self.log_dir)
+            if saved_loggers is not None:  # each continues its run and drops what it logged after the checkpoint
+                resume_loggers(self.loggers, saved_loggers, self.global_step)
+            for logger in self.loggers:
                 logger.log_hyperparams({**self.config.hparams(), **dict(getattr(module, "hparams", {}) or {})})
-        self._restore()
         self.profiler.start(self.log_dir, rt.rank)
         try:
             self.fire("on_fit_start")
@@ -197,6 +204,7 @@ class Trainer:
         rt = self._start(module, with_optimizers=False)
         loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
         self._stores = []
+        rt.sync_buffers(self._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
         self._wrapped.eval()
         with torch.no_grad():
             outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
@@ -205,7 +213,7 @@ class Trainer:
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
         self.callback_metrics.update(metrics)
-        for logger in self._loggers:
+        for logger in self.loggers:
             logger.log_metrics(metrics, self.global_step)
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
@@ -285,15 +293,20 @@ class Trainer:
                                  "(lockstep draws its order the same on every rank and splits each global batch).")
         return {**options, **(given or {})}
 
-    def _restore(self) -> None:
+    def _restore(self) -> list[dict[str, Any]] | None:
+        """Resume from ``resume``; returns the loggers' saved states, or None when nothing was resumed."""
         if self.config.resume is None:
-            return
+            return None
         rt = self.runtime
         found = ckpt.agreed_checkpoint(rt, self.config.resume, self.config.checkpoint_dir)
         if found is None:
-            return rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
-        ckpt.resume(self, found[0])
-        rt.print(f"lockstep: resumed from {found[0]} in epoch {self.current_epoch + 1}, after step {self.global_step}.")
+            rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
+            return None
+        saved_loggers = ckpt.resume(self, found[0])
+        done, epoch = self.batches_done_in_epoch, self.current_epoch + 1  # epochs count from 1, as in the names
+        where = f"at the start of epoch {epoch}" if done == 0 else f"in epoch {epoch} after its batch {done}"
+        rt.print(f"lockstep: resumed from {found[0]} {where}, after step {self.global_step}.")
+        return saved_loggers
 
     # -- the training loop, in reading order ------------------------------------------------------
     def _finished(self) -> bool:
@@ -306,19 +319,27 @@ class Trainer:
         assert self.train_loader is not None
         start = self._start_epoch(self.train_loader)
         stopped = False
-        for batch_idx, batch in enumerate(self.train_loader, start):
+        # A checkpoint saved at an epoch's last batch resumes with only the epoch's end left to run.
+        batches = self.train_loader if start != self.steps_per_epoch else ()
+        for batch_idx, batch in enumerate(batches, start):
             stepped = self._train_batch(batch, batch_idx)
             if stepped and self._after_step():
                 stopped = True
                 break
+        if start == 0 and self.batches_done_in_epoch == 0:  # else a stream that is empty would loop forever
+            raise ValueError(f"the training data yielded no batch in epoch {self.current_epoch + 1}: an empty "
+                             "stream trains nothing. Check the stream's source, filter or split.")
         if not stopped or self.batches_done_in_epoch == self.steps_per_epoch:  # the epoch's data is done
             self._end_epoch()
 
     def _start_epoch(self, loader: DistributedLoader) -> int:
         """Position the loader; a resumed epoch keeps the metric sums restored from the checkpoint."""
         start, self._resume_batches = self._resume_batches, 0
-        loader.load_state_dict({"epoch": self.current_epoch, "batches_done": start})
-        self.batches_done_in_epoch = start
+        position = loader.state_dict()  # restored from a checkpoint: it may hold the stream's own state
+        if (position["epoch"], position["batches_done"]) != (self.current_epoch, start):
+            position = {"epoch": self.current_epoch, "batches_done": start}
+        loader.load_state_dict(position)
+        self.batches_done_in_epoch, self.epoch_ended = start, False
         if start == 0:
             self.metrics.reset()
         self._stores = [self.metrics.window, self.metrics.epoch]
@@ -376,10 +397,15 @@ class Trainer:
         return self._finished()
 
     def _end_epoch(self) -> None:
+        self.epoch_ended = True  # a checkpoint from here on resumes at the next epoch's start
         for scheduler, interval in self.lr_schedulers:
             if interval == "epoch":
                 scheduler.step()
-        self.log_metrics({f"{name}_epoch": value for name, value in self.metrics.epoch.reduce(self.runtime).items()})
+        epoch_values = self.metrics.epoch.reduce(self.runtime)
+        self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
+        # The names logged in training_step hold the epoch's value once it ends (as in Lightning), also
+        # when the epoch was shorter than log_every_n_steps and no step value was logged.
+        self.callback_metrics.update(epoch_values)
         self.metrics.epoch.reset()
         self._stores = []  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
@@ -391,7 +417,7 @@ class Trainer:
         """A preemption signal reached some rank: checkpoint at this step on every rank, requeue, exit."""
         rt = self.runtime
         folder = self.config.checkpoint_dir or self.log_dir
-        path = folder / f"epoch={self.current_epoch}-step={self.global_step:08d}-preempted.ckpt"
+        path = folder / f"epoch={self.current_epoch + 1}-step={self.global_step:08d}-preempted.ckpt"
         self.save_checkpoint(path)
         outcome = rt.requeue()
         rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}.")
@@ -410,6 +436,7 @@ class Trainer:
     def _run_eval(self, loader: DistributedLoader, step: str) -> dict[str, float]:
         store = MetricStore()
         self._stores = [store]
+        self.runtime.sync_buffers(self._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
         self._wrapped.eval()
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
@@ -448,7 +475,7 @@ class Trainer:
     def _report_final_checkpoint(self) -> None:
         """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
         paths = [c.best_model_path for c in self.callbacks if isinstance(c, ModelCheckpoint) and c.best_model_path]
-        for logger in self._loggers:
+        for logger in self.loggers:
             log_checkpoint = getattr(logger, "log_checkpoint", None)
             if paths and log_checkpoint is not None:
                 log_checkpoint(Path(paths[0]))
@@ -457,7 +484,7 @@ class Trainer:
         text = self.profiler.report(self.log_dir, self.runtime.rank)
         if text:
             self.runtime.print(f"profiler report ({self.profiler.name}), rank 0:\n{text}")
-        for logger in self._loggers:
+        for logger in self.loggers:
             logger.finalize()
 
 
