@@ -273,3 +273,19 @@ def model_from_folder(folder) -> Stack:
 
 def full_weights_of_folder(folder) -> torch.Tensor:
     return full_weights(model_from_folder(folder))
+
+
+def full_state_dicts() -> dict:
+    """Under FSDP after two steps: rank 0's full state dict, every rank's, and the reference
+    gathered by hand from the DTensor shards."""
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", seed=0)
+    model = rt.setup(make_stack(seed=1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        rt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    by_hand = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+               for name, value in lockstep.unwrap(model).state_dict().items()}
+    return {"rank0": rt.full_state_dict(model), "every": rt.full_state_dict(model, rank0_only=False),
+            "by_hand": by_hand, "sharded": isinstance(lockstep.unwrap(model).head.weight, DTensor)}

@@ -246,3 +246,15 @@ def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_i
     assert sorted(p.name for p in (tmp_path / "resumed").glob("epoch=*")) == [
         *(f"epoch=1-step={s:08d}.ckpt" for s in (3, 6, 9, 10)), *(f"epoch=2-step={s:08d}.ckpt" for s in (12, 15, 18)),
         "epoch=2-step=00000020.ckpt", *(f"epoch=3-step={s:08d}.ckpt" for s in (21, 24))]
+
+
+def test_one_process_saves_in_the_background_without_a_torch_warning(tmp_path):
+    script = ("import sys; sys.path.insert(0, 'tests'); import lockstep, trainer_checks as tc\n"
+              f"t = tc.quiet_trainer(max_epochs=2, checkpoint_dir={str(tmp_path)!r}, "
+              "callbacks=[lockstep.ModelCheckpoint(async_save=True)])\n"
+              "t.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=8)\n")
+    done = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+    assert (tmp_path / "epoch=2-step=00000008.ckpt" / "lockstep.json").is_file()

@@ -153,3 +153,15 @@ def test_freed_all_gather_buffers_leave_the_resident_set_on_the_cpu():
     if default < 16:
         pytest.skip(f"this C library gives freed blocks back by itself ({default:.1f} MB retained)")
     assert retained_mb("lockstep") < 8, default
+
+
+def test_full_state_dict_gathers_the_shards_on_rank_0_or_on_every_rank():
+    results = run_ranks(fc.full_state_dicts, 2)
+    reference = results[0]["by_hand"]
+    assert results[0]["sharded"] and set(reference) == set(fc.make_stack().state_dict())
+    assert results[1]["rank0"] == {}
+    for got in (results[0]["rank0"], results[0]["every"], results[1]["every"]):
+        assert set(got) == set(reference)
+        for name, value in got.items():
+            assert value.device.type == "cpu" and not isinstance(value, torch.distributed.tensor.DTensor)
+            assert torch.equal(value, reference[name]), name

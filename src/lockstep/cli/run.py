@@ -55,7 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="restart the whole group up to K times after a worker fails "
                         "(default 0; 3 with --nodes MIN:MAX)")
-    parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, dp, single)")
+    parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, fsdp, dp, single)")
     parser.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")

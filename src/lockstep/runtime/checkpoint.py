@@ -152,6 +152,9 @@ def is_checkpoint_folder(path: Path) -> bool:
 
 # dcp.async_save takes no_dist (one process, no group) from torch 2.7 on; before, one process saves blocking.
 _ASYNC_WITHOUT_GROUP = "no_dist" in inspect.signature(dcp.async_save).parameters
+# DCP warns at every save and load without a process group, the normal case for one process; an
+# async save warns from its background thread, where no catch_warnings block reaches: so for good.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming")
 
 
 class Checkpointer:
@@ -205,14 +208,13 @@ class Checkpointer:
 
         alone = not dist.is_initialized()
         if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
-            with _one_process_quietly(), _plainly(final, partial if self.rank == 0 else None):
+            with _plainly(final, partial if self.rank == 0 else None):
                 dcp.save(sharded, storage_writer=writer, no_dist=alone)
             commit()
             self._barrier()
         else:
             options: dict[str, Any] = {"no_dist": True} if alone else {"process_group": self._files_group()}
-            with _one_process_quietly():
-                written = dcp.async_save(sharded, storage_writer=writer, **options)
+            written = dcp.async_save(sharded, storage_writer=writer, **options)
             self._pending = _then(written, commit, final, partial if self.rank == 0 else None)  # type: ignore[arg-type]
         return time.perf_counter() - start
 
@@ -229,9 +231,8 @@ class Checkpointer:
         else:
             read_metadata(path)
         try:
-            with _one_process_quietly():
-                dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
-                         storage_reader=SafeReader(str(path)), planner=SafePlanner())
+            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
+                     storage_reader=SafeReader(str(path)), planner=SafePlanner())
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
             raise _load_error(path, error) from error
         return read_objects(path)
@@ -285,13 +286,6 @@ class Checkpointer:
             merged.update({f"{rank}:{k}" if everyone else k: v for k, v in part.items()})
         return merged if every else mine
 
-
-@contextlib.contextmanager
-def _one_process_quietly() -> Iterator[None]:
-    """DCP warns on every save and load without a process group, the normal case for one process."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def read_objects(path: Path) -> dict[str, Any]:

@@ -430,6 +430,23 @@ class Runtime:
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices)
 
+    def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards
+        (FSDP) are gathered, wrappers left out; buffers are rank 0's. For ``torch.save``,
+        ``save_pretrained`` or an export. Every rank must call it. ``rank0_only=True``: rank 0 gets
+        it and the other ranks an empty dict (one full copy in host memory, not one per rank).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = unwrap(model)
+        if self.world_size == 1:
+            return {name: value.detach().cpu() for name, value in module.state_dict().items()}
+        self.sync_buffers(module)
+        with self._watchdog.watch("full_state_dict"):
+            state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=rank0_only))
+        return {name: value.detach().cpu() for name, value in state.items()}
+
     def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
         """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
 
