@@ -143,8 +143,12 @@ def test_unusable_checkpoints_say_why(tmp_path):
     (tmp_path / "newer" / "lockstep.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(CheckpointError, match="written by a newer lockstep .* format 99"):
         read_metadata(tmp_path / "newer")
-    with pytest.raises(CheckpointError, match="not a complete lockstep checkpoint"):
+    with pytest.raises(CheckpointError, match="missing: no such file or folder"):
         read_metadata(tmp_path / "missing")
+    (tmp_path / "interrupted").mkdir()
+    (tmp_path / "interrupted" / "lockstep.json").write_text("{cut sho")
+    with pytest.raises(CheckpointError, match="not a complete lockstep checkpoint"):
+        read_metadata(tmp_path / "interrupted")
     trainer = tc.quiet_trainer(max_steps=2, resume=tmp_path / "missing")
     with pytest.raises(CheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
         trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)

@@ -443,8 +443,8 @@ class Runtime:
             return {name: value.detach().cpu() for name, value in module.state_dict().items()}
         self.sync_buffers(module)
         with self._watchdog.watch("full_state_dict"):
-            state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=rank0_only))
+            state: dict[str, Any] = get_model_state_dict(
+                module, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
         return {name: value.detach().cpu() for name, value in state.items()}
 
     def sync_buffers(self, model: nn.Module, src: int = 0) -> None:

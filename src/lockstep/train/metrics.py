@@ -28,6 +28,16 @@ class MetricStore:
             tensor = weight.detach().to(torch.float64) if isinstance(weight, torch.Tensor) else None
             self._counts[name] = tensor if tensor is not None else float(weight)
 
+    def add_scalar(self, name: str, value: torch.Tensor, weight: float) -> bool:
+        """The per-step fast path: ``value * weight`` added in place, in one operation, to a sum that
+        exists already on ``value``'s device. False when it cannot (then call ``add``)."""
+        total = self._sums.get(name)
+        if total is None or total.device != value.device or value.numel() != 1:
+            return False
+        total.add_(value.detach().reshape(()), alpha=weight)  # computed in the sum's float64
+        self._counts[name] += weight
+        return True
+
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
 

@@ -90,6 +90,7 @@ class Trainer:
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self._batch_samples = 0  # this rank's samples in the current batch: the weight of self.log
+        self._defining: dict[tuple[str, int, int], list[tuple[str, Callable[..., None]]]] = {}  # see fire
 
     # -- where this rank sits ----------------------------------------------------------------------
     @property
@@ -228,9 +229,14 @@ class Trainer:
         weight = batch_size if batch_size is not None else self._batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
-        weighted = weighted_value(name, value, weight, self.runtime.device)
-        for store in self._stores:
-            store.add(name, weighted, weight)
+        if isinstance(weight, int) and isinstance(value, torch.Tensor):  # the per-step case: one op per store
+            missing = [store for store in self._stores if not store.add_scalar(name, value, weight)]
+        else:
+            missing = self._stores
+        if missing:
+            weighted = weighted_value(name, value, weight, self.runtime.device)
+            for store in missing:
+                store.add(name, weighted, weight)
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
@@ -463,13 +469,16 @@ class Trainer:
         return self.profiler.profile(name)
 
     def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on the callbacks that define it (a per-step call costs nothing otherwise)."""
+        """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
+        key = (hook, id(self.callbacks), len(self.callbacks))
+        defined = self._defining.get(key)
+        if defined is None:  # once per hook (again if callbacks were added)
+            defined = self._defining[key] = [
+                (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
+                if getattr(type(c), hook) is not getattr(Callback, hook)]
         module = self._module
-        for callback in self.callbacks:
-            if getattr(type(callback), hook) is getattr(Callback, hook):
-                continue
-            method: Callable[..., None] = getattr(callback, hook)
-            with self._hook(f"{type(callback).__name__}.{hook}"):
+        for name, method in defined:
+            with self._hook(name):
                 method(self, module, *args)
 
     def _report_final_checkpoint(self) -> None:
