@@ -12,6 +12,7 @@ from lockstep.cli.checkpoint import add_parser as add_checkpoint_parser
 from lockstep.cli.doctor import add_parser as add_doctor_parser
 from lockstep.cli.run import add_parser as add_run_parser
 from lockstep.cli.slurm import add_parser as add_slurm_parser
+from lockstep.cli.verify import add_parser as add_verify_parser
 from lockstep.env import DistEnv, EnvError
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_parser(commands)
     add_slurm_parser(commands)
     add_checkpoint_parser(commands)
+    add_verify_parser(commands)
     return parser
 
 

@@ -10,9 +10,10 @@ from lockstep.env.settings import (
     runtime_choices_from_environ,
     slurm_requeue_from_environ,
     timeout_from_environ,
+    verify_from_environ,
 )
 
 __all__ = ["RUNTIME_VARIABLES", "DistEnv", "EnvError", "checksums_from_environ", "expand_nodelist",
            "expand_tasks_per_node",
            "debug_from_environ", "job_secret_from_environ", "runtime_choices_from_environ",
-           "slurm_requeue_from_environ", "timeout_from_environ"]
+           "slurm_requeue_from_environ", "timeout_from_environ", "verify_from_environ"]

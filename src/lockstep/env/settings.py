@@ -66,3 +66,17 @@ def checksums_from_environ(environ: Mapping[str, str] | None = None) -> bool:
     """``LOCKSTEP_CHECKPOINT_CHECKSUMS=0`` turns checkpoint checksums off (on by default)."""
     env = os.environ if environ is None else environ
     return env.get("LOCKSTEP_CHECKPOINT_CHECKSUMS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS")
+
+
+def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """Under ``lockstep verify``: the folder to record the first steps in, and how many (else None)."""
+    env = os.environ if environ is None else environ
+    folder, steps = env.get(VERIFY_VARIABLES[0], ""), env.get(VERIFY_VARIABLES[1], "5")
+    if not folder:
+        return None
+    if not steps.isdigit() or int(steps) < 1:
+        raise ValueError(f"{VERIFY_VARIABLES[1]}={steps!r}: give a positive number of optimizer steps.")
+    return folder, int(steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ
+from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
 from lockstep.runtime.devices import Devices
 from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.strategy import Strategy
@@ -40,6 +40,8 @@ class RuntimeConfig:
         return replace(
             self,
             accelerator=self.accelerator or chosen.get("accelerator", "auto"),
+            # `lockstep verify` runs the script on 1 process and on N: the launcher's count rules.
+            devices="auto" if verify_from_environ() is not None else self.devices,
             strategy=self.strategy or chosen.get("strategy", "auto"),
             precision=self.precision or chosen.get("precision", "32-true"),
             timeout=timeout,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ
+from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
 from lockstep.runtime import collectives
 from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
 from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
@@ -39,6 +39,7 @@ from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, choose_backend, de
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.streams import is_stream
+from lockstep.runtime.verify import StepRecorder
 from lockstep.runtime.watchdog import Watchdog
 from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
 
@@ -123,6 +124,10 @@ class Runtime:
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self.checkpointer = Checkpointer(self.rank, self.world_size, self.barrier, checksums_from_environ())
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
+        verifying = verify_from_environ()  # under `lockstep verify`: record the first steps, then stop
+        self._recorder = None if verifying is None else StepRecorder(
+            Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
+            self.full_state_dict, self.barrier)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
@@ -209,15 +214,21 @@ class Runtime:
         eval_module = self.strategy.eval_module(forward_module)
         wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
         self._wrapped.append(weakref.ref(forward_module))
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.watch(module, optimizers)
         for optimizer in optimizers:
             self._items.watch(optimizer)
-            patch_optimizer_step(optimizer, self.precision, before_step=self._before_step)
+            patch_optimizer_step(optimizer, self.precision, before_step=self._before_step,
+                                 after_step=recorder.after_step if recorder is not None else None)
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def _before_step(self) -> None:
         """Before each optimizer step: a background save that failed is raised now, not at the next save."""
         self.checkpointer.raise_if_failed()
         self._items.finish_step()
+        if self._recorder is not None:
+            self._recorder.before_step()
 
     def init_module(self, empty: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Build the model inside this block: on this rank's device, or with ``empty=True`` on the meta
@@ -242,6 +253,8 @@ class Runtime:
         world size and accumulation. Cost: one all-reduce of one number per optimizer step.
         Give it to every backward of a step, or to none; clip with ``rt.clip_grad_norm_``.
         """
+        if self._recorder is not None:
+            self._recorder.backward(loss, num_items if num_items is not None else self._current.loss_weight)
         if num_items is not None:
             loss = loss * self._items.loss_factor(num_items)
         else:

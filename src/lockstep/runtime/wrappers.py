@@ -65,9 +65,9 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
-                         before_step: Callable[[], None]) -> None:
+                         before_step: Callable[[], None], after_step: Callable[[], None] | None = None) -> None:
     """Make ``optimizer.step()`` call ``before_step`` (the item normalisation), then step through the
-    precision (GradScaler for ``16-mixed``).
+    precision (GradScaler for ``16-mixed``), then call ``after_step`` if given.
 
     The optimizer stays the same object, so LR schedulers and ``isinstance`` checks keep working.
     GradScaler calls ``optimizer.step()`` itself, so a re-entrant call runs the original step.
@@ -84,11 +84,14 @@ def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
         inside = True
         try:
             before_step()
-            return precision.optimizer_step(
+            result = precision.optimizer_step(
                 self, lambda: original() if closure is None else original(closure)
             )
         finally:
             inside = False
+        if after_step is not None:
+            after_step()
+        return result
 
     step._lockstep_patched = True  # type: ignore[attr-defined]
     if getattr(original, "_wrapped_by_lr_sched", False):

@@ -1,0 +1,174 @@
+"""``lockstep verify SCRIPT --devices N``: prove that a distributed run computes what one process computes.
+
+The script runs twice through ``lockstep run``, for its first ``--steps`` optimizer steps: on one
+process, then on ``--devices`` processes (and ``--strategy``). Each run records per step the
+global batch's loss, the gradient norm and every weight (``lockstep.runtime.verify``). The two
+records are compared step by step; the first step and parameter beyond the tolerance are
+reported, with the usual causes, and the exit status is 1. It never imports the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep.env.settings import VERIFY_VARIABLES
+
+EXPECTED = {
+    "dropout": "the model has Dropout with p > 0: each rank draws the masks of its own rows, so they depend on "
+               "the world size (docs/models.md). Set p=0 for the check.",
+    "batchnorm": "the model has BatchNorm: in training each rank normalises with its own rows' statistics. "
+                 "Check with the model in a form without it, or use DDP(sync_batchnorm=True) on GPUs.",
+    "adam": "the optimizer is Adam/AdamW: its update divides by the root of the squared gradients, so in the "
+            "first steps, where those are tiny, summation-order differences (1e-7) grow; a larger --rtol or SGD "
+            "for the check tells them from a real bug.",
+}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "verify", help="check that SCRIPT on N processes computes what it computes on one",
+        description="Run SCRIPT's first --steps optimizer steps on one process and on --devices processes "
+        "(through lockstep run) and compare, step by step, the global batch's loss, the gradient norm and "
+        "every weight. Exits 1 at the first step beyond the tolerance, naming it and the parameter.",
+    )
+    parser.add_argument("--devices", type=int, required=True, help="processes (or GPUs) of the run to check")
+    parser.add_argument("--strategy", help="strategy of the run to check (ddp, fsdp, ...; the script's own wins)")
+    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", help="precision of both runs (the script's own wins)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    parser.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (default 1e-6)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds each run may take (default 600)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the two runs' records in DIR")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    parser.set_defaults(func=verify_command)
+
+
+def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: Path) -> str | None:
+    """One run of the script; None, or what went wrong."""
+    command = [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices),
+               "--accelerator", args.accelerator]
+    command += [f"--{name}={value}" for name, value in (("strategy", strategy), ("precision", args.precision))
+                if value]
+    environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps)}
+    try:
+        done = subprocess.run([*command, args.script, *args.script_args], env=environment, capture_output=True,
+                              text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"it did not finish in {args.timeout:.0f} s"
+    if done.returncode != 0:
+        return f"it failed (exit status {done.returncode}):\n{done.stderr[-4000:]}"
+    if not (folder / "step-0001.pt").is_file():
+        return ("it ended before its first optimizer step: the script must set its model up with lockstep "
+                "(Runtime.setup or the Trainer) and step an optimizer.")
+    return None
+
+
+def _steps(folder: Path) -> list[dict[str, Any]]:
+    return [torch.load(path, map_location="cpu", weights_only=True) for path in sorted(folder.glob("step-*.pt"))]
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or (math.isnan(a) and math.isnan(b))
+
+
+def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rtol: float, atol: float
+                 ) -> tuple[float, str, bool]:
+    """The largest weight difference, its parameter, and whether some parameter is beyond the tolerance."""
+    if set(reference) != set(other):
+        missing = sorted(set(reference) ^ set(other))[:3]
+        raise ValueError(f"the two runs' models have different parameters ({', '.join(missing)} ...)")
+    largest, where, beyond = 0.0, "", False
+    for name, value in reference.items():
+        if not value.is_floating_point():
+            continue
+        gap = float((other[name].double() - value.double()).abs().max()) if value.numel() else 0.0
+        if gap > largest:
+            largest, where = gap, name
+        if gap > atol + rtol * float(value.double().abs().max()) and not beyond:
+            beyond, first = True, name
+    return largest, (first if beyond else where), beyond
+
+
+def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: float, atol: float
+            ) -> tuple[list[str], str | None]:
+    """The report's table lines, and the first divergence (None if every step agrees)."""
+    lines = [f"{'step':>4}  {'loss, 1 process':>16}  {'loss':>16}  {'grad norm, 1':>14}  {'grad norm':>14}  "
+             f"{'max |weight diff|':>17}  parameter"]
+    for ref, got in zip(reference, other, strict=False):
+        gap, name, beyond = _weights_gap(ref["weights"], got["weights"], rtol, atol)
+        lines.append(f"{ref['step']:>4}  {ref['loss']:>16.9g}  {got['loss']:>16.9g}  {ref['grad_norm']:>14.7g}  "
+                     f"{got['grad_norm']:>14.7g}  {gap:>17.3g}  {name}")
+        if not _close(ref["loss"], got["loss"], rtol, atol):
+            return lines, (f"step {ref['step']}: the loss differs ({got['loss']:.9g} against {ref['loss']:.9g} on one "
+                           "process): the forward or the loss computes something per rank")
+        if not _close(ref["grad_norm"], got["grad_norm"], rtol, atol):
+            return lines, (f"step {ref['step']}: the gradient norm differs ({got['grad_norm']:.7g} against "
+                           f"{ref['grad_norm']:.7g}) while the loss agrees: the gradients are normalised per rank")
+        if beyond:
+            return lines, f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g})"
+    if len(other) < len(reference):
+        return lines, f"the run stopped after {len(other)} steps, one process made {len(reference)}"
+    return lines, None
+
+
+def _causes(folder: Path, divergence: str) -> list[str]:
+    try:
+        model = json.loads((folder / "model.json").read_text())
+    except (OSError, ValueError):
+        return []
+    found = []
+    if model.get("dropout"):
+        found.append(EXPECTED["dropout"])
+    if any("BatchNorm" in layer for layer in model.get("layers", [])):
+        found.append(EXPECTED["batchnorm"])
+    if any(name in ("Adam", "AdamW") for name in model.get("optimizers", [])) and "weights" in divergence:
+        found.append(EXPECTED["adam"])
+    if "loss differs" in divergence and not found:
+        found.append("a loss averaged over a count that differs by rank (tokens, valid labels) must say the count: "
+                     "rt.backward(loss, num_items=n), or return {'loss': ..., 'num_items': n} from training_step "
+                     "(docs/models.md, 'Token-averaged losses').")
+    return found
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    if args.devices < 2 or args.steps < 1:
+        print("lockstep verify: give --devices 2 or more and --steps 1 or more.", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as scratch:
+        root = Path(args.keep) if args.keep else Path(scratch)
+        runs = {"one process": (1, None, root / "one"), f"{args.devices} processes": (args.devices, args.strategy,
+                                                                                        root / "many")}
+        for label, (devices, strategy, folder) in runs.items():
+            print(f"lockstep verify: running {args.script} on {label} for {args.steps} steps ...", flush=True)
+            problem = _run(args, devices, strategy, folder)
+            if problem:
+                print(f"lockstep verify: the run on {label} could not be checked: {problem}", file=sys.stderr)
+                return 2
+        try:
+            lines, divergence = compare(_steps(root / "one"), _steps(root / "many"), args.rtol, args.atol)
+        except ValueError as error:
+            print(f"lockstep verify: {error}", file=sys.stderr)
+            return 1
+        causes = _causes(root / "many", divergence) if divergence else []
+    print("\n".join(lines))
+    setup = f"{args.devices} processes" + (f", strategy {args.strategy}" if args.strategy else "")
+    if divergence is None:
+        print(f"lockstep verify: the run on {setup} computes what one process computes: {args.steps} steps agree within "
+              f"rtol {args.rtol:g}, atol {args.atol:g}.")
+        return 0
+    print(f"lockstep verify: the run on {setup} DIVERGES at {divergence}.", file=sys.stderr)
+    for cause in causes:
+        print(f"  expected here: {cause}", file=sys.stderr)
+    return 1

@@ -1,0 +1,82 @@
+"""The worker side of ``lockstep verify``: record the first optimizer steps of a run, then stop it.
+
+``lockstep verify`` runs a script twice (one process, then the setup to check) with
+``LOCKSTEP_VERIFY=FOLDER`` and ``LOCKSTEP_VERIFY_STEPS=K``. Under it, each Runtime records per
+optimizer step, from every model set up and every backward:
+
+- the loss of the global batch (over every rank and micro-batch of the step, as the gradients see
+  it: sample-weighted, or item-weighted with ``num_items``);
+- the gradient norm of the whole model, right before the optimizer uses the gradients;
+- every weight and buffer after the step, gathered whole (FSDP shards too).
+
+Rank 0 writes ``FOLDER/step-NNNN.pt`` per step and ``FOLDER/model.json`` (what the check must
+explain: layer types, optimizers). After step K every rank leaves with exit status 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class StepRecorder:
+    """Losses, gradient norms and weights of the first ``steps`` optimizer steps (see the module text)."""
+
+    def __init__(self, folder: Path, steps: int, rank: int, all_reduce_sum: Callable[[torch.Tensor], Any],
+                 full_state_dict: Callable[[nn.Module], dict[str, torch.Tensor]], barrier: Callable[[], None]) -> None:
+        self.folder, self.steps, self.rank = folder, steps, rank
+        self._all_reduce_sum, self._full_state_dict, self._barrier = all_reduce_sum, full_state_dict, barrier
+        self.models: list[nn.Module] = []
+        self.optimizers: list[str] = []
+        self._loss = torch.zeros(2, dtype=torch.float64)  # this rank's weighted loss sum and its weight
+        self._grad_norm: float | None = None
+        self.step = 0
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def watch(self, model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        self.models.append(model)
+        self.optimizers += [type(o).__name__ for o in optimizers]
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor) -> None:
+        """A backward of ``loss`` (this rank's mean) standing for ``weight`` (samples' share, or items)."""
+        weight = torch.as_tensor(weight).detach().double().cpu()
+        self._loss += torch.stack([loss.detach().double().cpu() * weight, weight])
+
+    def before_step(self) -> None:
+        """The gradients as the optimizer will use them (every rank: a collective for the loss)."""
+        squares = torch.zeros((), dtype=torch.float64)
+        for model in self.models:
+            for param in model.parameters():
+                if param.grad is not None:
+                    grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                    squares += grad.detach().double().pow(2).sum().cpu()
+        self._grad_norm = float(squares.sqrt())
+
+    def after_step(self) -> None:
+        """The step is done: record it; after the last one, end the process."""
+        total, weight = self._all_reduce_sum(self._loss.clone()).tolist()
+        self._loss.zero_()
+        self.step += 1
+        weights = {}
+        for index, model in enumerate(self.models):
+            prefix = f"{index}." if len(self.models) > 1 else ""
+            weights.update({prefix + name: value for name, value in self._full_state_dict(model).items()})
+        if self.rank == 0:
+            if self.step == 1:
+                layers = sorted({type(m).__name__ for model in self.models for m in model.modules()})
+                dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+                              for model in self.models for m in model.modules())
+                (self.folder / "model.json").write_text(json.dumps(
+                    {"layers": layers, "dropout": dropout, "optimizers": self.optimizers}))
+            torch.save({"step": self.step, "loss": total / weight if weight else float("nan"),
+                        "grad_norm": self._grad_norm, "weights": weights}, self.folder / f"step-{self.step:04d}.pt")
+        if self.step >= self.steps:
+            self._barrier()  # rank 0 has written its files
+            raise SystemExit(0)
