@@ -165,8 +165,8 @@ def verify_command(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     setup = f"{args.devices} processes" + (f", strategy {args.strategy}" if args.strategy else "")
     if divergence is None:
-        print(f"lockstep verify: the run on {setup} computes what one process computes: {args.steps} steps agree within "
-              f"rtol {args.rtol:g}, atol {args.atol:g}.")
+        print(f"lockstep verify: the run on {setup} computes what one process computes: {args.steps} steps agree "
+              f"within rtol {args.rtol:g}, atol {args.atol:g}.")
         return 0
     print(f"lockstep verify: the run on {setup} DIVERGES at {divergence}.", file=sys.stderr)
     for cause in causes:
