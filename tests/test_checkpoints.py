@@ -222,10 +222,10 @@ def _rows(path: Path) -> list[tuple[int, str]]:
         return [(int(row["step"]), row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
 
 
-@pytest.mark.parametrize("variant", ["workers", "shuffle"])
+@pytest.mark.parametrize("variant", ["workers", "state", "shuffle"])
 def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_its_logs(tmp_path, variant):
-    """A stream without __len__ (2 loader workers, or a shuffle buffer whose own state would lose
-    its buffer), checkpointed every 3 steps; rank 0 dies after step 14 and the rerun resumes at
+    """A stream without __len__ (2 loader workers; none, continuing from its own state; or a shuffle
+    buffer whose own state would lose its buffer), checkpointed every 3 steps; rank 0 dies after step 14 and the rerun resumes at
     step 12. The weights equal an uninterrupted run's bitwise, the resumed ranks see the
     uninterrupted run's items from step 13 on, and metrics.csv / metrics.jsonl hold every logged
     step once, with the uninterrupted run's values."""
@@ -247,6 +247,10 @@ def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_i
     assert _rows(tmp_path / "resumed" / "metrics.csv") == _rows(tmp_path / "whole" / "metrics.csv")
     logged = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "train_loss" in r] == steps
+    from lockstep.runtime.checkpoint import read_objects
+
+    position = read_objects(tmp_path / "resumed" / "epoch=2-step=00000012.ckpt")["loader"]
+    assert ("stream" in position) == (variant == "state")  # a shuffle buffer's own state is never used
     assert sorted(p.name for p in (tmp_path / "resumed").glob("epoch=*")) == [
         *(f"epoch=1-step={s:08d}.ckpt" for s in (3, 6, 9, 10)), *(f"epoch=2-step={s:08d}.ckpt" for s in (12, 15, 18)),
         "epoch=2-step=00000020.ckpt", *(f"epoch=3-step={s:08d}.ckpt" for s in (21, 24))]

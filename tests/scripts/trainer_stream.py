@@ -2,8 +2,9 @@
 with a CSV and a JSON-lines logger; rank 0 SIGKILLs itself after step ``kill_at`` (-1: never).
 
 argv: checkpoint_dir, out (weights and steps, written by rank 0 at the end), kill_at, variant:
-"workers" (2 loader workers) or "shuffle" (a shuffle buffer, no workers: the stream's own state
-would be used if it restored its buffer)."""
+"workers" (2 loader workers), "state" (no workers: the stream continues from its own state) or
+"shuffle" (a shuffle buffer, no workers: the stream's own state would be used if it restored its
+buffer)."""
 
 import os
 import signal
