@@ -225,10 +225,10 @@ def _rows(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("variant", ["workers", "state", "shuffle"])
 def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_its_logs(tmp_path, variant):
     """A stream without __len__ (2 loader workers; none, continuing from its own state; or a shuffle
-    buffer whose own state would lose its buffer), checkpointed every 3 steps; rank 0 dies after step 14 and the rerun resumes at
-    step 12. The weights equal an uninterrupted run's bitwise, the resumed ranks see the
-    uninterrupted run's items from step 13 on, and metrics.csv / metrics.jsonl hold every logged
-    step once, with the uninterrupted run's values."""
+    buffer whose own state would lose its buffer), checkpointed every 3 steps; rank 0 dies after
+    step 14 and the rerun resumes at step 12. The weights equal an uninterrupted run's bitwise,
+    the resumed ranks see the uninterrupted run's items from step 13 on, and metrics.csv /
+    metrics.jsonl hold every logged step once, with the uninterrupted run's values."""
     pytest.importorskip("datasets")
     whole = _stream_run(tmp_path, "whole", -1, variant)
     assert whole.returncode == 0, whole.stderr
