@@ -191,3 +191,13 @@ def test_run_a_module_with_dash_m(reference, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "scripts")})
     assert done.returncode == 0, done.stderr
     assert torch.allclose(torch.load(out)["weights"], reference, atol=1e-5, rtol=0)
+
+
+def test_the_help_of_run_names_every_strategy():
+    from lockstep.cli.main import build_parser
+    from lockstep.runtime.strategy import make_strategy
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(commands.choices["run"].format_help().split())
+    for name in ("ddp", "fsdp", "dp", "single"):
+        assert make_strategy(name, 1).name and name in text
