@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 import lockstep
-from lockstep.runtime.network import free_port
+from lockstep.runtime.comm.network import free_port
 
 
 def _plain(rank: int, world_size: int, port: int) -> None:

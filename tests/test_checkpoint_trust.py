@@ -17,7 +17,7 @@ import torch
 
 import lockstep
 import trainer_checks as tc
-from lockstep.runtime.checkpoint_files import checksum_of
+from lockstep.runtime.checkpoint.integrity import checksum_of
 from lockstep.train.callbacks import ModelCheckpoint
 from lockstep.train.checkpoint import CheckpointError
 
@@ -222,7 +222,7 @@ def _step(rt, model, optimizer) -> None:
 
 
 def test_a_failed_background_save_is_raised_at_the_next_step_and_leaves_no_partial_folder(tmp_path, monkeypatch):
-    import lockstep.runtime.checkpoint as checkpoint
+    import lockstep.runtime.checkpoint.checkpointer as checkpoint
 
     def failing(*args, **kwargs):
         raise OSError("injected failure while committing")
@@ -230,7 +230,7 @@ def test_a_failed_background_save_is_raised_at_the_next_step_and_leaves_no_parti
     rt, model, optimizer = _one_process_model()
     monkeypatch.setattr(checkpoint, "files_written_by", failing)
     rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer}, blocking=False)
-    pending = rt.checkpointer._pending
+    pending = rt._checkpointer._pending
     assert pending is not None
     concurrent.futures.wait([pending], timeout=30)
     with pytest.raises(OSError, match="injected failure while committing"):
@@ -257,7 +257,7 @@ def test_a_full_disk_is_said_plainly_and_leaves_no_partial_folder(tmp_path):
 def test_shards_are_checksummed_as_they_are_written_and_the_sums_match_the_files(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from lockstep.runtime.checkpoint_files import checksummed_writer
+    from lockstep.runtime.checkpoint.integrity import checksummed_writer
 
     model = torch.nn.Linear(300, 300)
     optimizer = torch.optim.Adam(model.parameters())

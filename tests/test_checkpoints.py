@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import trainer_checks as tc
-from lockstep.runtime.checkpoint import read_metadata
+from lockstep.runtime.checkpoint.format import read_metadata
 from lockstep.train.checkpoint import CheckpointError, complete_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +198,8 @@ def test_one_process_saves_in_the_background_and_commits_on_wait(tmp_path):
     rt.backward(model(torch.randn(4, 64)).square().mean())
     optimizer.step()
     rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 5}, blocking=False)
-    assert rt.checkpointer._pending is not None  # written by a background thread
-    rt.checkpointer.wait()
+    assert rt._checkpointer is not None and rt._checkpointer._pending is not None  # a background thread writes
+    rt.wait_for_save()
     assert json.loads((tmp_path / "ckpt" / "lockstep.json").read_text())["format"] == 2
     fresh = rt.setup(torch.nn.Linear(64, 64))
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
@@ -247,7 +247,7 @@ def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_i
     assert _rows(tmp_path / "resumed" / "metrics.csv") == _rows(tmp_path / "whole" / "metrics.csv")
     logged = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "train_loss" in r] == steps
-    from lockstep.runtime.checkpoint import read_objects
+    from lockstep.runtime.checkpoint.format import read_objects
 
     position = read_objects(tmp_path / "resumed" / "epoch=2-step=00000012.ckpt")["loader"]
     assert ("stream" in position) == (variant == "state")  # a shuffle buffer's own state is never used

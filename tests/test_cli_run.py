@@ -152,7 +152,7 @@ def test_sigkill_of_one_worker_ends_the_whole_job_within_10_seconds(tmp_path):
 def test_root_cause_is_the_failure_the_agent_saw_first_when_timestamps_tie():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from lockstep.runtime.elastic import _root_cause
+    from lockstep.runtime.launch.elastic import _root_cause
 
     def failure(local_rank: int, sig: signal.Signals) -> ProcessFailure:
         made = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=-sig, error_file="")
@@ -205,7 +205,7 @@ def test_run_a_module_with_dash_m(reference, tmp_path):
 
 def test_the_help_of_run_names_every_strategy():
     from lockstep.cli.main import build_parser
-    from lockstep.runtime.strategy import make_strategy
+    from lockstep.runtime.parallel.strategy import make_strategy
 
     commands = next(a for a in build_parser()._actions if a.dest == "command")
     text = " ".join(commands.choices["run"].format_help().split())

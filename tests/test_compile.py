@@ -7,7 +7,7 @@ import torch
 
 import compile_checks
 import trainer_checks as tc
-from lockstep.runtime.compiling import repeated_blocks
+from lockstep.runtime.parallel.compiling import repeated_blocks
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(300)

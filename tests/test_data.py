@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import data_checks as checks
 import trainer_checks
 from lockstep import DistEnv, Runtime
-from lockstep.runtime.order import RANDPERM_MAX, FeistelPermutation, Shuffled
+from lockstep.runtime.data.order import RANDPERM_MAX, FeistelPermutation, Shuffled
+from lockstep.runtime.data.streams import StreamShard
 from lockstep.runtime.seed import mix_seed
-from lockstep.runtime.streams import StreamShard
 from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -171,7 +171,7 @@ def test_tasks_per_node_expansion():
 
 
 def test_several_nodes_get_the_interface_that_reaches_the_master_unless_the_user_chose(monkeypatch, capsys):
-    from lockstep.runtime.process_group import choose_socket_interface
+    from lockstep.runtime.comm.process_group import choose_socket_interface
 
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.setenv(name, "")  # so that the test's end restores what was there

@@ -127,7 +127,7 @@ def test_inspect_and_consolidate_a_sharded_checkpoint(tmp_path):
 
 CHURN = """
 import re, sys, torch
-from lockstep.runtime.fsdp import give_back_freed_buffers
+from lockstep.runtime.parallel.fsdp import give_back_freed_buffers
 def rss_mb():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
 if sys.argv[1] == "lockstep":

@@ -102,7 +102,7 @@ def test_16_mixed_on_cuda_skips_the_inf_step_and_lowers_the_scale():
 
 
 def test_loader_pins_host_memory_and_copies_without_blocking(monkeypatch):
-    import lockstep.runtime.data as data
+    import lockstep.runtime.data.loader as data
 
     seen: list[bool] = []
     real = data.to_device
@@ -190,8 +190,8 @@ def test_fsdp_with_one_rank_materialises_on_the_gpu_and_trains_as_one_device():
 def test_nccl_with_one_rank_runs_its_collectives():
     """A one-process job needs no group, so lockstep makes none; this builds one through lockstep's
     own process-group code (store, device binding) to check that NCCL and its collectives run."""
-    from lockstep.runtime.network import free_port
-    from lockstep.runtime.process_group import init_process_group
+    from lockstep.runtime.comm.network import free_port
+    from lockstep.runtime.comm.process_group import init_process_group
 
     env = DistEnv(master_addr="127.0.0.1", master_port=free_port(), launcher="env")
     device = torch.device("cuda", 0)

@@ -173,7 +173,7 @@ def test_a_node_with_no_route_to_the_master_is_refused_before_the_rendezvous_nam
     assert f"interfaces seen: lo (127.0.0.1), {two_hosts[1][1]} ({two_hosts[1][2]})" in launcher.stderr
     runtime = subprocess.run(
         ["ip", "netns", "exec", namespace, sys.executable, "-c",
-         "from lockstep import DistEnv\nfrom lockstep.runtime.process_group import choose_socket_interface\n"
+         "from lockstep import DistEnv\nfrom lockstep.runtime.comm.process_group import choose_socket_interface\n"
          "choose_socket_interface(DistEnv(rank=2, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,"
          " master_addr='10.99.0.1', master_port=29500, launcher='slurm'))"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,

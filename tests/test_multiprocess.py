@@ -179,7 +179,7 @@ def test_ddp_options_reach_distributed_data_parallel():
 
 
 def test_tcp_init_method():
-    from lockstep.runtime.network import free_port
+    from lockstep.runtime.comm.network import free_port
 
     def over_tcp(port):
         torch.distributed.destroy_process_group()  # drop the harness's group, make our own
@@ -194,7 +194,7 @@ def frozen_peer(_: int) -> str:
     import os
     import signal
 
-    from lockstep.runtime.watchdog import CollectiveError
+    from lockstep import CollectiveError
 
     rt = Runtime(accelerator="cpu", timeout=6)  # applies to the group the harness made, too
     pids = rt.all_gather(os.getpid())
@@ -215,7 +215,7 @@ def frozen_peer(_: int) -> str:
 
 def skewed_clock_peer(_: int) -> str:
     """Rank 1's wall clock runs an hour behind and it busy-waits; rank 0's barrier times out."""
-    from lockstep.runtime.watchdog import CollectiveError
+    from lockstep import CollectiveError
 
     rt = Runtime(accelerator="cpu", timeout=4)
     if rt.rank == 1:

@@ -12,9 +12,9 @@ from torch import nn
 import dist_checks as checks
 import lockstep
 from lockstep import DistEnv, Runtime
-from lockstep.runtime.data import GlobalBatchSampler, ShardSampler
-from lockstep.runtime.loader_options import check_batch_size
-from lockstep.runtime.order import Arange, FixedBatches, Shuffled, split_evenly
+from lockstep.runtime.data.options import check_batch_size
+from lockstep.runtime.data.order import Arange, FixedBatches, Shuffled, split_evenly
+from lockstep.runtime.data.samplers import GlobalBatchSampler, ShardSampler
 
 pytestmark = pytest.mark.timeout(60)
 

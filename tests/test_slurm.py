@@ -172,7 +172,7 @@ def test_without_requeue_a_signal_still_checkpoints_and_exits_cleanly(cluster, t
     assert not (tmp_path / "out.pt").exists()  # training stopped early, on purpose
     saved = list((tmp_path / "ckpt").glob("*-preempted.ckpt"))
     assert len(saved) == 1
-    from lockstep.runtime.checkpoint import read_metadata
+    from lockstep.runtime.checkpoint.format import read_metadata
 
     assert 6 <= read_metadata(saved[0])["step"] < 21
 

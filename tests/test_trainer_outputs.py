@@ -67,7 +67,7 @@ def test_model_checkpoint_keeps_the_best_by_monitor_and_last(tmp_path):
     saved = sorted(p.name for p in tmp_path.glob("*.ckpt"))
     assert "last.ckpt" in saved and len(saved) == 3
     assert keeper.best_model_path in {str(tmp_path / name) for name in saved}
-    assert lockstep.runtime.checkpoint.read_metadata(tmp_path / "last.ckpt")["step"] == 16
+    assert lockstep.runtime.read_metadata(tmp_path / "last.ckpt")["step"] == 16
 
 
 class SlowData(torch.utils.data.Dataset):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.runtime.spawn import RankOutcome, spawn
+from lockstep.runtime.launch.spawn import RankOutcome, spawn
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -10,15 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from lockstep.errors import CheckpointError
 
-from lockstep.runtime.checkpoint import CheckpointError, read_metadata
-from lockstep.runtime.checkpoint_files import SafePlanner, SafeReader, read_dcp_metadata, verify
+# torch and the checkpoint readers load in each command, not here: `lockstep --help` imports no torch.
 
 
 def add_parser(commands: Any) -> None:
@@ -39,28 +36,10 @@ def add_parser(commands: Any) -> None:
     consolidate.set_defaults(func=_consolidate)
 
 
-def tensors_of(folder: Path) -> dict[str, TensorStorageMetadata]:
-    """Every saved tensor's metadata (global shape, dtype), by its full name; nothing is loaded."""
-    try:
-        metadata = read_dcp_metadata(folder)
-    except Exception as error:  # noqa: BLE001 - a damaged or crafted file: many kinds
-        raise CheckpointError(f"{folder / '.metadata'}: cannot read it safely ({str(error)[:300]}).") from None
-    return {name: item for name, item in metadata.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)}
-
-
-def problems_of(folder: Path) -> list[str]:
-    """What is wrong with the checkpoint ``folder``: damaged files, or a ``.metadata`` that names
-    anything but DCP's metadata classes. Empty when it is intact and safe to read."""
-    try:
-        problems = verify(folder, read_metadata(folder).get("files"))
-        tensors_of(folder)
-    except CheckpointError as error:
-        return [str(error)]
-    return problems
-
-
 def _verify(args: argparse.Namespace) -> int:
+    from lockstep.runtime.checkpoint.consolidate import problems_of
+    from lockstep.runtime.checkpoint.format import read_metadata
+
     problems = problems_of(args.folder)
     for problem in problems:
         print(f"lockstep: {problem}", file=sys.stderr)
@@ -74,6 +53,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from lockstep.runtime.checkpoint.consolidate import tensors_of
+    from lockstep.runtime.checkpoint.format import read_metadata
+
     try:
         info = read_metadata(args.folder)
         tensors = tensors_of(args.folder)
@@ -90,34 +74,11 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_weights(folder: Path, part: str | None = None) -> dict[str, torch.Tensor]:
-    """One saved model's whole weights, keyed as its own ``state_dict`` (shards joined)."""
-    import torch.distributed.checkpoint as dcp
-
-    problems = problems_of(folder)
-    if problems:
-        raise CheckpointError(f"{folder}: damaged or unsafe, not read:\n  " + "\n  ".join(problems))
-    names = sorted(tensors_of(folder))
-    parts = sorted({name.split(".", 1)[0] for name in names if name.split(".")[1:2] == ["model"]})
-    if part is None:
-        if len(parts) != 1:
-            raise CheckpointError(f"{folder}: holds the models {parts}: choose one with --part.")
-        part = parts[0]
-    prefix = f"{part}.model."
-    wanted = {name[len(prefix):]: name for name in names if name.startswith(prefix)}
-    if not wanted:
-        raise CheckpointError(f"{folder}: holds no model {part!r}; it holds {parts}.")
-    metadata = tensors_of(folder)
-    buffers = {name: torch.empty(tuple(metadata[full].size), dtype=metadata[full].properties.dtype)
-               for name, full in wanted.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({part: {"model": buffers}}, checkpoint_id=str(folder), no_dist=True,
-                 storage_reader=SafeReader(str(folder)), planner=SafePlanner())
-    return buffers
-
-
 def _consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from lockstep.runtime.checkpoint.consolidate import model_weights
+
     try:
         weights = model_weights(args.folder, args.part)
     except CheckpointError as error:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from lockstep.env import DistEnv, EnvError, job_secret_from_environ
-from lockstep.runtime.network import interfaces
+from lockstep.runtime.comm.network import interfaces
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -11,20 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
-from lockstep.runtime.devices import parse_devices
-from lockstep.runtime.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
-from lockstep.runtime.network import (
+from lockstep.errors import PreflightError
+from lockstep.runtime.comm.network import (
     NoRouteError,
     host_store,
     interface_towards,
     interfaces,
     socket_interface_variables,
 )
-from lockstep.runtime.node_watch import NodeWatch
-
-
-class PreflightError(Exception):
-    """A request that cannot work; the message is one line saying what to fix."""
+from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
+from lockstep.runtime.launch.node_watch import NodeWatch
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -93,6 +89,8 @@ def _split_host_port(value: str, option: str) -> tuple[str, int]:
 def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:
     """Processes per node, and the CUDA_VISIBLE_DEVICES value to set (None: leave it)."""
     import torch
+
+    from lockstep.runtime.parallel.devices import parse_devices  # torch's import: not for --help
 
     gpus = torch.cuda.device_count() if accelerator in ("auto", "cuda") else 0
     if accelerator == "cuda" and gpus == 0:
@@ -214,7 +212,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if elastic:
         if local_address:  # the address this node's workers get if it becomes the group's rank 0
             rendezvous += ["--local-addr", local_address]
-        environment["LOCKSTEP_ELASTIC_STORE"] = f"{host}:{port}"  # membership reports (runtime/membership.py)
+        environment["LOCKSTEP_ELASTIC_STORE"] = f"{host}:{port}"  # membership reports (runtime/launch/membership.py)
         # torch's agents share their rendezvous store with the workers unless told not to; a node that
         # joins a later round then waits forever for the store address, which rank 0 published only in
         # the round it created the store. Without sharing, every round publishes it again.

@@ -17,9 +17,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads when a comparison runs, not for --help
+    import torch
 
 from lockstep.env.settings import VERIFY_VARIABLES
 
@@ -76,6 +77,8 @@ def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: P
 
 
 def _steps(folder: Path) -> list[dict[str, Any]]:
+    import torch
+
     return [torch.load(path, map_location="cpu", weights_only=True) for path in sorted(folder.glob("step-*.pt"))]
 
 

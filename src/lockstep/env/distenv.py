@@ -12,14 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lockstep.env.nodelist import expand_nodelist, expand_tasks_per_node
+from lockstep.errors import EnvError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 SLURM_PORT_BASE = 10000
 SLURM_PORT_SPAN = 20000
 
 
-class EnvError(ValueError):
-    """The launcher's environment is inconsistent; the message says what to change."""
 
 
 @dataclass(frozen=True)

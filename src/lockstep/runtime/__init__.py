@@ -1,15 +1,65 @@
-"""The runtime layer: usable alone, with your own training loop."""
+"""The runtime layer: usable alone, with your own training loop.
 
-from lockstep.runtime.config import RuntimeConfig
-from lockstep.runtime.data import DistributedLoader
-from lockstep.runtime.files import write_atomic
-from lockstep.runtime.fsdp import FSDP
-from lockstep.runtime.runtime import Runtime
-from lockstep.runtime.seed import seed_everything
-from lockstep.runtime.spawn import WorkerError, launch
-from lockstep.runtime.strategy import DDP, DP, SingleDevice
-from lockstep.runtime.tree import batch_size_of
-from lockstep.runtime.wrappers import unwrap
+``runtime.py`` is the facade (``Runtime``); each subpackage owns one concern and says in its
+``__init__`` what it must not import:
 
-__all__ = ["DDP", "DP", "FSDP", "DistributedLoader", "Runtime", "RuntimeConfig", "SingleDevice", "WorkerError",
-           "batch_size_of", "launch", "seed_everything", "unwrap", "write_atomic"]
+- ``data/``: the global order, samplers, streams, the loader and its batch observer;
+- ``parallel/``: strategies (DDP, FSDP, DP, single), precision, devices, wrappers, compile,
+  ``num_items``, meta-device initialisation;
+- ``checkpoint/``: the Checkpointer, the on-disk format, integrity checks, consolidation;
+- ``comm/``: the process group, collectives over nested data, network interfaces;
+- ``faults/``: the watchdog, preemption, root-cause reports, process lifetime;
+- ``launch/``: the launcher side (``lockstep.launch``, elastic, node watch, membership).
+
+Below them sit ``tree`` (the one walker of nested data), ``seed``, ``files`` and ``_torch_compat``
+(every private torch API). The names below load on first use, so ``import lockstep.runtime``
+costs nothing beyond torch's own import until one is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lockstep.errors import CheckpointError, CollectiveError, WorkerError
+    from lockstep.runtime.checkpoint.format import is_checkpoint_folder, read_metadata
+    from lockstep.runtime.config import RuntimeConfig
+    from lockstep.runtime.data.loader import DistributedLoader
+    from lockstep.runtime.data.streams import is_stream
+    from lockstep.runtime.files import write_atomic
+    from lockstep.runtime.launch.spawn import launch
+    from lockstep.runtime.parallel.fsdp import FSDP
+    from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice
+    from lockstep.runtime.parallel.wrappers import unwrap
+    from lockstep.runtime.runtime import Runtime
+    from lockstep.runtime.seed import seed_everything
+    from lockstep.runtime.tree import batch_size_of
+
+_WHERE = {
+    "CheckpointError": "lockstep.errors", "CollectiveError": "lockstep.errors", "WorkerError": "lockstep.errors",
+    "read_metadata": "lockstep.runtime.checkpoint.format", "is_checkpoint_folder": "lockstep.runtime.checkpoint.format",
+    "RuntimeConfig": "lockstep.runtime.config",
+    "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
+    "write_atomic": "lockstep.runtime.files", "launch": "lockstep.runtime.launch.spawn",
+    "FSDP": "lockstep.runtime.parallel.fsdp", "DDP": "lockstep.runtime.parallel.strategy",
+    "DP": "lockstep.runtime.parallel.strategy", "SingleDevice": "lockstep.runtime.parallel.strategy",
+    "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
+    "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
+}
+
+__all__ = ["CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "Runtime",
+           "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "is_checkpoint_folder", "is_stream",
+           "launch", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lockstep.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -6,9 +6,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
-from lockstep.runtime.devices import Devices
-from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S
-from lockstep.runtime.strategy import Strategy
+from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
+from lockstep.runtime.parallel.devices import Devices
+from lockstep.runtime.parallel.strategy import Strategy
 
 
 @dataclass(frozen=True)

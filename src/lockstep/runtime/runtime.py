@@ -7,41 +7,46 @@ import builtins
 import contextlib
 import gc
 import logging
-import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
-from lockstep.runtime import collectives
-from lockstep.runtime.checkpoint import Checkpointer, CheckpointError, is_stateful, split_state
-from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
+from lockstep.errors import CheckpointError
+from lockstep.runtime._torch_compat import full_tensor
+from lockstep.runtime.comm import collectives
+from lockstep.runtime.comm.process_group import (
+    DEFAULT_TIMEOUT_S,
+    choose_backend,
+    destroy_process_group,
+    init_process_group,
+)
 from lockstep.runtime.config import RuntimeConfig
-from lockstep.runtime.data import CurrentBatch, DistributedLoader, GlobalBatchSampler, ShardSampler
-from lockstep.runtime.devices import Devices, processes_asked_for, resolve_placement
-from lockstep.runtime.elastic import self_launch
-from lockstep.runtime.errors import record_uncaught_exceptions
-from lockstep.runtime.fsdp import FSDP, is_empty, materialize, repoint_optimizers
-from lockstep.runtime.items import ItemNormalizer
-from lockstep.runtime.lifetime import die_with
-from lockstep.runtime.loader_options import dataset_length, global_batches, resolve_loader_options
-from lockstep.runtime.membership import report_membership
-from lockstep.runtime.order import FixedBatches
-from lockstep.runtime.precision import make_precision
-from lockstep.runtime.preemption import Preemption
-from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, choose_backend, destroy_process_group, init_process_group
+from lockstep.runtime.data.assembly import Loaders
+from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
+from lockstep.runtime.faults.lifetime import as_elastic_worker
+from lockstep.runtime.faults.preemption import Preemption
+from lockstep.runtime.faults.watchdog import Watchdog
+from lockstep.runtime.launch.elastic import self_launch
+from lockstep.runtime.launch.membership import report_membership
+from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
+from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
+from lockstep.runtime.parallel.fsdp import FSDP
+from lockstep.runtime.parallel.meta_init import is_empty, materialize, repoint_optimizers
+from lockstep.runtime.parallel.num_items import ItemNormalizer
+from lockstep.runtime.parallel.precision import make_precision
+from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
+from lockstep.runtime.parallel.wrappers import WrappedModule, patch_optimizer_step, unwrap
 from lockstep.runtime.seed import seed_everything, set_determinism
-from lockstep.runtime.strategy import DDP, Strategy, make_strategy
-from lockstep.runtime.streams import is_stream
 from lockstep.runtime.verify import StepRecorder
-from lockstep.runtime.watchdog import Watchdog
-from lockstep.runtime.wrappers import WrappedModule, patch_optimizer_step, unwrap
+
+if TYPE_CHECKING:  # the checkpoint machinery (DCP) loads at the first save or load, not before
+    from lockstep.runtime.checkpoint.checkpointer import Checkpointer
 
 
 class Runtime:
@@ -52,6 +57,13 @@ class Runtime:
     creates no group and every collective is then the identity. A script started with plain
     ``python`` that asks for several devices first becomes their launcher (see
     ``launch_workers_if_asked``). ``rt.config`` holds the arguments, resolved.
+
+    Process-wide effects, each where a job needs it (docs/architecture.md says why and how to avoid
+    each): under a torch elastic agent, ``sys.excepthook`` is wrapped and a thread ends the worker
+    with its agent; under SLURM, USR1/USR2/TERM handlers; ``atexit`` closes the group; python, numpy
+    and torch are seeded with ``seed``; ``setup`` patches each optimizer's ``step`` on the instance;
+    FSDP on host memory sets glibc's mmap threshold; several nodes set ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` when unset.
 
     Arguments left unset (None) take what ``lockstep run --accelerator/--strategy/--precision``
     passed (``LOCKSTEP_ACCELERATOR``, ``LOCKSTEP_STRATEGY``, ``LOCKSTEP_PRECISION``), else the default.
@@ -103,7 +115,7 @@ class Runtime:
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.launcher == "torchrun":
-            _as_elastic_worker()
+            as_elastic_worker()
         launch_workers_if_asked(config, self.env)
         self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
         self.placement = resolve_placement(
@@ -122,7 +134,11 @@ class Runtime:
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
-        self.checkpointer = Checkpointer(self.rank, self.world_size, self.barrier, checksums_from_environ())
+        self._checkpointer: Checkpointer | None = None  # made at the first save or load
+        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
+        self._loaders = Loaders(self.rank, self.world_size, self.env.local_world_size, self.device, self.seed,
+                                self._current, config.per_sample_rng, self.strategy.collective_forward, count,
+                                self.print)
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         verifying = verify_from_environ()  # under `lockstep verify`: record the first steps, then stop
         self._recorder = None if verifying is None else StepRecorder(
@@ -199,14 +215,11 @@ class Runtime:
         ``rt.compiled`` then names what was compiled.
         """
         model, was_compiled = unwrap_compiled(model)
-        options = compile_options(compile if compile is not None else was_compiled)
         before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
-        sharded = self.strategy.collective_forward
-        if is_empty(module) and not sharded:
+        if is_empty(module) and not self.shards_model:
             materialize(module, self.strategy.materialize_on(self.placement), self.seed)
-        if options is not None:
-            self.compiled = compile_in_place(module, options)
+        self.compile(module, compile if compile is not None else was_compiled)
         forward_module = self.strategy.wrap(module, self.placement, self.precision)
         if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
             materialize(module, self.strategy.materialize_on(self.placement), self.seed)
@@ -223,9 +236,29 @@ class Runtime:
                                  after_step=recorder.after_step if recorder is not None else None)
         return (wrapped, *optimizers) if optimizers else wrapped
 
+    def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
+        """Compile ``model`` in place as ``setup(compile=...)`` does, and return it: its repeated blocks
+        (or, with none or ``regional=False``, its forward). ``torch.compile(model)``'s wrapper is taken
+        off and its module compiled so. ``compile`` is True, a dict of ``torch.compile`` options, or
+        False/None (nothing is compiled). For a model that ``setup`` will see inside a wrapper of
+        your own (the Trainer's); call it before ``setup``. ``rt.compiled`` names what was compiled.
+        """
+        module, _ = unwrap_compiled(model)
+        options = compile_options(compile)
+        if options is not None:
+            self.compiled = compile_in_place(module, options)
+        return module
+
+    @property
+    def shards_model(self) -> bool:
+        """True when the strategy shards the model (FSDP): build big models in ``init_module(empty=True)``,
+        and know that each forward is a collective that every rank must run."""
+        return self.strategy.collective_forward
+
     def _before_step(self) -> None:
         """Before each optimizer step: a background save that failed is raised now, not at the next save."""
-        self.checkpointer.raise_if_failed()
+        if self._checkpointer is not None:
+            self._checkpointer.raise_if_failed()
         self._items.finish_step()
         if self._recorder is not None:
             self._recorder.before_step()
@@ -289,7 +322,7 @@ class Runtime:
         self._items.finish_step()
         self.precision.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the norm over all shards
+        return full_tensor(norm)  # FSDP: the norm over all shards
 
     @property
     def step_was_skipped(self) -> bool:
@@ -311,31 +344,7 @@ class Runtime:
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if value is not None:
                 options[name] = value
-        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
-                                              self.device)
-        shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
-        batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
-        if isinstance(batches, FixedBatches):
-            self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
-        return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=True)
-
-    def _check_size(self, samples: int, batch_size: int, drop_last: bool, name: str) -> None:
-        """No epoch of a training loader may be empty; one shorter than a batch is said once."""
-        if samples == 0:
-            raise ValueError(f"the training data ({name}) holds no samples: an epoch would train nothing. Check "
-                             "the dataset's path, filter or split.")
-        if batch_size > samples and drop_last:
-            raise ValueError(f"batch_size={batch_size} is larger than the training data ({samples} samples) and "
-                             "drop_last=True drops the only batch: lower batch_size, or pass drop_last=False.")
-        if batch_size > samples:
-            self.print(f"lockstep: batch_size={batch_size} is larger than the training data ({samples} samples): "
-                       f"each epoch is one step of {samples} samples.")
-
-    def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
-                training: bool) -> DistributedLoader:
-        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self._current,
-                                 per_sample_rng=self.config.per_sample_rng, count_ranks=count, training=training)
+        return self._loaders.training(data, batch_size, options)
 
     def eval_loader(self, data: Any, batch_size: int | None = None, **options: Any) -> DistributedLoader:
         """An evaluation loader: every sample goes to exactly one rank, no padding, no duplicates.
@@ -346,44 +355,45 @@ class Runtime:
         forward is a collective, every rank gets the same number of batches: a rank whose shard
         has ended gets batches of zero rows, which add nothing to gathered outputs.
         """
-        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.env.local_world_size,
-                                              self.device, evaluation=True)
-        for unused in ("shuffle", "drop_last"):
-            opts.pop(unused, None)
-        if is_stream(dataset):  # global batches in stream order, split over the ranks
-            batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
-            return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=False)
-        per_rank = opts.pop("batch_size") // self.world_size
-        sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size,
-                               equal_steps=self.strategy.collective_forward)
-        return self._loader(dataset, sampler, opts, training=False)
+        return self._loaders.evaluation(data, batch_size, options)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True) -> float:
+    def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True,
+             metadata: dict[str, Any] | None = None, on_commit: Callable[[], None] | None = None) -> float:
         """Save ``state`` as the checkpoint folder ``path``; every rank calls it. Returns the seconds
         the call blocked.
 
         Models (what ``rt.setup`` returned) and their optimizers are saved by parameter name, each
         rank writing its own shards; loaders and anything else with ``state_dict()`` are saved
-        through it; other values (numbers, strings, tensors) as they are on rank 0. The folder is
-        committed atomically and loads on any number of processes and any strategy (``rt.load``).
-        ``blocking=False`` writes in the background while training goes on.
+        through it; other values (numbers, strings, tensors, dicts of them) as they are on rank 0.
+        The folder is committed atomically and loads on any number of processes and any strategy
+        (``rt.load``). ``blocking=False`` writes in the background while training goes on (see
+        ``wait_for_save``). ``metadata``: JSON values added to the folder's ``lockstep.json``
+        (readable without loading, e.g. the step). ``on_commit``: run on rank 0 once the folder is
+        complete (after the background write, with ``blocking=False``).
         """
+        from lockstep.runtime.checkpoint.parts import split_state
+
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
             self.sync_buffers(part.model)
-        metadata = {"world_size": self.world_size, "strategy": self.strategy.name, "optimizers": optimizer_of}
+        info = {**(metadata or {}), "world_size": self.world_size, "strategy": self.strategy.name,
+                "optimizers": optimizer_of}
         with self._watchdog.watch("checkpoint save"):
-            return self.checkpointer.save(path, sharded, objects, metadata, blocking=blocking)
+            return self._checkpoints().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
 
-    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
         """Load the checkpoint folder ``path`` into ``state``, as given to ``rt.save``: models,
-        optimizers, loaders and other objects with ``load_state_dict`` in place; plain values are
-        replaced in ``state``, which is also returned. Every rank calls it, with the same keys.
+        optimizers, loaders and other objects with ``load_state_dict`` in place; plain values (None
+        too) are replaced in ``state``, which is also returned. Every rank calls it, with the same
+        keys. The files are checked against their checksums first (``verify=False``: already done,
+        by ``verify_checkpoint``); a damaged checkpoint is refused, naming the file.
         """
+        from lockstep.runtime.checkpoint.parts import is_stateful, split_state
+
         sharded, _, optimizer_of = split_state(state)
         with self._watchdog.watch("checkpoint load"):
-            objects = self.checkpointer.load(path, sharded)
+            objects = self._checkpoints().load(path, sharded, verify_files=verify)
         for name, value in state.items():
             if name in sharded or name in optimizer_of:
                 continue
@@ -394,6 +404,26 @@ class Runtime:
             else:
                 state[name] = objects[name]
         return state
+
+    def verify_checkpoint(self, path: str | Path) -> list[str]:
+        """Every problem with the files of checkpoint ``path`` (none when intact: each file matches the
+        checksum written at commit, and nothing in it would run code). Every rank calls it, reads its
+        share of the files, and gets the same list."""
+        with self._watchdog.watch("checkpoint verify"):
+            return self._checkpoints().verify(path)
+
+    def wait_for_save(self) -> None:
+        """Block until a background save (``save(blocking=False)``) is written and committed; raise its
+        error if it failed. Returns at once when none is under way. Every rank calls it."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def _checkpoints(self) -> Checkpointer:
+        if self._checkpointer is None:
+            from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+
+            self._checkpointer = Checkpointer(self.rank, self.world_size, self.barrier, checksums_from_environ())
+        return self._checkpointer
 
     def mark(self, stage: str) -> None:
         """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
@@ -449,16 +479,14 @@ class Runtime:
         ``save_pretrained`` or an export. Every rank must call it. ``rank0_only=True``: rank 0 gets
         it and the other ranks an empty dict (one full copy in host memory, not one per rank).
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         module = unwrap(model)
         if self.world_size == 1:
             return {name: value.detach().cpu() for name, value in module.state_dict().items()}
+        from lockstep.runtime.checkpoint.parts import full_state_dict
+
         self.sync_buffers(module)
         with self._watchdog.watch("full_state_dict"):
-            state: dict[str, Any] = get_model_state_dict(
-                module, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
-        return {name: value.detach().cpu() for name, value in state.items()}
+            return full_state_dict(module, rank0_only)
 
     def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
         """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
@@ -527,7 +555,8 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
-        self.checkpointer.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self._watchdog.stop()
         if self._owns_group:
             self._owns_group = False
@@ -543,14 +572,6 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _as_elastic_worker() -> None:
-    """In a worker of a torch elastic agent (torchrun, lockstep run, self-launch): record an uncaught
-    exception for the agent's report, and end with the agent. An agent killed itself stops nothing:
-    without the watch its workers would train on, orphaned, into the checkpoints."""
-    record_uncaught_exceptions()
-    die_with(os.getppid(), name="lockstep-agent-watch")
 
 
 def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from lockstep.runtime._torch_compat import pytree
 
 Spec = pytree.TreeSpec
 

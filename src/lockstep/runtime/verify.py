@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from lockstep.runtime._torch_compat import full_tensor
 
 
 class StepRecorder:
@@ -55,7 +56,7 @@ class StepRecorder:
         for model in self.models:
             for param in model.parameters():
                 if param.grad is not None:
-                    grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                    grad = full_tensor(param.grad)
                     squares += grad.detach().double().pow(2).sum().cpu()
         self._grad_norm = float(squares.sqrt())
 

@@ -1,7 +1,7 @@
 """The Trainer layer: a loop with callbacks, loggers, checkpoints and profilers on the runtime."""
 
+from lockstep.errors import CheckpointError
 from lockstep.train.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lockstep.train.checkpoint import CheckpointError
 from lockstep.train.loggers import CSVLogger, JSONLinesLogger, TensorBoardLogger
 from lockstep.train.module import Module
 from lockstep.train.profilers import AdvancedProfiler, PyTorchProfiler, SimpleProfiler

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.runtime.checkpoint import METADATA, read_metadata
+from lockstep.runtime import is_checkpoint_folder, read_metadata
 from lockstep.train.checkpoint import complete_checkpoints, prepare_folder
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def _remove_checkpoint(folder: Path, path: Path) -> None:
     """Delete the checkpoint ``path`` only if it is one, directly inside ``folder``: a folder of
     ModelCheckpoint's name pattern holding lockstep's metadata, not a link."""
     if (path.parent.resolve() == folder.resolve() and _CHECKPOINT_NAME.fullmatch(path.name)
-            and not path.is_symlink() and (path / METADATA).is_file()):
+            and not path.is_symlink() and is_checkpoint_folder(path)):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -128,7 +128,7 @@ class ModelCheckpoint(Callback):
         folder = Path(folder)
         # The epoch counts from 1, as in the progress lines: epoch=1 is the first epoch's.
         path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}.ckpt"
-        trainer.runtime.checkpointer.wait()  # a save in the background: the folder then shows it
+        trainer.runtime.wait_for_save()  # a save in the background: the folder then shows it
         kept = self._kept(folder)
         if path in kept:
             return  # already saved at this step (e.g. by both the step and the epoch rule)

@@ -1,6 +1,6 @@
 """The Trainer's checkpoints: its stateful parts, finding the newest intact one, and resuming.
 
-A checkpoint is a folder (``lockstep.runtime.checkpoint``): the module and optimizers as shards,
+A checkpoint is a folder (``lockstep.runtime.checkpoint.checkpointer``): the module and optimizers as shards,
 the other parts' states from rank 0.
 """
 
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.runtime import Runtime
-from lockstep.runtime.checkpoint import CheckpointError, ModelState, is_checkpoint_folder, read_metadata
+from lockstep.errors import CheckpointError
+from lockstep.runtime import Runtime, is_checkpoint_folder, read_metadata
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
@@ -138,7 +138,7 @@ def agreed_checkpoint(rt: Runtime, resume: str | Path, checkpoint_dir: Path | No
     if problem:
         raise CheckpointError(problem)
     for path, step in found:
-        damage = rt.checkpointer.verify(path)
+        damage = rt.verify_checkpoint(path)
         if not damage:
             return path, step
         if str(resume) != "auto":
@@ -221,18 +221,24 @@ def parts(trainer: Trainer) -> dict[str, Any]:
 def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> float:
     """Write the Trainer's checkpoint folder; every rank calls it. Returns the seconds it blocked."""
     rt = trainer.runtime
-    rt.sync_buffers(trainer.module)  # the ranks' BatchNorm statistics differ: rank 0's are saved
     objects = {name: part.state_dict() for name, part in parts(trainer).items()}
     objects["rng"] = rt.all_gather(capture_rng())
     objects["config"] = {k: str(v) for k, v in trainer.config.hparams().items()}
     objects["loggers"] = logger_states(trainer.loggers)  # rank 0's: its objects are the ones written
     trainer.fire("on_save_checkpoint", objects)
     loader = trainer.train_loader
-    metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": rt.world_size,
-                "strategy": rt.strategy.name, "global_batch": loader.sampler.batch_size if loader is not None else None,
+    metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                "global_batch": loader.sampler.batch_size if loader is not None else None,
                 "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
-    sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
-    return rt.checkpointer.save(path, sharded, objects, metadata, blocking=blocking, then=then)
+    # rt.save syncs the ranks' buffers (BatchNorm statistics): rank 0's are saved.
+    return rt.save(path, {**_model_and_optimizers(trainer), **objects}, blocking=blocking, metadata=metadata,
+                   on_commit=then)
+
+
+def _model_and_optimizers(trainer: Trainer) -> dict[str, Any]:
+    """The model with its optimizers, as ``rt.save`` shards them (under the keys that earlier
+    checkpoints hold: ``model``, its optimizers in their order)."""
+    return {"model": trainer.module, **{f"optimizer-{i:03d}": o for i, o in enumerate(trainer.optimizers)}}
 
 
 def logger_states(loggers: list[Any]) -> list[dict[str, Any]]:
@@ -246,8 +252,8 @@ def resume(trainer: Trainer, path: Path) -> list[dict[str, Any]]:
     Trainer's parts; random states last, and only on the same number of processes. Returns the
     loggers' saved states (for ``resume_loggers``)."""
     rt = trainer.runtime
-    sharded = {"model": ModelState(trainer.module, trainer.optimizers)}
-    state = rt.checkpointer.load(path, sharded, verify_files=False)
+    saved = read_metadata(path).get("objects", [])
+    state = rt.load(path, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
     for name, part in parts(trainer).items():
         if name not in state:
             raise CheckpointError(f"{path}: holds no {name!r} state; it holds {sorted(state)}.")

@@ -16,9 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
-from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, seed_everything
-from lockstep.runtime.compiling import compile_in_place, compile_options, unwrap_compiled
-from lockstep.runtime.streams import is_stream
+from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, is_stream, seed_everything, unwrap
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
@@ -163,7 +161,7 @@ class Trainer:
             self.fire("on_train_start")
             while not self._finished():
                 self._train_epoch()
-            rt.checkpointer.wait()  # a checkpoint still being written in the background
+            rt.wait_for_save()  # a checkpoint still being written in the background
             self._report_final_checkpoint()
             self.fire("on_train_end")
             self.fire("on_fit_end")
@@ -254,8 +252,8 @@ class Trainer:
     # -- set-up and resume --------------------------------------------------------------------------
     def _start(self, module: Module, with_optimizers: bool) -> Runtime:
         """Create the Runtime on first use (see the class docstring), then set ``module`` up on it."""
-        inner, was_compiled = unwrap_compiled(module)
-        options = compile_options(self.config.compile if self.config.compile is not None else was_compiled)
+        inner = unwrap(module)  # also torch.compile's wrapper: its module is compiled as compile= says
+        compile = self.config.compile if self.config.compile is not None else inner is not module
         if not isinstance(inner, Module):
             raise TypeError(f"the Trainer runs a lockstep.Module; got {type(inner).__name__}: subclass "
                             "lockstep.Module and write training_step / configure_optimizers.")
@@ -269,8 +267,9 @@ class Trainer:
         if with_optimizers or self._module is not module:
             module.attach(self)
             self._configure_model(module, self._runtime)
-            if options is not None and not self.compiled:
-                self.compiled = compile_in_place(module, options)
+            if not self.compiled:
+                self._runtime.compile(module, compile)
+                self.compiled = list(self._runtime.compiled)
             self._module = module
             self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], [])
             wrapped = self._runtime.setup(StepRouter(module), *self.optimizers)
@@ -284,7 +283,7 @@ class Trainer:
         hook = getattr(module, "configure_model", None)
         if hook is None or getattr(module, "_lockstep_configured", False):
             return
-        with rt.init_module(empty=rt.strategy.collective_forward):
+        with rt.init_module(empty=rt.shards_model):
             hook()
         module.__dict__["_lockstep_configured"] = True
 

@@ -7,7 +7,7 @@ A checkpoint folder holds:
 - ``state.pt``: the small non-tensor state (loader position, counters, schedulers, random states),
   written by rank 0 and read with weights-only unpickling;
 - ``lockstep.json``: the metadata (format, step, world size, strategy, ...), readable without
-  loading any tensor, with every other file's size and XXH3 checksum (``checkpoint_files``). It is
+  loading any tensor, with every other file's size and XXH3 checksum (``integrity``). It is
   written last: a folder without it is not a checkpoint.
 
 A save goes to a hidden ``.NAME.partial`` folder that rank 0 renames to ``NAME`` once every rank
@@ -21,32 +21,21 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import inspect
-import io
-import json
-import os
 import shutil
 import time
-import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from lockstep.runtime.checkpoint_files import (
+from lockstep.errors import CheckpointError
+from lockstep.runtime.checkpoint.format import FORMAT, OBJECTS, lockstep_version, publish, read_metadata, read_objects
+from lockstep.runtime.checkpoint.integrity import (
     DCP_METADATA,
     SafePlanner,
     SafeReader,
@@ -56,102 +45,7 @@ from lockstep.runtime.checkpoint_files import (
     verify,
 )
 from lockstep.runtime.files import write_atomic
-from lockstep.runtime.wrappers import unwrap
 
-FORMAT = 2
-METADATA = "lockstep.json"
-OBJECTS = "state.pt"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used; the message says why and what to do."""
-
-
-class ModelState:
-    """A model and the optimizers over its parameters, as DCP saves them: keyed by parameter names,
-    so they load into any sharding (FSDP on any number of ranks, DDP, one process)."""
-
-    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        self.model, self.optimizers = unwrap(model), list(optimizers)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-        if self.optimizers:
-            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state["model"])
-        if self.optimizers:
-            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"])
-
-
-def is_stateful(value: Any) -> bool:
-    """An object saved through its own ``state_dict`` (a loader, a scheduler), not as a value."""
-    return hasattr(value, "state_dict") and not isinstance(value, torch.Tensor)
-
-
-def split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
-    """A dict given to ``rt.save``/``rt.load`` as: each model with the optimizers over its parameters
-    (sharded parts), the other values' states (rank 0's), and which model each optimizer belongs to."""
-    models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
-    owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
-    optimizer_of: dict[str, str] = {}
-    for name, value in state.items():
-        if isinstance(value, torch.optim.Optimizer):
-            params = {id(p) for group in value.param_groups for p in group["params"]}
-            owner = next((model for model, ids in owners.items() if params <= ids), None)
-            if owner is None:
-                raise CheckpointError(
-                    f"state[{name!r}] is an optimizer over parameters of no model in the same dict: save it "
-                    "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
-                )
-            optimizer_of[name] = owner
-    sharded = {name: ModelState(model, [state[o] for o in sorted(optimizer_of) if optimizer_of[o] == name])
-               for name, model in models.items()}
-    objects = {name: value.state_dict() if is_stateful(value) else value
-               for name, value in state.items() if name not in models and name not in optimizer_of}
-    return sharded, objects, optimizer_of
-
-
-def lockstep_version() -> str:
-    try:
-        return version("lockstep")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "unknown"
-
-
-def read_metadata(path: Path | str) -> dict[str, Any]:
-    """The metadata of the complete checkpoint folder ``path``, without loading a tensor."""
-    path = Path(path)
-    if not path.is_dir():
-        what = "no such file or folder" if not path.exists() else "a file, not a checkpoint folder"
-        raise CheckpointError(f"{path}: {what}. A lockstep checkpoint is a folder holding {METADATA}.")
-    if not (path / METADATA).exists() and not path.name.startswith("."):
-        raise CheckpointError(f"{path}: not a lockstep checkpoint (it holds no {METADATA}). Give a checkpoint "
-                              "folder such as runs/exp/last.ckpt, or resume='auto' to take the newest.")
-    try:
-        metadata = json.loads((path / METADATA).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"{path}: not a complete lockstep checkpoint ({type(error).__name__}: {error}). A save that "
-            "was interrupted leaves no metadata: resume from another checkpoint."
-        ) from None
-    if int(metadata.get("format", 0)) > FORMAT:
-        raise CheckpointError(
-            f"{path}: written by a newer lockstep (checkpoint format {metadata['format']}); this one reads "
-            f"format {FORMAT}: upgrade lockstep to resume from it."
-        )
-    return dict(metadata)
-
-
-def is_checkpoint_folder(path: Path) -> bool:
-    """A complete checkpoint: a folder (or a link to one) with metadata, not a partial save."""
-    return path.is_dir() and not path.name.startswith(".") and (path / METADATA).is_file()
-
-
-# dcp.async_save takes no_dist (one process, no group) from torch 2.7 on; before, one process saves blocking.
-_ASYNC_WITHOUT_GROUP = "no_dist" in inspect.signature(dcp.async_save).parameters
 # DCP warns at every save and load without a process group, the normal case for one process; an
 # async save warns from its background thread, where no catch_warnings block reaches: so for good.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming")
@@ -202,12 +96,12 @@ class Checkpointer:
                 files = (self._gather(files_written_by(partial, self.rank, extra, written_files.sums))
                          if self.checksums else None)
                 if self.rank == 0:
-                    _commit(partial, final, {**info, "files": files})
+                    publish(partial, final, {**info, "files": files})
             if self.rank == 0 and then is not None:
                 then()
 
         alone = not dist.is_initialized()
-        if blocking or (alone and not _ASYNC_WITHOUT_GROUP):
+        if blocking:
             with _plainly(final, partial if self.rank == 0 else None):
                 dcp.save(sharded, storage_writer=writer, no_dist=alone)
             commit()
@@ -286,15 +180,6 @@ class Checkpointer:
             merged.update({f"{rank}:{k}" if everyone else k: v for k, v in part.items()})
         return merged if every else mine
 
-
-
-def read_objects(path: Path) -> dict[str, Any]:
-    try:
-        with open(path / OBJECTS, "rb") as handle:
-            data = io.BytesIO(handle.read())
-        return dict(torch.load(data, map_location="cpu", weights_only=True))
-    except Exception as error:  # noqa: BLE001 - torch raises many kinds for a damaged file
-        raise CheckpointError(f"{path / OBJECTS}: cannot read it ({type(error).__name__}: {error}).") from None
 
 
 def _then(
@@ -381,20 +266,3 @@ def _load_error(path: Path, error: BaseException) -> CheckpointError:
     )
 
 
-def _commit(partial: Path, final: Path, metadata: dict[str, Any]) -> None:
-    """Rank 0, once every rank has written: the metadata, then the rename that publishes the folder.
-
-    A checkpoint already at ``final`` (e.g. ``last.ckpt``) is moved aside first and deleted last, so
-    at every moment one complete checkpoint exists.
-    """
-    write_atomic(partial / METADATA, lambda handle: handle.write(json.dumps(metadata, indent=1).encode()))
-    old = None
-    if final.is_symlink() or final.exists():
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(partial, final)
-    if old is not None:
-        if old.is_symlink() or old.is_file():
-            old.unlink()
-        else:
-            shutil.rmtree(old, ignore_errors=True)

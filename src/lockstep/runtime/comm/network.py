@@ -6,6 +6,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from lockstep.errors import NoRouteError
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
@@ -76,8 +78,6 @@ def interfaces() -> dict[str, str | None]:
     return {name: ipv4_of(name) for name in names}
 
 
-class NoRouteError(OSError):
-    """No interface of this node reaches the given address; the message names those seen."""
 
 
 def interface_towards(host: str) -> tuple[str, str]:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lockstep.runtime.tree import map_tensors
+
+if TYPE_CHECKING:  # FSDP's types load with FSDP, when a model is sharded
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 class Precision(Protocol):
@@ -99,7 +100,7 @@ class MixedPrecision(TruePrecision):
         self.sharded = sharded
         self.scaler: torch.amp.GradScaler | None = None
         if dtype == torch.float16:
-            self.scaler = ShardedGradScaler(device_type) if sharded else torch.amp.GradScaler(device_type)
+            self.scaler = _sharded_grad_scaler(device_type) if sharded else torch.amp.GradScaler(device_type)
         self.transforms_forward = True
         self._unscaled: set[int] = set()
         self._scale_before: float | None = None
@@ -120,6 +121,8 @@ class MixedPrecision(TruePrecision):
         return self._nothing if self.sharded else torch.autocast(self.device_type, dtype=self.dtype)
 
     def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -159,6 +162,13 @@ class MixedPrecision(TruePrecision):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
+    """FSDP's grad scaler, which agrees on inf/NaN over all ranks (its import loads FSDP)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""What a lockstep loader is built from: a dataset (or a DataLoader's dataset and options), the
-DataLoader options with lockstep's defaults, and the global order of a training loader."""
+"""The options of a lockstep loader: a dataset (or a DataLoader's dataset and options), and the
+DataLoader options with lockstep's defaults (workers, ``pin_memory``, persistent workers)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
 
-from lockstep.runtime.lifetime import DieWithParent
-from lockstep.runtime.order import (
-    Arange,
-    Batches,
-    FixedBatches,
-    FromSampler,
-    IndexSequence,
-    SamplerBatches,
-    Shuffled,
-)
-from lockstep.runtime.streams import StreamBatches, is_stream, stream_length
+from lockstep.runtime._torch_compat import is_plain_random_sampler
+from lockstep.runtime.faults.lifetime import DieWithParent
 
 
 def default_num_workers(local_world_size: int) -> int:
@@ -55,7 +46,7 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
     sampler = loader.sampler
     if isinstance(loader.dataset, IterableDataset):  # a stream is read in order: no sampler to keep
         return loader.dataset, options
-    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+    if is_plain_random_sampler(sampler):
         options["shuffle"] = True
     elif isinstance(sampler, SequentialSampler):
         options["shuffle"] = False
@@ -124,30 +115,6 @@ def resolve_loader_options(
         # (or Python 3.14's default): this one watches the rank itself.
         opts["worker_init_fn"] = DieWithParent(os.getpid(), opts.get("worker_init_fn"))
     return dataset, opts
-
-
-def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last: bool, seed: int) -> Batches:
-    """The global order of a training loader; takes ``batch_size``/``sampler``/``batch_sampler`` out of ``opts``."""
-    batch_sampler, sampler = opts.pop("batch_sampler", None), opts.pop("sampler", None)
-    batch_size = opts.pop("batch_size", None)
-    if is_stream(dataset):
-        if shuffle or sampler is not None or batch_sampler is not None:
-            raise ValueError(
-                f"{type(dataset).__name__} is a stream (an IterableDataset): lockstep reads it in order and "
-                "cuts it into global batches, so it takes no shuffle=True, sampler= or batch_sampler=. Shuffle "
-                "inside the stream (a shuffle buffer seeded the same on every rank, e.g. datasets' "
-                "IterableDataset.shuffle(seed=...)), or give a map-style dataset.")
-        return StreamBatches(stream_length(dataset), batch_size, drop_last)
-    if batch_sampler is not None:
-        return SamplerBatches(batch_sampler, seed)
-    sequence: IndexSequence
-    if sampler is not None:
-        sequence = FromSampler(sampler, seed)
-    elif shuffle:
-        sequence = Shuffled(dataset_length(dataset), seed)
-    else:
-        sequence = Arange(dataset_length(dataset))
-    return FixedBatches(sequence, batch_size, drop_last)
 
 
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:

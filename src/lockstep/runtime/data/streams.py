@@ -16,15 +16,14 @@ and dropping them.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils import worker as _worker
 
-from lockstep.runtime.order import split_evenly
+from lockstep.runtime._torch_compat import hide_worker_info
+from lockstep.runtime.data.order import split_evenly
 
 
 def is_stream(dataset: Any) -> bool:
@@ -92,31 +91,19 @@ class StreamBatches:
         return list(range(first + start, first + min(stop, self.size(step))))
 
 
-@contextlib.contextmanager
-def _no_worker_info() -> Iterator[None]:
-    """Hide the worker from the stream while it is read: a stream that splits itself over
-    DataLoader workers (Hugging Face's does) must give every worker the whole stream here."""
-    saved = _worker._worker_info
-    _worker._worker_info = None
-    try:
-        yield
-    finally:
-        _worker._worker_info = saved
-
-
 class _Reader:
     """Reads a stream with the DataLoader worker hidden from it. Passes over items with the
     iterator's own ``skip(n)`` (returning how many it passed over) when it has one, a cheap skip
     such as a seek in a file of records; else by reading them."""
 
     def __init__(self, stream: Any) -> None:
-        with _no_worker_info():
+        with hide_worker_info():
             self.source = iter(stream)
         skip = getattr(self.source, "skip", None)
         self.skip = skip if callable(skip) else None
 
     def take(self, count: int) -> list[Any]:
-        with _no_worker_info():
+        with hide_worker_info():
             return list(itertools.islice(self.source, count))
 
     def drop(self, count: int) -> int:
@@ -124,7 +111,7 @@ class _Reader:
         if count <= 0:
             return 0
         if self.skip is not None:
-            with _no_worker_info():
+            with hide_worker_info():
                 return int(self.skip(count))
         dropped = 0
         while dropped < count:

@@ -15,22 +15,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from lockstep.runtime.order import Batches, split_evenly
+from lockstep.runtime._torch_compat import shutdown_workers
+from lockstep.runtime.data.samplers import GlobalBatchSampler, Indices, ShardSampler
+from lockstep.runtime.data.streams import StreamBatches, StreamShard, restores_its_position
+from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
-from lockstep.runtime.streams import StreamBatches, StreamShard, restores_its_position
 from lockstep.runtime.tree import empty_rows, to_device
-from lockstep.runtime.watchdog import Watchdog
-
-
-class Indices(list[int]):
-    """One batch's dataset indices, with their epoch (workers re-seed per epoch)."""
-
-    def __init__(self, indices: list[int], epoch: int) -> None:
-        super().__init__(indices)
-        self.epoch = epoch
-
 
 # The DataLoader's own generator only seeds its workers' base seed (lockstep re-seeds them per
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
@@ -76,88 +68,6 @@ class CurrentBatch:
     def batch_ended(self, loader: DistributedLoader) -> None:
         if loader is self.loader:
             self.loader, self.loss_weight = None, 1.0
-
-
-class GlobalBatchSampler(Sampler[Indices]):
-    """Yields this rank's share of each global batch of ``batches`` (see the module docstring)."""
-
-    def __init__(self, batches: Batches, rank: int, world_size: int) -> None:
-        self.batches, self.rank, self.world_size = batches, rank, world_size
-        self.epoch, self.start_step = 0, 0
-        self._last_share: tuple[int, tuple[int, int]] = (-1, (0, 0))
-
-    @property
-    def batch_size(self) -> int | None:
-        """The global batch size (None when a batch sampler chooses the batches)."""
-        return getattr(self.batches, "batch_size", None)
-
-    def set_epoch(self, epoch: int, start_step: int) -> None:
-        self.epoch, self.start_step = epoch, start_step
-        self.batches.set_epoch(epoch)
-        self._last_share = (-1, (0, 0))  # a batch sampler's sizes change with the epoch
-
-    def steps_per_epoch(self) -> int:
-        return len(self.batches)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch() - self.start_step
-
-    def global_size(self, step: int) -> int:
-        return self.batches.size(step)
-
-    def _share(self, step: int) -> tuple[int, int]:
-        if self._last_share[0] != step:  # asked several times per batch: remember the latest
-            self._last_share = (step, split_evenly(self.global_size(step), self.world_size, self.rank))
-        return self._last_share[1]
-
-    def local_size(self, step: int) -> int:
-        start, stop = self._share(step)
-        return stop - start
-
-    def local_indices(self, step: int) -> list[int]:
-        """The dataset indices of this rank's share of global batch ``step``."""
-        return self.batches.indices(step, *self._share(step))
-
-    def __iter__(self) -> Iterator[Indices]:
-        for step in range(self.start_step, self.steps_per_epoch()):
-            yield Indices(self.local_indices(step), self.epoch)
-
-
-class ShardSampler(Sampler[Indices]):
-    """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank).
-
-    ``equal_steps`` (for a forward that is a collective, FSDP's): every rank runs as many steps as
-    the rank with the most; past its shard's end a rank's batches have zero rows (``local_size``
-    0), made from the dataset's first sample (the loader cuts them to zero rows).
-    """
-
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
-                 equal_steps: bool = False) -> None:
-        self.start, self.stop = split_evenly(num_samples, world_size, rank)
-        self.batch_size = batch_size
-        self.epoch, self.start_step = 0, 0
-        longest = -(-(split_evenly(num_samples, world_size, 0)[1]) // batch_size)  # rank 0's shard is the largest
-        self._steps = longest if equal_steps else -(-(self.stop - self.start) // self.batch_size)
-
-    def steps_per_epoch(self) -> int:
-        return self._steps
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch() - self.start_step
-
-    def set_epoch(self, epoch: int, start_step: int) -> None:
-        self.epoch, self.start_step = epoch, start_step
-
-    def local_size(self, step: int) -> int:
-        return max(0, min(self.batch_size, self.stop - self.start - step * self.batch_size))
-
-    def local_indices(self, step: int) -> list[int]:
-        first = self.start + step * self.batch_size
-        return list(range(first, first + self.local_size(step)))
-
-    def __iter__(self) -> Iterator[Indices]:
-        for step in range(self.start_step, self.steps_per_epoch()):
-            yield Indices(self.local_indices(step) or [0], self.epoch)  # [0]: a zero-row padding batch
 
 
 class EpochSeededDataset(Dataset[Any]):
@@ -297,7 +207,7 @@ class DistributedLoader:
             # Persistent workers outlive the pass. Freed by the garbage collector (this loader in a
             # reference cycle, e.g. with its Runtime), the DataLoader would find its queues to them
             # closed already and wait 5 s for each: this shuts them down first, while they answer.
-            self._workers = weakref.finalize(self, batches._shutdown_workers)  # type: ignore[attr-defined]
+            self._workers = weakref.finalize(self, shutdown_workers, batches)
         if observer is not None:
             observer.pass_started(self)
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)

@@ -35,21 +35,16 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
-from lockstep.runtime.elastic import threads_per_process
+from lockstep.errors import WorkerError
+from lockstep.runtime.comm.network import free_port
+from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+from lockstep.runtime.faults.lifetime import die_with, exit_now
 from lockstep.runtime.files import write_atomic
-from lockstep.runtime.lifetime import die_with, exit_now
-from lockstep.runtime.network import free_port
-from lockstep.runtime.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+from lockstep.runtime.launch.elastic import threads_per_process
 
 GRACE_S = 2.0
 
 
-class WorkerError(RuntimeError):
-    """A worker process failed; ``rank`` names it and the message holds its traceback."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
 
 
 @dataclass

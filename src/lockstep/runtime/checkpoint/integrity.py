@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
+from lockstep.errors import UnsafeCheckpointError
+
 DCP_METADATA = ".metadata"
 _CHUNK = 8 << 20
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file names something other than the data a checkpoint holds."""
 
 
 def checksum_of(path: Path) -> tuple[int, str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.runtime.network import ipv4_of
+from lockstep.runtime.comm.network import ipv4_of
 
 _KEY = "lockstep/membership"
 

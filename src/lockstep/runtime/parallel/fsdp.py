@@ -1,7 +1,7 @@
 """FSDP2: each rank holds a shard of every parameter, gradient and optimizer state.
 
-Built on ``torch.distributed.fsdp.fully_shard``. Also here: building a model on the meta device
-and materialising only this rank's shards, and re-pointing optimizers made before setup.
+Built on ``torch.distributed.fsdp.fully_shard``, which is imported when a model is sharded, not
+before: a job that never shards never loads FSDP or DTensor.
 """
 
 from __future__ import annotations
@@ -10,23 +10,19 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lockstep.runtime.devices import Placement
-from lockstep.runtime.precision import Precision
-from lockstep.runtime.seed import mix_seed
+from lockstep.runtime.parallel.devices import Placement
+from lockstep.runtime.parallel.meta_init import is_empty
+from lockstep.runtime.parallel.precision import Precision
 
 _MMAP_THRESHOLD = 2**20  # glibc's M_MMAP_THRESHOLD, fixed: blocks from 1 MiB up are mapped and unmapped
-_INIT_STREAM = 11  # the seed stream of meta-device initialisation on devices without DTensor RNG
 
 
 @dataclass(frozen=True)
@@ -50,6 +46,9 @@ class FSDP:
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if not dist.is_initialized():  # pragma: no cover - make_strategy turns fsdp at world size 1 into single
             raise RuntimeError("FSDP needs a process group: launch several processes.")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
         mesh = init_device_mesh(placement.device.type, (dist.get_world_size(),))
         options: dict[str, Any] = {
             "mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
@@ -92,6 +91,8 @@ class FSDP:
 @contextlib.contextmanager
 def _gradient_sync_off(wrapped: nn.Module) -> Iterator[None]:
     """Gradients accumulate unsharded and unreduced; the next backward outside reduce-scatters them."""
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(wrapped, FSDPModule)
     wrapped.set_requires_gradient_sync(False)
     try:
@@ -118,69 +119,3 @@ def give_back_freed_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(-3, _MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
-
-
-def is_empty(module: nn.Module) -> bool:
-    """True when the module was built on the meta device (``rt.init_module(empty=True)``)."""
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-
-
-def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
-    """Allocate a meta-device module (sharded or not) on ``device`` and initialise it with each
-    submodule's ``reset_parameters``, so no process ever holds more than its shards.
-
-    Where DTensor has no random generator of its own (the CPU), each rank draws its shards from a
-    stream of its own, seeded from (seed, rank): shards differ, and the global RNG is left as it was.
-    """
-    without_init = [name or type(module).__name__ for name, m in module.named_modules()
-                    if _owns_tensors(m) and not hasattr(m, "reset_parameters")]
-    if without_init:
-        raise ValueError(
-            f"rt.init_module(empty=True) builds the model without memory, and {without_init[:3]} hold parameters "
-            "or buffers but define no reset_parameters() to initialise them: add reset_parameters(), or build "
-            "the model without empty=True."
-        )
-    module.to_empty(device=device)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    own_stream = device.type == "cpu" and rank > 0
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        if own_stream:
-            torch.manual_seed(mix_seed(seed, rank, _INIT_STREAM))
-        for submodule in module.modules():
-            if _owns_tensors(submodule):
-                submodule.reset_parameters()  # type: ignore[operator]
-
-
-def _owns_tensors(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
-
-
-def repoint_optimizers(
-    before: dict[str, nn.Parameter], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-) -> None:
-    """Make optimizers built from the model's parameters before setup hold the parameters it has now.
-
-    Sharding and materialising replace parameter objects; the names stay. Group hyperparameters
-    are kept. An optimizer that has already stepped (its state is keyed by the old parameters), or
-    that holds tensors that are not the model's parameters, cannot be re-pointed.
-    """
-    now = dict(module.named_parameters())
-    by_id = {id(param): now[name] for name, param in before.items() if name in now}
-    if all(by_id.get(id(p)) is p for p in before.values()):
-        return  # nothing was replaced (DDP, one device)
-    for optimizer in optimizers:
-        if optimizer.state:
-            raise ValueError(
-                f"{type(optimizer).__name__} has already taken steps, and setup replaced the model's parameters "
-                "(FSDP shards them): build the optimizer after rt.setup, from the model it returns."
-            )
-        for group in optimizer.param_groups:
-            stray = [p for p in group["params"] if id(p) not in by_id]
-            if stray:
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds {len(stray)} tensor(s) that are not parameters of the model "
-                    "given to rt.setup, so they cannot follow the model into its shards: build the optimizer "
-                    "after rt.setup, from the model it returns."
-                )
-            group["params"] = [by_id[id(p)] for p in group["params"]]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.runtime.precision import Precision
+from lockstep.runtime._torch_compat import compiled_inner, mark_wrapped_by_lr_scheduler
+from lockstep.runtime.parallel.precision import Precision
 
 
 class WrappedModule(nn.Module):
@@ -60,8 +61,12 @@ class WrappedModule(nn.Module):
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """Your own module behind what ``Runtime.setup`` returned (the module itself otherwise)."""
-    return module.__dict__.get("module", module) if isinstance(module, WrappedModule) else module
+    """Your own module behind what ``Runtime.setup`` returned, or behind ``torch.compile``'s wrapper
+    (the module itself otherwise)."""
+    if isinstance(module, WrappedModule):
+        return module.__dict__.get("module", module)
+    inner = compiled_inner(module)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
@@ -94,7 +99,5 @@ def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
         return result
 
     step._lockstep_patched = True  # type: ignore[attr-defined]
-    if getattr(original, "_wrapped_by_lr_sched", False):
-        # A scheduler made before setup wrapped step() to see it called; ours calls that wrapper.
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    mark_wrapped_by_lr_scheduler(original, step)  # a scheduler made before setup wrapped step(): ours calls that
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

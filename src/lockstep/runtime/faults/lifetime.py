@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lockstep.runtime.faults.root_cause import record_uncaught_exceptions
+
 STOP_CHILDREN_GRACE_S = 2.0
 EXIT_HANDLERS_S = 10.0
 
@@ -105,3 +107,11 @@ def exit_now(code: int, handlers_s: float = EXIT_HANDLERS_S) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def as_elastic_worker() -> None:
+    """In a worker of a torch elastic agent (torchrun, lockstep run, self-launch): record an uncaught
+    exception for the agent's report, and end with the agent. An agent killed itself stops nothing:
+    without the watch its workers would train on, orphaned, into the checkpoints."""
+    record_uncaught_exceptions()
+    die_with(os.getppid(), name="lockstep-agent-watch")

@@ -16,9 +16,9 @@ import tempfile
 import threading
 from typing import Any, NoReturn
 
-from lockstep.runtime.errors import lost_a_peer
-from lockstep.runtime.network import host_store
-from lockstep.runtime.node_watch import NodeWatch
+from lockstep.runtime.comm.network import host_store
+from lockstep.runtime.faults.root_cause import lost_a_peer
+from lockstep.runtime.launch.node_watch import NodeWatch
 
 
 def threads_per_process(nproc: int) -> int:

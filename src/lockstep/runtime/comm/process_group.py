@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import DistEnv
-from lockstep.runtime.network import NoRouteError, host_store, socket_interface_variables, store_listen_address
+from lockstep.runtime._torch_compat import set_default_timeout
+from lockstep.runtime.comm.network import NoRouteError, host_store, socket_interface_variables, store_listen_address
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -57,7 +58,7 @@ def init_process_group(
                 f"{env.world_size}: create the Runtime before calling init_process_group yourself, "
                 "or not at all."
             )
-        _set_timeout(timeout)  # the Runtime's timeout governs its collectives
+        set_default_timeout(timeout)  # the Runtime's timeout governs its collectives
         return False
     device_id = device if device is not None and device.type == "cuda" else None
     if backend == "mpi":
@@ -96,14 +97,6 @@ def choose_socket_interface(env: DistEnv) -> None:
     os.environ.update(variables)
     if line and env.local_rank == 0:
         print(f"lockstep: node {env.node_rank}: {line}", file=sys.stderr, flush=True)
-
-
-def _set_timeout(timeout: timedelta) -> None:
-    """The default group's collective timeout: ``dist.set_timeout`` where torch has it (2.14 and later)."""
-    set_timeout = getattr(dist, "set_timeout", None)
-    if set_timeout is None:
-        set_timeout = dist.distributed_c10d._set_pg_timeout  # torch < 2.14: the only way
-    set_timeout(timeout)
 
 
 def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:

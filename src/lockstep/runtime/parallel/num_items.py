@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from lockstep.runtime._torch_compat import foreach_mul_, to_local
 
 
 class ItemNormalizer:
@@ -78,12 +79,12 @@ class ItemNormalizer:
                     if param.grad is None or id(param) in seen:
                         continue
                     seen.add(id(param))
-                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    grad = to_local(param.grad)
                     by_device.setdefault(grad.device, []).append(grad)
         for device, grads in by_device.items():
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
-                torch._foreach_mul_(same, factor.to(device=device, dtype=dtype))
+                foreach_mul_(same, factor.to(device=device, dtype=dtype))
         self.scale = _power_of_two_at_most(total / self.world_size)
 
     def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,12 @@ from typing import Any
 
 from torch import nn
 
+from lockstep.runtime._torch_compat import compiled_inner
+
 
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, bool]:
     """The module behind ``torch.compile(module)``'s wrapper, and whether there was one."""
-    inner = getattr(module, "_orig_mod", None)
+    inner = compiled_inner(module)
     return (inner, True) if isinstance(inner, nn.Module) else (module, False)
 
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from lockstep.runtime.devices import Placement
-from lockstep.runtime.fsdp import FSDP
-from lockstep.runtime.precision import Precision
+from lockstep.runtime.parallel.devices import Placement
+from lockstep.runtime.parallel.fsdp import FSDP
+from lockstep.runtime.parallel.precision import Precision
 
 
 class Strategy(Protocol):

@@ -24,15 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.errors import lost_a_peer
+from lockstep.errors import CollectiveError
+from lockstep.runtime._torch_compat import default_store
+from lockstep.runtime.faults.root_cause import lost_a_peer
 from lockstep.runtime.tree import flatten
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or the ranks disagree about it; the message says which ranks and where."""
 
 
 def caller() -> str:
@@ -72,7 +72,7 @@ class Watchdog:
         self._beat: threading.Thread | None = None
         if world_size > 1 and dist.is_initialized():
             with contextlib.suppress(Exception):  # without the store, errors just lack the positions
-                self.store = dist.distributed_c10d._get_default_store()
+                self.store = default_store()
         self.interval_s = min(5.0, max(0.5, timeout_s / 10))
         if self.store is not None:
             self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)

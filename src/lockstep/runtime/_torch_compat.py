@@ -1,0 +1,106 @@
+"""Every private torch API lockstep uses, and every torch version gate, in one place.
+
+torch may change a private name in any release. Each one is used here only, with the public
+alternative or why there is none, so that a new torch breaks this file and no other. lockstep is
+tested with torch 2.13 and 2.14 (``pyproject.toml`` declares that range). This module imports no
+heavy torch subsystem: FSDP, DTensor and DCP are looked up only when a caller already loaded them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
+
+# torch.utils._pytree: torch's own walker of nested containers, which torch.compile, DTensor and
+# FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
+__all__ = ["compiled_inner", "default_store", "foreach_mul_", "full_tensor", "hide_worker_info",
+           "is_dtensor", "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "set_default_timeout",
+           "shutdown_workers", "to_local"]
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor: none exists before FSDP (or tensor
+    parallel) loaded it. Public: ``isinstance(value, torch.distributed.tensor.DTensor)``, which
+    costs every job DTensor's import (sympy included, about a second)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank (a collective); any other tensor as it is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by ``factor`` in one kernel per device and dtype.
+    ``torch._foreach_mul_``: what torch's own optimizers and ``clip_grad_norm_`` use; no public name."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def compiled_inner(module: Any) -> Any:
+    """The module inside ``torch.compile(module)``'s ``OptimizedModule``, or None. ``_orig_mod`` is
+    the only way to it: torch offers no public accessor."""
+    return getattr(module, "_orig_mod", None)
+
+
+def mark_wrapped_by_lr_scheduler(original: Any, replacement: Any) -> None:
+    """An LR scheduler made before ``rt.setup`` wrapped ``optimizer.step`` to count its calls, and
+    marked the wrapper ``_wrapped_by_lr_sched``; a ``step`` that replaces it keeps the mark, or the
+    scheduler warns that ``lr_scheduler.step()`` came before ``optimizer.step()``. No public API."""
+    if getattr(original, "_wrapped_by_lr_sched", False):
+        replacement._wrapped_by_lr_sched = True
+
+
+def is_plain_random_sampler(sampler: Any) -> bool:
+    """A ``RandomSampler`` that shuffles the whole dataset once per epoch (no replacement, no
+    ``num_samples``): lockstep's own global shuffle replaces it. ``num_samples`` (public) returns the
+    dataset's length when unset; only ``_num_samples`` tells whether it was set."""
+    from torch.utils.data import RandomSampler
+
+    return isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
+
+
+def shutdown_workers(batches: Any) -> None:
+    """Stop a DataLoader iterator's workers now. ``_shutdown_workers`` is what the iterator's own
+    ``__del__`` calls; there is no public way to stop persistent workers before garbage collection."""
+    batches._shutdown_workers()
+
+
+@contextlib.contextmanager
+def hide_worker_info() -> Iterator[None]:
+    """Make ``get_worker_info()`` return None inside the block, in a DataLoader worker: a stream that
+    splits itself over the workers (Hugging Face's does) then yields the whole stream, which
+    lockstep splits itself. The worker info is a private module global; no public setter exists."""
+    from torch.utils.data._utils import worker
+
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (for heartbeats beside the collectives).
+    ``_get_default_store``: no public accessor in torch 2.13 or 2.14."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def set_default_timeout(timeout: timedelta) -> None:
+    """The default group's collective timeout: ``dist.set_timeout`` from torch 2.14 on; before it,
+    the private ``_set_pg_timeout`` is the only way."""
+    public = getattr(dist, "set_timeout", None)
+    (public or dist.distributed_c10d._set_pg_timeout)(timeout)

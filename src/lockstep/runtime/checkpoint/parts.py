@@ -1,0 +1,75 @@
+"""What of a state dict given to ``rt.save``/``rt.load`` is sharded (models with their optimizers,
+saved by parameter name through DCP) and what is a small object (rank 0's, saved as it is)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lockstep.errors import CheckpointError
+from lockstep.runtime.parallel.wrappers import unwrap
+
+
+class ModelState:
+    """A model and the optimizers over its parameters, as DCP saves them: keyed by parameter names,
+    so they load into any sharding (FSDP on any number of ranks, DDP, one process)."""
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        self.model, self.optimizers = unwrap(model), list(optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizers:
+            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizers:
+            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"])
+
+
+def is_stateful(value: Any) -> bool:
+    """An object saved through its own ``state_dict`` (a loader, a scheduler), not as a value."""
+    return hasattr(value, "state_dict") and not isinstance(value, torch.Tensor)
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
+    """A dict given to ``rt.save``/``rt.load`` as: each model with the optimizers over its parameters
+    (sharded parts), the other values' states (rank 0's), and which model each optimizer belongs to."""
+    models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
+    owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
+    optimizer_of: dict[str, str] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for group in value.param_groups for p in group["params"]}
+            owner = next((model for model, ids in owners.items() if params <= ids), None)
+            if owner is None:
+                raise CheckpointError(
+                    f"state[{name!r}] is an optimizer over parameters of no model in the same dict: save it "
+                    "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
+                )
+            optimizer_of[name] = owner
+    sharded = {name: ModelState(model, [state[o] for o in sorted(optimizer_of) if optimizer_of[o] == name])
+               for name, model in models.items()}
+    objects = {name: value.state_dict() if is_stateful(value) else value
+               for name, value in state.items() if name not in models and name not in optimizer_of}
+    return sharded, objects, optimizer_of
+
+
+def full_state_dict(module: nn.Module, cpu_offload: bool) -> dict[str, torch.Tensor]:
+    """The whole ``module``'s state dict with FSDP shards gathered, as plain CPU tensors; every rank
+    calls it. ``cpu_offload``: only rank 0 gets it (the others an empty dict)."""
+    state: dict[str, Any] = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    return {name: value.detach().cpu() for name, value in state.items()}

@@ -1,0 +1,101 @@
+"""Which dataset indices each rank takes at each step: its share of the global batch (training),
+or its contiguous shard (evaluation). Both yield one ``Indices`` batch at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch.utils.data import Sampler
+
+from lockstep.runtime.data.order import Batches, split_evenly
+
+
+class Indices(list[int]):
+    """One batch's dataset indices, with their epoch (workers re-seed per epoch)."""
+
+    def __init__(self, indices: list[int], epoch: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
+
+
+
+class GlobalBatchSampler(Sampler[Indices]):
+    """Yields this rank's share of each global batch of ``batches`` (see the module docstring)."""
+
+    def __init__(self, batches: Batches, rank: int, world_size: int) -> None:
+        self.batches, self.rank, self.world_size = batches, rank, world_size
+        self.epoch, self.start_step = 0, 0
+        self._last_share: tuple[int, tuple[int, int]] = (-1, (0, 0))
+
+    @property
+    def batch_size(self) -> int | None:
+        """The global batch size (None when a batch sampler chooses the batches)."""
+        return getattr(self.batches, "batch_size", None)
+
+    def set_epoch(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+        self.batches.set_epoch(epoch)
+        self._last_share = (-1, (0, 0))  # a batch sampler's sizes change with the epoch
+
+    def steps_per_epoch(self) -> int:
+        return len(self.batches)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch() - self.start_step
+
+    def global_size(self, step: int) -> int:
+        return self.batches.size(step)
+
+    def _share(self, step: int) -> tuple[int, int]:
+        if self._last_share[0] != step:  # asked several times per batch: remember the latest
+            self._last_share = (step, split_evenly(self.global_size(step), self.world_size, self.rank))
+        return self._last_share[1]
+
+    def local_size(self, step: int) -> int:
+        start, stop = self._share(step)
+        return stop - start
+
+    def local_indices(self, step: int) -> list[int]:
+        """The dataset indices of this rank's share of global batch ``step``."""
+        return self.batches.indices(step, *self._share(step))
+
+    def __iter__(self) -> Iterator[Indices]:
+        for step in range(self.start_step, self.steps_per_epoch()):
+            yield Indices(self.local_indices(step), self.epoch)
+
+
+class ShardSampler(Sampler[Indices]):
+    """Evaluation: this rank's contiguous shard, in batches of ``batch_size`` (per rank).
+
+    ``equal_steps`` (for a forward that is a collective, FSDP's): every rank runs as many steps as
+    the rank with the most; past its shard's end a rank's batches have zero rows (``local_size``
+    0), made from the dataset's first sample (the loader cuts them to zero rows).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
+                 equal_steps: bool = False) -> None:
+        self.start, self.stop = split_evenly(num_samples, world_size, rank)
+        self.batch_size = batch_size
+        self.epoch, self.start_step = 0, 0
+        longest = -(-(split_evenly(num_samples, world_size, 0)[1]) // batch_size)  # rank 0's shard is the largest
+        self._steps = longest if equal_steps else -(-(self.stop - self.start) // self.batch_size)
+
+    def steps_per_epoch(self) -> int:
+        return self._steps
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch() - self.start_step
+
+    def set_epoch(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+
+    def local_size(self, step: int) -> int:
+        return max(0, min(self.batch_size, self.stop - self.start - step * self.batch_size))
+
+    def local_indices(self, step: int) -> list[int]:
+        first = self.start + step * self.batch_size
+        return list(range(first, first + self.local_size(step)))
+
+    def __iter__(self) -> Iterator[Indices]:
+        for step in range(self.start_step, self.steps_per_epoch()):
+            yield Indices(self.local_indices(step) or [0], self.epoch)  # [0]: a zero-row padding batch
