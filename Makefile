@@ -1,5 +1,7 @@
-# The two Quickstart targets. Both create .venv when it is missing and work on a fresh clone.
-# `make test TORCH=2.14.1` runs the same suite on another torch, in its own .venv-torch2.14.1.
+# The Quickstart targets. Each creates .venv when it is missing and works on a fresh clone.
+#   make test   lint + the unit and 2-rank tiers (tests/unit, tests/dist): under 5 minutes on 2 cores
+#   make check  lint + every tier (unit, dist, e2e, cluster, gpu); GPU tests skip without a GPU. CI runs it.
+# `make test TORCH=2.14.1` (or check) runs on another torch, in its own .venv-torch2.14.1.
 PYTHON ?= python3
 # The torch version lockstep is tested with by default (a CPU build on machines without CUDA).
 DEFAULT_TORCH := 2.13.0
@@ -7,7 +9,7 @@ TORCH  ?= $(DEFAULT_TORCH)
 VENV   := $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test check lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +34,10 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests/unit tests/dist
+
+check: lint
+	$(BIN)/python -m pytest tests
 
 clean:
 	rm -rf .venv .venv-torch* .mypy_cache .ruff_cache .pytest_cache

@@ -6,8 +6,9 @@ imports no torch), and ``lockstep.Runtime`` costs torch's own import and little 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lockstep._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -28,10 +29,10 @@ if TYPE_CHECKING:
         DistributedLoader,
         Runtime,
         SingleDevice,
-        launch,
         seed_everything,
         unwrap,
     )
+    from lockstep.runtime.launch.spawn import launch
     from lockstep.train import (
         AdvancedProfiler,
         Callback,
@@ -55,8 +56,9 @@ _WHERE = {
     **dict.fromkeys(["DistEnv"], "lockstep.env"),
     **dict.fromkeys(["CheckpointError", "CollectiveError", "EnvError", "LockstepError", "UnsafeCheckpointError",
                      "WorkerError"], "lockstep.errors"),
-    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "Runtime", "SingleDevice", "launch", "seed_everything",
-                     "unwrap"], "lockstep.runtime"),
+    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "Runtime", "SingleDevice", "seed_everything", "unwrap"],
+                    "lockstep.runtime"),
+    "launch": "lockstep.runtime.launch.spawn",  # lockstep.runtime.launch is the launcher-side subpackage
     **dict.fromkeys(["AdvancedProfiler", "CSVLogger", "Callback", "EarlyStopping", "JSONLinesLogger",
                      "LearningRateMonitor", "MLflowLogger", "ModelCheckpoint", "Module", "ProgressBar",
                      "PyTorchProfiler", "SimpleProfiler", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
@@ -72,15 +74,4 @@ __all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "Coll
            "unwrap"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"lockstep.{name}")
-    if name not in _WHERE:
-        raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+__getattr__, __dir__ = lazy_attributes("lockstep", _WHERE, globals(), _SUBPACKAGES)

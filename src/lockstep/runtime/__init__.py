@@ -18,8 +18,9 @@ costs nothing beyond torch's own import until one is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lockstep._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from lockstep.errors import CheckpointError, CollectiveError, WorkerError
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from lockstep.runtime.data.loader import DistributedLoader
     from lockstep.runtime.data.streams import is_stream
     from lockstep.runtime.files import write_atomic
-    from lockstep.runtime.launch.spawn import launch
     from lockstep.runtime.parallel.fsdp import FSDP
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice
     from lockstep.runtime.parallel.wrappers import unwrap
@@ -41,25 +41,16 @@ _WHERE = {
     "read_metadata": "lockstep.runtime.checkpoint.format", "is_checkpoint_folder": "lockstep.runtime.checkpoint.format",
     "RuntimeConfig": "lockstep.runtime.config",
     "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
-    "write_atomic": "lockstep.runtime.files", "launch": "lockstep.runtime.launch.spawn",
-    "FSDP": "lockstep.runtime.parallel.fsdp", "DDP": "lockstep.runtime.parallel.strategy",
-    "DP": "lockstep.runtime.parallel.strategy", "SingleDevice": "lockstep.runtime.parallel.strategy",
+    "write_atomic": "lockstep.runtime.files", "FSDP": "lockstep.runtime.parallel.fsdp",
+    "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
+    "SingleDevice": "lockstep.runtime.parallel.strategy",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }
 
 __all__ = ["CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "Runtime",
            "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "is_checkpoint_folder", "is_stream",
-           "launch", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+           "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'lockstep.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+__getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())
