@@ -46,9 +46,6 @@ from lockstep.runtime.checkpoint.integrity import (
 )
 from lockstep.runtime.files import write_atomic
 
-# DCP warns at every save and load without a process group, the normal case for one process; an
-# async save warns from its background thread, where no catch_warnings block reaches: so for good.
-warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming")
 
 
 class Checkpointer:
@@ -65,6 +62,10 @@ class Checkpointer:
         save nor checks them at a load: for checkpoints so large that reading them back costs too much."""
         self.rank, self.world_size, self._barrier = rank, world_size, barrier
         self.checksums = checksums
+        # DCP warns at every save and load without a process group, the normal case for one process;
+        # an async save warns from its background thread, where no catch_warnings block reaches: so
+        # the filter is process-wide (adding it again replaces it).
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
         self._pending: concurrent.futures.Future[Any] | None = None
         self._group: Any = None
 

@@ -11,7 +11,7 @@ import torch
 
 from lockstep.cli.verify import compare
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
 

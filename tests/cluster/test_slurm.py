@@ -15,7 +15,7 @@ import dist_checks as checks
 from lockstep import DistEnv, Runtime
 from lockstep.env import expand_nodelist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 pytestmark = pytest.mark.timeout(300)
 

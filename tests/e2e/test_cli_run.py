@@ -16,7 +16,7 @@ import torch
 import dist_checks as checks
 from lockstep import DistEnv, Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCKSTEP = [sys.executable, "-m", "lockstep.cli.main"]
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import hf_checks  # noqa: E402
 from lockstep.testing import run_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from lockstep import DistEnv, Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -8,7 +8,6 @@ import torch
 import compile_checks
 import trainer_checks as tc
 from lockstep.runtime.parallel.compiling import repeated_blocks
-from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,15 +16,6 @@ def test_repeated_blocks_are_the_layers_of_a_module_list_of_one_own_class():
     names = [name for name, _ in repeated_blocks(compile_checks.Net())]
     assert names == ["blocks.0", "blocks.1", "blocks.2"]
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))) == []
-
-
-@pytest.mark.parametrize(("strategy", "user_compiled"), [("ddp", False), ("fsdp", False), ("ddp", True)])
-def test_compiled_on_2_processes_matches_eager_without_graph_breaks_and_with_clean_keys(strategy, user_compiled):
-    for result in run_ranks(compile_checks.compiled_against_eager, 2, strategy, user_compiled, timeout=280):
-        assert (result["compiled"] - result["eager"]).abs().max() <= 1e-4
-        assert result["names"] == ["blocks.0", "blocks.1", "blocks.2"]
-        assert result["graph_breaks"] == {} and result["frames"] >= 1, result
-        assert result["keys"] == sorted(compile_checks.Net().state_dict())  # no _orig_mod.
 
 
 def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(tmp_path):
@@ -44,3 +34,4 @@ def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(
     assert any(".net.0.weight" in key for key in keys) and not any("_orig_mod" in key for key in keys), keys
     with pytest.raises(TypeError, match="compile= takes True, False or a dict"):
         tc.quiet_trainer(max_epochs=1, compile="yes").fit(tc.Classifier(), tc.checks.make_data(16), batch_size=16)
+

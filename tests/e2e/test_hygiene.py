@@ -17,7 +17,7 @@ import pytest
 
 from conftest import session_processes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCKSTEP = [sys.executable, "-m", "lockstep.cli.main"]
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")]
 

@@ -22,6 +22,28 @@ class Scheduled(tc.Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SlowData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(0.004)
+        return torch.randn(8), index % 4
+
+
+class EpochLines(lockstep.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        loss = trainer.callback_metrics["train_loss_epoch"]
+        print(f"script: epoch {trainer.current_epoch + 1} train_loss {loss:.4g}")
+
+
+class LogsAtEpochEnd(lockstep.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        module.log("epoch_extra", 1.0)
+
+
 def test_loggers_write_csv_jsonl_and_tensorboard_with_hyperparameters(tmp_path):
     trainer = tc.quiet_trainer(max_epochs=2, log_every_n_steps=2, loggers=("csv", "jsonl", "tensorboard"),
                                log_dir=tmp_path, callbacks=[lockstep.LearningRateMonitor()])
@@ -70,29 +92,12 @@ def test_model_checkpoint_keeps_the_best_by_monitor_and_last(tmp_path):
     assert lockstep.runtime.read_metadata(tmp_path / "last.ckpt")["step"] == 16
 
 
-class SlowData(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, index):
-        import time
-
-        time.sleep(0.004)
-        return torch.randn(8), index % 4
-
-
 def test_throughput_monitor_reports_and_advises_once_on_slow_data(capsys):
     trainer = tc.quiet_trainer(max_epochs=2, log_every_n_steps=1, enable_throughput_monitor=True)
     trainer.fit(tc.Classifier(), SlowData(), batch_size=8)
     assert trainer.callback_metrics["samples_per_s"] > 0
     assert 0.2 < trainer.callback_metrics["data_wait_fraction"] <= 1.0
     assert capsys.readouterr().out.count("is spent waiting for data") == 1
-
-
-class EpochLines(lockstep.Callback):
-    def on_train_epoch_end(self, trainer, module):
-        loss = trainer.callback_metrics["train_loss_epoch"]
-        print(f"script: epoch {trainer.current_epoch + 1} train_loss {loss:.4g}")
 
 
 def test_progress_without_a_terminal_prints_each_epoch_in_order_with_the_epoch_values(capsys):
@@ -127,28 +132,8 @@ def test_loader_options_reach_every_loader_and_reserved_ones_are_refused():
         trainer.predict(module, data, batch_size=16, loader_options={"sampler": None})
 
 
-class LogsAtEpochEnd(lockstep.Callback):
-    def on_train_epoch_end(self, trainer, module):
-        module.log("epoch_extra", 1.0)
-
-
 def test_a_metric_logged_where_nothing_reduces_it_raises_instead_of_vanishing():
     trainer = tc.quiet_trainer(max_epochs=1, callbacks=[LogsAtEpochEnd()])
     with pytest.raises(RuntimeError, match=r"self.log\('epoch_extra'\) was called outside training_step"):
         trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
 
-
-def test_batchnorm_predictions_and_metrics_on_2_processes_are_the_saved_models(tmp_path):
-    """Each rank trains its BatchNorm statistics on its own rows; evaluation, predict and the
-    checkpoint all use rank 0's, so both ranks' rows equal the saved model's outputs in one process."""
-    from lockstep.testing import run_ranks
-
-    results = run_ranks(tc.batchnorm_predictions, 2, str(tmp_path / "ckpt"))
-    x, y = tc.checks.make_data(40, seed=1).tensors
-    saved = tc.batchnorm_model_from(results[0]["checkpoint"])
-    with torch.no_grad():
-        expected = saved(x)
-        loss = torch.nn.functional.cross_entropy(expected, y).item()
-    for result in results:
-        assert torch.allclose(result["rows"], expected, atol=1e-6, rtol=0)
-        assert abs(result["val_loss"] - loss) < 1e-6

@@ -17,13 +17,33 @@ from lockstep import DistEnv, Runtime
 from lockstep.runtime.data.order import RANDPERM_MAX, FeistelPermutation, Shuffled
 from lockstep.runtime.data.streams import StreamShard
 from lockstep.runtime.seed import mix_seed
-from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def runtime(**kwargs) -> Runtime:
     return Runtime(accelerator="cpu", env=DistEnv(), **kwargs)
+
+
+def _ks_to_uniform(values: torch.Tensor, n: int) -> float:
+    """Kolmogorov-Smirnov distance between the empirical distribution of ``values`` in [0, n) and uniform."""
+    x = (values.double().sort().values + 0.5) / n
+    m = len(x)
+    above = torch.arange(1, m + 1, dtype=torch.float64) / m - x
+    below = x - torch.arange(0, m, dtype=torch.float64) / m
+    return float(torch.maximum(above, below).max())
+
+
+class _StreamClassifier(trainer_checks.Classifier):
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        return super().training_step((x, y), batch_idx)
+
+
+def _drop_a_loader_with_workers() -> None:
+    rt = runtime()
+    loader = rt.loader(checks.IndexedStream(40), batch_size=8, num_workers=2)
+    assert len(list(loader)) == 5
 
 
 # -- the permutation ---------------------------------------------------------------------------------
@@ -34,15 +54,6 @@ def test_feistel_permutation_is_a_bijection(n):
         assert torch.equal(images.sort().values, torch.arange(n))
     if n > 8:  # different seeds give different orders
         assert not torch.equal(FeistelPermutation(n, 0)(torch.arange(n)), FeistelPermutation(n, 1)(torch.arange(n)))
-
-
-def _ks_to_uniform(values: torch.Tensor, n: int) -> float:
-    """Kolmogorov-Smirnov distance between the empirical distribution of ``values`` in [0, n) and uniform."""
-    x = (values.double().sort().values + 0.5) / n
-    m = len(x)
-    above = torch.arange(1, m + 1, dtype=torch.float64) / m - x
-    below = x - torch.arange(0, m, dtype=torch.float64) / m
-    return float(torch.maximum(above, below).max())
 
 
 def test_feistel_first_batches_are_as_uniform_as_randperms():
@@ -80,91 +91,6 @@ def test_a_checkpoint_with_another_order_is_refused():
                 {"epoch": 0, "batches_done": 3, "batch_size": 8, "order": "randperm"}):
         with pytest.raises(ValueError, match="data order is 'randperm', this loader's is 'feistel-1'"):
             loader.load_state_dict(old)
-
-
-# -- samplers, streams and ordered gathers on 1, 2, 3 and 4 processes ---------------------------------
-def _expected_gather() -> dict:
-    x = torch.stack([checks.features(i)[0] for i in range(101)])
-    return {"index": torch.arange(101), "double": 2 * x}
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    return checks.sampler_and_stream_batches()
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_samplers_and_streams_give_the_same_global_batches_on_any_world_size(world, single_process):
-    reference = single_process
-    assert len(reference["stream"]) == 2 * 32 and len(reference["stream"][31]) == 1003 - 31 * 32
-    assert reference["stream"][:32] == [list(range(32 * s, min(32 * s + 32, 1003))) for s in range(32)]
-    assert len(reference["weighted"]) == 2 * 7 and reference["weighted"][:7] != reference["weighted"][7:]
-    assert sorted(i for batch in reference["grouped"] for i in batch) == list(range(203))
-    # Workers on 2 ranks; on 4 (whose spawned ranks start workers by spawning too) the main process reads.
-    for result in run_ranks(checks.sampler_and_stream_batches, world, 2 if world == 2 else 0):
-        assert result["weighted"] == reference["weighted"]
-        assert result["grouped"] == reference["grouped"]
-        assert result["stream"] == reference["stream"]
-        assert result["trained"]["batches"] == reference["trained"]["batches"]
-        assert torch.allclose(result["trained"]["weights"], reference["trained"]["weights"], atol=1e-5, rtol=0)
-        # outputs of a shuffled training pass come back in dataset order, merged from per-batch dicts
-        for key, expected in _expected_gather().items():
-            assert torch.equal(result["gathered"][key], expected), key
-
-
-def test_outputs_of_a_shuffled_training_pass_on_3_processes_come_back_in_dataset_order():
-    for gathered in run_ranks(checks.shuffled_gather, 3):
-        for key, expected in _expected_gather().items():
-            assert torch.equal(gathered[key], expected), key
-
-
-def test_a_stream_that_ends_on_one_rank_first_fails_on_every_rank():
-    for message in run_ranks(checks.stream_end_is_agreed, 2, timeout=60):
-        assert "the stream ended at step 4 on 1 of 2 ranks" in message, message
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_stream(tmp_path_factory):
-    return run_ranks(checks.stream_until_killed, 2, str(tmp_path_factory.mktemp("full") / "ckpt"), False, 0)[0]
-
-
-@pytest.mark.parametrize("stateful", [False, True], ids=["skip-by-count", "stream-state"])
-def test_a_stream_resumes_after_a_kill_at_the_right_item(tmp_path, stateful, uninterrupted_stream):
-    checkpoint = str(tmp_path / "ckpt")
-    killed = rank_outcomes(checks.stream_until_killed, 2, checkpoint, stateful, 13, timeout=120)
-    assert not any(outcome.ok for outcome in killed)
-    resumed = run_ranks(checks.stream_until_killed, 2, checkpoint, stateful, 0)[0]
-    assert resumed["resumed"]
-    assert resumed["batches"] == uninterrupted_stream["batches"][13:]
-    assert resumed["batches"][0][0] == 13 * 32
-    assert torch.allclose(resumed["weights"], uninterrupted_stream["weights"], atol=1e-6, rtol=0)
-    # a stream with its own state continues where it was; another is read from the start and skipped
-    assert resumed["reads"] == (1003 - 13 * 32 if stateful else 1003)
-
-
-def test_a_billion_sample_dataset_starts_and_resumes_at_once():
-    results = run_ranks(checks.billion_samples, 2)
-    for result in results:
-        assert result["kind"] == "feistel-1"
-        assert result["first_s"] < 2 and result["resume_s"] < 2, result
-        assert result["extra_mb"] < 200, result
-    first, later = results[0]["first"], results[0]["later"]
-    permutation = FeistelPermutation(10**9, mix_seed(0, 0))
-    assert torch.equal(torch.cat(first), permutation(torch.arange(64)))
-    assert torch.equal(torch.cat(later), permutation(torch.arange(64 * 10**6, 64 * 10**6 + 64)))
-
-
-def test_hugging_face_datasets_in_both_forms():
-    pytest.importorskip("datasets")
-    reference = checks.hf_batches(100)
-    assert reference["stream"] == [list(range(8 * s, min(8 * s + 8, 100))) for s in range(13)]
-    assert sorted(i for batch in reference["map"] for i in batch) == list(range(100))
-    assert reference["resumed"] == reference["stream"]
-    for result in run_ranks(checks.hf_batches, 2, 100):
-        assert result["map"] == reference["map"]
-        assert result["stream"] == reference["stream"]
-        assert result["resumed"] == reference["stream"]
-        assert "stream" in result["position"]  # resumed through the dataset's own state_dict
 
 
 # -- single process: the rules and their errors --------------------------------------------------------
@@ -224,12 +150,6 @@ def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():
     assert evaluated == kept
 
 
-class _StreamClassifier(trainer_checks.Classifier):
-    def training_step(self, batch, batch_idx):
-        _, x, y = batch
-        return super().training_step((x, y), batch_idx)
-
-
 def test_trainer_trains_on_a_stream_by_max_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="give the Trainer max_steps"):
@@ -286,12 +206,6 @@ def test_a_stream_with_persistent_workers_moves_to_a_loaded_position():
     assert [index[0].item() for index, _, _ in loader] == [0, 8, 16, 24, 32]  # the next epoch starts at 0
 
 
-def _drop_a_loader_with_workers() -> None:
-    rt = runtime()
-    loader = rt.loader(checks.IndexedStream(40), batch_size=8, num_workers=2)
-    assert len(list(loader)) == 5
-
-
 def test_persistent_workers_of_a_loader_freed_by_the_garbage_collector_stop_at_once():
     """The Runtime and its loader end in a reference cycle, which only the garbage collector frees.
     Its workers must be told to stop while their queues still work: without that, the DataLoader
@@ -300,3 +214,4 @@ def test_persistent_workers_of_a_loader_freed_by_the_garbage_collector_stop_at_o
     start = time.monotonic()
     gc.collect()
     assert time.monotonic() - start < 4
+

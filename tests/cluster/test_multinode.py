@@ -18,7 +18,7 @@ import torch
 import dist_checks as checks
 from lockstep import DistEnv, Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
 

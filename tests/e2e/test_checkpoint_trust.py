@@ -21,7 +21,7 @@ from lockstep.runtime.checkpoint.integrity import checksum_of
 from lockstep.train.callbacks import ModelCheckpoint
 from lockstep.train.checkpoint import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 

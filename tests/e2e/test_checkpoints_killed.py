@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer_checks as tc
-from lockstep.runtime.checkpoint.format import read_metadata
-from lockstep.train.checkpoint import CheckpointError, complete_checkpoints
+ROOT = Path(__file__).resolve().parents[2]
 
-ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -62,6 +60,33 @@ def _uninterrupted(tmp_path: Path, *extra: str, devices: int = 2) -> dict:
     return _UNINTERRUPTED[key]
 
 
+KILL_DURING_SAVE = """
+import os, signal, sys, torch
+from pathlib import Path
+from lockstep.runtime.files import write_atomic
+path = Path(sys.argv[1])
+write_atomic(path, lambda handle: torch.save({"value": 1}, handle))
+def dying_save(handle):
+    handle.write(b"PK" + b"x" * 4096)  # part of a file, then the process dies
+    handle.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+write_atomic(path, dying_save)
+"""
+
+
+def _stream_run(tmp_path: Path, name: str, kill_at: int, variant: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator", "cpu",
+                           "tests/scripts/trainer_stream.py", str(tmp_path / name), str(tmp_path / f"{name}.pt"),
+                           str(kill_at), variant], cwd=ROOT, capture_output=True, text=True, timeout=150)
+
+
+def _rows(path: Path) -> list[tuple[int, str]]:
+    import csv
+
+    with open(path, newline="") as handle:
+        return [(int(row["step"]), row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
+
+
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     a, b = _whole_then_killed_and_resumed(tmp_path)
     assert torch.equal(a["weights"], b["weights"])
@@ -99,127 +124,12 @@ def test_elastic_restart_after_a_kill_continues_from_the_checkpoint_bitwise(tmp_
     assert torch.equal(a["weights"], b["weights"])
 
 
-KILL_DURING_SAVE = """
-import os, signal, sys, torch
-from pathlib import Path
-from lockstep.runtime.files import write_atomic
-path = Path(sys.argv[1])
-write_atomic(path, lambda handle: torch.save({"value": 1}, handle))
-def dying_save(handle):
-    handle.write(b"PK" + b"x" * 4096)  # part of a file, then the process dies
-    handle.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-write_atomic(path, dying_save)
-"""
-
-
 def test_a_kill_during_checkpoint_writing_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "state.pt"
     done = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(path)], capture_output=True, timeout=60)
     assert done.returncode == -9
     assert torch.load(path)["value"] == 1
     assert list(tmp_path.glob(".state.pt.*.partial"))  # the interrupted write, never renamed
-
-
-def test_complete_checkpoints_reads_folder_metadata_and_ignores_partial_saves_and_links(tmp_path):
-    def folder(name: str, step: int | None) -> None:
-        (tmp_path / name).mkdir()
-        if step is not None:
-            (tmp_path / name / "lockstep.json").write_text(json.dumps({"format": 2, "step": step}))
-
-    folder("epoch=0-step=00000005.ckpt", 5)
-    folder("epoch=1-step=00000009.ckpt", 9)
-    folder(".epoch=2-step=00000012.ckpt.partial", 12)  # a save that was interrupted: never renamed
-    folder("epoch=3-step=00000015.ckpt", None)  # no metadata: not complete
-    (tmp_path / "epoch=4-step=00000020.ckpt").mkdir()
-    (tmp_path / "epoch=4-step=00000020.ckpt" / "lockstep.json").write_text("{not json")  # damaged metadata
-    (tmp_path / "last.ckpt").symlink_to("epoch=1-step=00000009.ckpt")
-    assert complete_checkpoints(tmp_path) == [(tmp_path / "epoch=1-step=00000009.ckpt", 9),
-                                              (tmp_path / "epoch=0-step=00000005.ckpt", 5)]
-
-
-def test_unusable_checkpoints_say_why(tmp_path):
-    (tmp_path / "newer").mkdir()
-    (tmp_path / "newer" / "lockstep.json").write_text(json.dumps({"format": 99}))
-    with pytest.raises(CheckpointError, match="written by a newer lockstep .* format 99"):
-        read_metadata(tmp_path / "newer")
-    with pytest.raises(CheckpointError, match="missing: no such file or folder"):
-        read_metadata(tmp_path / "missing")
-    (tmp_path / "interrupted").mkdir()
-    (tmp_path / "interrupted" / "lockstep.json").write_text("{cut sho")
-    with pytest.raises(CheckpointError, match="not a complete lockstep checkpoint"):
-        read_metadata(tmp_path / "interrupted")
-    trainer = tc.quiet_trainer(max_steps=2, resume=tmp_path / "missing")
-    with pytest.raises(CheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
-        trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
-
-
-def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
-    trainer = tc.quiet_trainer(max_steps=2, checkpoint_dir=tmp_path)
-    module = tc.Classifier()
-    trainer.fit(module, tc.checks.make_data(32), batch_size=16)
-    trainer.save_checkpoint(tmp_path / "small.ckpt")
-
-    class Wider(tc.Classifier):
-        def __init__(self):
-            super().__init__()
-            self.net[0] = torch.nn.Linear(8, 64)
-            self.net[3] = torch.nn.Linear(64, 4)
-
-    other = tc.quiet_trainer(max_steps=4, resume=tmp_path / "small.ckpt")
-    with pytest.raises(CheckpointError, match="Size mismatch .* for model.model.net.0.weight.*different model"):
-        other.fit(Wider(), tc.checks.make_data(32), batch_size=16)
-
-
-def test_checkpoint_dir_alone_writes_checkpoints_and_resume_auto_continues(tmp_path):
-    """The README's Trainer(checkpoint_dir=..., resume="auto") as written, with no ModelCheckpoint."""
-    first = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path, resume="auto")
-    first.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
-    assert (tmp_path / "epoch=2-step=00000004.ckpt" / "lockstep.json").is_file()
-    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=2-step=00000004.ckpt").resolve()
-    assert not (tmp_path / "epoch=1-step=00000002.ckpt").exists()  # the default keeps the newest, plus last
-    module = tc.Classifier()
-    second = tc.quiet_trainer(max_epochs=3, checkpoint_dir=tmp_path, resume="auto")
-    second.fit(module, tc.checks.make_data(32), batch_size=16)
-    assert second.global_step == 6  # resumed at step 4, then one more epoch
-    whole = tc.quiet_trainer(max_epochs=3)
-    reference = tc.Classifier()
-    whole.fit(reference, tc.checks.make_data(32), batch_size=16)
-    assert torch.equal(tc.checks.flat_weights(module), tc.checks.flat_weights(reference))
-
-
-def test_one_process_saves_in_the_background_and_commits_on_wait(tmp_path):
-    import lockstep
-
-    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
-    torch.manual_seed(0)
-    model = rt.setup(torch.nn.Linear(64, 64))
-    optimizer = torch.optim.AdamW(model.parameters())
-    rt.backward(model(torch.randn(4, 64)).square().mean())
-    optimizer.step()
-    rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 5}, blocking=False)
-    assert rt._checkpointer is not None and rt._checkpointer._pending is not None  # a background thread writes
-    rt.wait_for_save()
-    assert json.loads((tmp_path / "ckpt" / "lockstep.json").read_text())["format"] == 2
-    fresh = rt.setup(torch.nn.Linear(64, 64))
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
-    state = rt.load(tmp_path / "ckpt", {"model": fresh, "optimizer": fresh_optimizer, "step": 0})
-    assert state["step"] == 5 and torch.equal(fresh.weight, model.weight)
-    moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
-    assert torch.equal(*moments)
-
-
-def _stream_run(tmp_path: Path, name: str, kill_at: int, variant: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "2", "--accelerator", "cpu",
-                           "tests/scripts/trainer_stream.py", str(tmp_path / name), str(tmp_path / f"{name}.pt"),
-                           str(kill_at), variant], cwd=ROOT, capture_output=True, text=True, timeout=150)
-
-
-def _rows(path: Path) -> list[tuple[int, str]]:
-    import csv
-
-    with open(path, newline="") as handle:
-        return [(int(row["step"]), row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
 
 
 @pytest.mark.parametrize("variant", ["workers", "state", "shuffle"])
@@ -266,3 +176,4 @@ def test_one_process_saves_in_the_background_without_a_torch_warning(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr, done.stderr
     assert (tmp_path / "epoch=2-step=00000008.ckpt" / "lockstep.json").is_file()
+

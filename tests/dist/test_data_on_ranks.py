@@ -1,0 +1,74 @@
+"""Data as real jobs have it: the lazy permutation, user samplers, streams, huge datasets and
+outputs in dataset order, each against a single-process run or a hand computation."""
+
+from __future__ import annotations
+import gc
+import math
+import time
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import data_checks as checks
+import trainer_checks
+from lockstep import DistEnv, Runtime
+from lockstep.runtime.data.order import RANDPERM_MAX, FeistelPermutation, Shuffled
+from lockstep.runtime.data.streams import StreamShard
+from lockstep.runtime.seed import mix_seed
+from lockstep.testing import rank_outcomes, run_ranks
+
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- samplers, streams and ordered gathers on 1, 2, 3 and 4 processes ---------------------------------
+def _expected_gather() -> dict:
+    x = torch.stack([checks.features(i)[0] for i in range(101)])
+    return {"index": torch.arange(101), "double": 2 * x}
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return checks.sampler_and_stream_batches()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_samplers_and_streams_give_the_same_global_batches_on_any_world_size(world, single_process):
+    reference = single_process
+    assert len(reference["stream"]) == 2 * 32 and len(reference["stream"][31]) == 1003 - 31 * 32
+    assert reference["stream"][:32] == [list(range(32 * s, min(32 * s + 32, 1003))) for s in range(32)]
+    assert len(reference["weighted"]) == 2 * 7 and reference["weighted"][:7] != reference["weighted"][7:]
+    assert sorted(i for batch in reference["grouped"] for i in batch) == list(range(203))
+    # Workers on 2 ranks; on 4 (whose spawned ranks start workers by spawning too) the main process reads.
+    for result in run_ranks(checks.sampler_and_stream_batches, world, 2 if world == 2 else 0):
+        assert result["weighted"] == reference["weighted"]
+        assert result["grouped"] == reference["grouped"]
+        assert result["stream"] == reference["stream"]
+        assert result["trained"]["batches"] == reference["trained"]["batches"]
+        assert torch.allclose(result["trained"]["weights"], reference["trained"]["weights"], atol=1e-5, rtol=0)
+        # outputs of a shuffled training pass come back in dataset order, merged from per-batch dicts
+        for key, expected in _expected_gather().items():
+            assert torch.equal(result["gathered"][key], expected), key
+
+
+def test_outputs_of_a_shuffled_training_pass_on_3_processes_come_back_in_dataset_order():
+    for gathered in run_ranks(checks.shuffled_gather, 3):
+        for key, expected in _expected_gather().items():
+            assert torch.equal(gathered[key], expected), key
+
+
+def test_a_stream_that_ends_on_one_rank_first_fails_on_every_rank():
+    for message in run_ranks(checks.stream_end_is_agreed, 2, timeout=60):
+        assert "the stream ended at step 4 on 1 of 2 ranks" in message, message
+
+
+def test_a_billion_sample_dataset_starts_and_resumes_at_once():
+    results = run_ranks(checks.billion_samples, 2)
+    for result in results:
+        assert result["kind"] == "feistel-1"
+        assert result["first_s"] < 2 and result["resume_s"] < 2, result
+        assert result["extra_mb"] < 200, result
+    first, later = results[0]["first"], results[0]["later"]
+    permutation = FeistelPermutation(10**9, mix_seed(0, 0))
+    assert torch.equal(torch.cat(first), permutation(torch.arange(64)))
+    assert torch.equal(torch.cat(later), permutation(torch.arange(64 * 10**6, 64 * 10**6 + 64)))
+

@@ -1,0 +1,62 @@
+"""FSDP2: the same model as one process and as DDP, built empty, evaluated exactly, in less memory."""
+
+from __future__ import annotations
+import os
+import subprocess
+import sys
+import pytest
+import torch
+import fsdp_checks as fc
+from lockstep.testing import run_ranks
+
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_bf16_mixed_equals_a_hand_written_fsdp2_loop_with_the_same_policy():
+    assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2)) <= 1e-6
+
+
+def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():
+    results = run_ranks(fc.built_empty, 2)
+    for result in results:
+        assert result["local_numel"] * 2 == result["full_numel"]
+        assert result["finite"] and result["optimizer_holds_model"]
+        assert 0.05 < result["embed_std"] < 0.5  # nn.Linear(8, 64)'s init: uniform in +-1/sqrt(8)
+    assert not torch.equal(results[0]["embed_rows"], results[1]["embed_rows"])  # shards differ
+
+
+def test_evaluation_with_uneven_batch_counts_neither_hangs_nor_adds_rows():
+    results = run_ranks(fc.evaluation_under_fsdp, 3)
+    model = fc.make_stack()
+    with torch.no_grad():
+        expected = model(fc.checks.make_data(1001).tensors[0])
+    assert [len(r["rows"]) for r in results] == [112, 112, 112]
+    assert results[2]["rows"][-1] == 0  # rank 2 ran its padding batch with zero rows
+    for result in results:
+        assert torch.equal(result["indices"], torch.arange(1001))
+        assert torch.allclose(result["outputs"], expected, atol=1e-6)
+
+
+def test_an_optimizer_that_already_stepped_cannot_follow_the_shards():
+    message = run_ranks(fc.stepped_optimizer_is_refused, 2)[0]
+    assert "build the optimizer after rt.setup" in message
+
+
+def test_configure_model_builds_on_the_meta_device_under_fsdp():
+    for result in run_ranks(fc.trainer_configure_model, 2):
+        assert result["sharded"] and result["local_rows"] == 2  # head: 4 rows over 2 ranks
+        assert result["steps"] == 3
+
+
+def test_full_state_dict_gathers_the_shards_on_rank_0_or_on_every_rank():
+    results = run_ranks(fc.full_state_dicts, 2)
+    reference = results[0]["by_hand"]
+    assert results[0]["sharded"] and set(reference) == set(fc.make_stack().state_dict())
+    assert results[1]["rank0"] == {}
+    for got in (results[0]["rank0"], results[0]["every"], results[1]["every"]):
+        assert set(got) == set(reference)
+        for name, value in got.items():
+            assert value.device.type == "cpu" and not isinstance(value, torch.distributed.tensor.DTensor)
+            assert torch.equal(value, reference[name]), name
+
