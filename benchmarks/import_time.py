@@ -8,7 +8,10 @@ cases, medians of the wall time from the process's start to its end.
   lockstep's runtime (and the Trainer with its loggers), compared with ``import torch``;
 - ``lockstep --help`` and ``lockstep run --help``: the console script, which imports no torch.
 
-It also lists the heavy torch subsystems (FSDP, DTensor, DCP) each import loaded.
+The start-up of ``import torch`` itself varies by a second between runs on a loaded machine, so
+the cost lockstep adds is also measured inside one process: ``import torch`` first, then the
+clock around ``from lockstep import Runtime, Trainer``. It also lists the heavy torch subsystems
+(FSDP, DTensor, DCP) each import loaded.
 
     python benchmarks/import_time.py [--rounds 11]
 """
@@ -52,6 +55,14 @@ def _heavy_modules(statement: str) -> list[str]:
     return eval(out)  # noqa: S307 - our own probe's printed list
 
 
+def _added_after_torch() -> float:
+    """Seconds that ``from lockstep import Runtime, Trainer`` takes in a process that imported torch."""
+    probe = ("import time, torch\nstart = time.perf_counter()\nfrom lockstep import Runtime, Trainer\n"
+             "print(time.perf_counter() - start)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
@@ -71,6 +82,9 @@ def main() -> None:
         spread = max(times[name]) - min(times[name])
         versus = f"  ({value - torch_s:+.3f} s against import torch)" if "lockstep import" in name else ""
         print(f"  {name:<40} {value:6.3f} s  (range {spread:.3f} s){versus}")
+    added = [_added_after_torch() for _ in range(args.rounds)]
+    print(f"  lockstep's own import after torch's (Runtime, Trainer): median {statistics.median(added):.3f} s, "
+          f"max {max(added):.3f} s")
     for statement in ("import lockstep", "from lockstep import Runtime, Trainer"):
         print(f"  heavy torch subsystems after `{statement}`: {_heavy_modules(statement) or 'none'}")
 

@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 lockstep doctor 2>&1 | tee "$OUT/doctor.txt"
-python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.txt"
+python3 -m pytest tests/gpu/test_gpu.py -v -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.txt"
 python3 benchmarks/gpu/gpt.py 2>&1 | tee "$OUT/gpt_eager.txt"
 python3 benchmarks/gpu/gpt.py --compile 2>&1 | tee "$OUT/gpt_compiled.txt"
-python3 -m pytest tests/test_fsdp.py tests/test_checkpoints.py tests/test_runtime.py -q -p no:cacheprovider \
+python3 -m pytest tests/dist/test_fsdp.py tests/e2e/test_fsdp_at_scale.py tests/unit/test_checkpoints.py tests/e2e/test_checkpoints_killed.py tests/unit/test_runtime.py -q -p no:cacheprovider \
   -n 8 2>&1 | tee "$OUT/cpu_tests_on_this_torch.txt" | tail -25

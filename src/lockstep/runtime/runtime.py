@@ -32,7 +32,6 @@ from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
 from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption
 from lockstep.runtime.faults.watchdog import Watchdog
-from lockstep.runtime.launch.elastic import self_launch
 from lockstep.runtime.launch.membership import report_membership
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
@@ -585,6 +584,8 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
     if env.launcher == "none" and one_per_device:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:
+            from lockstep.runtime.launch.elastic import self_launch  # the agent's code: only where it runs
+
             self_launch(nproc)
 
 

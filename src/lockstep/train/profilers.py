@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import cProfile
 import io
-import pstats
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # cProfile and pstats load with an AdvancedProfiler, not with every Trainer
+    import cProfile
 
 
 class SimpleProfiler:
@@ -57,6 +58,8 @@ class AdvancedProfiler(SimpleProfiler):
 
     def __init__(self, top: int = 15) -> None:
         super().__init__()
+        import cProfile
+
         self.top = top
         self.profiles: dict[str, cProfile.Profile] = defaultdict(cProfile.Profile)
 
@@ -71,6 +74,8 @@ class AdvancedProfiler(SimpleProfiler):
                 profile.disable()
 
     def report(self, folder: Path, rank: int) -> str:
+        import pstats
+
         parts = [super().report(folder, rank)]
         for hook, profile in self.profiles.items():
             out = io.StringIO()

@@ -47,7 +47,6 @@ from lockstep.runtime.checkpoint.integrity import (
 from lockstep.runtime.files import write_atomic
 
 
-
 class Checkpointer:
     """Saves and loads checkpoint folders for one job. Every rank calls every method.
 
