@@ -153,7 +153,7 @@ def test_the_store_of_a_launch_listens_on_loopback_only():
 def test_a_dataset_class_defined_in_the_script_reaches_the_loader_workers_of_launched_ranks():
     """A script's own Dataset class, read by 2 loader workers on each of 2 launched ranks (the
     workers are started with the standard pickler, which finds classes by name)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     done = subprocess.run([sys.executable, "tests/scripts/launch_loader.py", "squares"], cwd=root,
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
