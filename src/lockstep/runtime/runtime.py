@@ -134,15 +134,22 @@ class Runtime:
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self._checkpointer: Checkpointer | None = None  # made at the first save or load
-        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
-        self._loaders = Loaders(self.rank, self.world_size, self.env.local_world_size, self.device, self.seed,
-                                self._current, config.per_sample_rng, self.strategy.collective_forward, count,
-                                self.print)
+        self._loaders = self._make_loaders()
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
-        verifying = verify_from_environ()  # under `lockstep verify`: record the first steps, then stop
-        self._recorder = None if verifying is None else StepRecorder(
-            Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
-            self.full_state_dict, self.barrier)
+        self._recorder = self._make_recorder()
+
+    def _make_loaders(self) -> Loaders:
+        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
+        return Loaders(self.rank, self.world_size, self.env.local_world_size, self.device, self.seed, self._current,
+                       self.config.per_sample_rng, self.strategy.collective_forward, count, self.print)
+
+    def _make_recorder(self) -> StepRecorder | None:
+        """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
+        verifying = verify_from_environ()
+        if verifying is None:
+            return None
+        return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
+                            self.full_state_dict, self.barrier)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
