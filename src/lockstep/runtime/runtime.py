@@ -18,7 +18,6 @@ from torch import nn
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
 from lockstep.errors import CheckpointError
-from lockstep.runtime._torch_compat import full_tensor
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.comm.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -33,10 +32,12 @@ from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.launch.membership import report_membership
+from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.meta_init import is_empty, materialize, repoint_optimizers
+from lockstep.runtime.parallel.grad_norm import clip_grad_norm
+from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
@@ -129,7 +130,7 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
-        self._items = ItemNormalizer(self.world_size, self.device, lambda t: self.all_reduce(t, op="sum"))
+        self._items = ItemNormalizer(self.data_parallel_size, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
@@ -139,9 +140,14 @@ class Runtime:
         self._recorder = self._make_recorder()
 
     def _make_loaders(self) -> Loaders:
-        count = (lambda flag: int(self.all_reduce(torch.tensor(int(flag)), op="sum"))) if self.world_size > 1 else None
-        return Loaders(self.rank, self.world_size, self.env.local_world_size, self.device, self.seed, self._current,
-                       self.config.per_sample_rng, self.strategy.collective_forward, count, self.print)
+        count = (lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag))))) if self.world_size > 1 else None
+        return Loaders(self.data_parallel_rank, self.data_parallel_size, self.env.local_world_size, self.device,
+                       self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
+                       self.print)
+
+    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value)."""
+        return self.all_reduce(value, op="sum") / (self.world_size // self.data_parallel_size)
 
     def _make_recorder(self) -> StepRecorder | None:
         """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
@@ -188,6 +194,17 @@ class Runtime:
         return self.env.world_size
 
     @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place among the ranks that see different batches: ``rank``, except on a mesh with
+        tensor parallelism (``FSDP(tp=...)``), whose ``tp`` peers share one data-parallel rank."""
+        return self.strategy.data_parallel(self.rank, self.world_size)[0]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one step sees: ``world_size / tp``."""
+        return self.strategy.data_parallel(self.rank, self.world_size)[1]
+
+    @property
     def node_rank(self) -> int:
         return self.env.node_rank
 
@@ -205,7 +222,8 @@ class Runtime:
 
     # -- model and optimizers ---------------------------------------------------------------
     def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer,
-              compile: bool | dict[str, Any] | None = None) -> Any:  # noqa: A002 - torch's own word
+              compile: bool | dict[str, Any] | None = None,  # noqa: A002 - torch's own word
+              activation_checkpointing: Policy | None = None) -> Any:
         """Convert, place and wrap ``model``; route each optimizer's ``step`` through the precision.
 
         Returns the wrapped model, or ``(model, *optimizers)`` when optimizers are given. Optimizers
@@ -219,19 +237,26 @@ class Runtime:
         no graph breaks at DDP's hooks and no ``_orig_mod.`` in state_dict keys. A model you
         compiled yourself (``torch.compile(model)``) is unwrapped and compiled that way too.
         ``rt.compiled`` then names what was compiled.
+
+        ``activation_checkpointing="full"`` recomputes each repeated block's activations in the
+        backward instead of keeping them; ``"selective"`` keeps the outputs of matrix products and
+        attention and recomputes the rest; a function ``(name, module) -> bool`` picks the modules.
+        Gradients stay those without it (docs/parallelism.md).
         """
         model, was_compiled = unwrap_compiled(model)
         before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
         if is_empty(module) and not self.shards_model:
-            materialize(module, self.strategy.materialize_on(self.placement), self.seed)
+            self.strategy.materialize(module, self.placement, self.seed)
+        checkpoint_activations(module, activation_checkpointing)
         self.compile(module, compile if compile is not None else was_compiled)
         forward_module = self.strategy.wrap(module, self.placement, self.precision)
         if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
-            materialize(module, self.strategy.materialize_on(self.placement), self.seed)
+            self.strategy.materialize(module, self.placement, self.seed)
         repoint_optimizers(before, module, optimizers)
         eval_module = self.strategy.eval_module(forward_module)
-        wrapped = WrappedModule(forward_module, eval_module, module, self.precision)
+        stand_in = (lambda: self._current.stand_in) if self.shards_model else None
+        wrapped = WrappedModule(forward_module, eval_module, module, self.precision, stand_in)
         self._wrapped.append(weakref.ref(forward_module))
         recorder = self._recorder
         if recorder is not None:
@@ -327,8 +352,7 @@ class Runtime:
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
         self._items.finish_step()
         self.precision.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
-        return full_tensor(norm)  # FSDP: the norm over all shards
+        return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
 
     @property
     def step_was_skipped(self) -> bool:
@@ -471,13 +495,15 @@ class Runtime:
         outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
         namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
         concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
+        On a mesh with tensor parallelism the ``tp`` peers hold the same rows: one copy is kept.
         """
         if order not in ("dataset", "rank"):
             raise ValueError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader or self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
+        replica = self.rank != self.data_parallel_rank * (self.world_size // self.data_parallel_size)
         with self._watchdog.watch("gather", data, exact_shapes=False):
-            return collectives.gather_rows(data, self.device, indices)
+            return collectives.gather_rows(data, self.device, indices, replica=replica)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards

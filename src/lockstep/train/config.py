@@ -28,6 +28,7 @@ class TrainerConfig:
     log_dir: Path | None = None
     num_workers: int | None = None
     compile: bool | dict[str, Any] | None = None
+    activation_checkpointing: Any = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:

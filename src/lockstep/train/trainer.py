@@ -39,6 +39,8 @@ class Trainer:
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles the module's repeated blocks
     in place, or its ``forward`` when it has none (see ``Runtime.setup``). A module passed already
     compiled (``torch.compile(module)``) is unwrapped and compiled that way.
+    ``activation_checkpointing`` (``"full"``, ``"selective"`` or a function) recomputes the repeated
+    blocks' activations in the backward (see ``Runtime.setup``).
 
     The Runtime is created by the first ``fit``/``validate``/``test``/``predict``: that joins the
     process group, or, for a script started with plain ``python`` that asks for several devices,
@@ -54,7 +56,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (), loggers: Sequence[Any] = ("csv",), log_dir: str | Path | None = None,
         profiler: Any = None, enable_progress_bar: bool = True, enable_throughput_monitor: bool = True,
         num_workers: int | None = None, timeout: float | None = None, compile: bool | dict[str, Any] | None = None,
-        per_sample_rng: bool = False,
+        per_sample_rng: bool = False, activation_checkpointing: Any = None,
     ) -> None:
         runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
                                 seed=seed, deterministic=deterministic, timeout=timeout, per_sample_rng=per_sample_rng)
@@ -64,7 +66,7 @@ class Trainer:
             val_check_interval=val_check_interval, log_every_n_steps=log_every_n_steps,
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None, resume=resume,
             log_dir=Path(log_dir) if log_dir is not None else None, num_workers=num_workers, compile=compile,
-            runtime=runtime,
+            activation_checkpointing=activation_checkpointing, runtime=runtime,
         )
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
         self.callbacks = _with_default_callbacks(callbacks, checkpoint_dir is not None, enable_throughput_monitor,
@@ -272,7 +274,8 @@ class Trainer:
                 self.compiled = list(self._runtime.compiled)
             self._module = module
             self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], [])
-            wrapped = self._runtime.setup(StepRouter(module), *self.optimizers)
+            wrapped = self._runtime.setup(StepRouter(module), *self.optimizers,
+                                          activation_checkpointing=self.config.activation_checkpointing)
             self._wrapped = wrapped[0] if self.optimizers else wrapped
         return self._runtime
 

@@ -194,12 +194,17 @@ def merge_batches(data: Any) -> Any:
     return unflatten([_join_chunks(column) for column in columns], spec)
 
 
-def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None) -> Any:
+def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None, replica: bool = False) -> Any:
     """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract); with
-    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order."""
+    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order.
+    ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel peer): it adds none."""
     leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
     problem = _rows_problem(leaves, len(indices)) if indices is not None else None
+    if replica and problem is None:
+        leaves = [leaf[:0] if isinstance(leaf, list) or (isinstance(leaf, torch.Tensor) and leaf.dim()) else leaf
+                  for leaf in leaves]
+        indices = indices[:0] if indices is not None else None
     if active():  # every rank must take the same path: all in dataset order, or none
         reports = _all_gather_object((indices is not None, problem))
         if len({ordered for ordered, _ in reports}) > 1:

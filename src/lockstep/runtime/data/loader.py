@@ -22,7 +22,7 @@ from lockstep.runtime.data.samplers import GlobalBatchSampler, Indices, ShardSam
 from lockstep.runtime.data.streams import StreamBatches, StreamShard, restores_its_position
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
-from lockstep.runtime.tree import empty_rows, to_device
+from lockstep.runtime.tree import empty_rows, tensors, to_device
 
 # The DataLoader's own generator only seeds its workers' base seed (lockstep re-seeds them per
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
@@ -42,6 +42,7 @@ class BatchObserver(Protocol):
 
     def pass_started(self, loader: DistributedLoader) -> None: ...
     def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
+    def padded(self, stand_in: dict[int, Any]) -> None: ...
     def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
@@ -56,16 +57,24 @@ class CurrentBatch:
         self.loader: DistributedLoader | None = None
         self.loss_weight = 1.0
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
+        # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
+        # cut from. A forward that is a collective runs on the real row and returns zero rows.
+        self.stand_in: dict[int, Any] = {}
 
     def pass_started(self, loader: DistributedLoader) -> None:
         self.last = loader
 
+    def padded(self, stand_in: dict[int, Any]) -> None:
+        self.stand_in = stand_in
+
     def batch_started(self, loader: DistributedLoader, step: int) -> None:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
+        self.stand_in = {}
         if loader.training:
             self.loader, self.loss_weight = loader, loader.loss_weight(step)
 
     def batch_ended(self, loader: DistributedLoader) -> None:
+        self.stand_in = {}
         if loader is self.loader:
             self.loader, self.loss_weight = None, 1.0
 
@@ -225,9 +234,12 @@ class DistributedLoader:
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
+                batch = batch if on_cpu else to_device(batch, self.device, self._non_blocking)
                 if pads and self.sampler.local_size(step) == 0:
-                    batch = empty_rows(batch)
-                yield batch if on_cpu else to_device(batch, self.device, self._non_blocking)
+                    real, batch = batch, empty_rows(batch)
+                    if observer is not None:
+                        observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real))})
+                yield batch
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
                 observer.batch_ended(self)

@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.runtime.parallel.devices import Placement
-from lockstep.runtime.parallel.meta_init import is_empty
+from lockstep.runtime.parallel.mesh import MeshLayout
+from lockstep.runtime.parallel.meta_init import is_empty, materialize
 from lockstep.runtime.parallel.precision import Precision
+from lockstep.runtime.parallel.tensor_parallel import Plan, apply_plan, plan_of, sync_replicas
 
 _MMAP_THRESHOLD = 2**20  # glibc's M_MMAP_THRESHOLD, fixed: blocks from 1 MiB up are mapped and unmapped
 
@@ -35,21 +37,42 @@ class FSDP:
     ``shard_modules`` when given. ``reshard_after_forward=False`` keeps the root-less blocks
     gathered between forward and backward (more memory, one all-gather less); ``cpu_offload`` keeps
     the shards, their gradients and the optimizer step on the CPU.
+
+    A device mesh: ``tp`` ranks split each weight of the ``tp_plan`` (tensor parallel; a Hugging Face
+    model's own plan by default), ``replicate`` groups each hold a whole sharded copy (HSDP), and
+    the rest of the world size shards over data parallel. The ``tp`` ranks of a group see the same
+    batches; the data-parallel degree is ``world_size / (replicate × tp)`` (docs/parallelism.md).
     """
 
     shard_modules: tuple[type[nn.Module], ...] = ()
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    tp: int = 1
+    replicate: int = 1
+    tp_plan: Plan | None = None
     name: str = "fsdp"
     one_process_many_devices: bool = False
+    _tp_mesh: list[Any] = field(default_factory=list, init=False, compare=False, repr=False)  # set by wrap
+
+    def layout(self, world_size: int) -> MeshLayout:
+        return MeshLayout.for_world(world_size, self.replicate, self.tp)
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
+        """This rank's place among the ranks that see different batches, and their number."""
+        layout = self.layout(world_size)
+        return layout.data_parallel_rank(rank), layout.data_parallel_size
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if not dist.is_initialized():  # pragma: no cover - make_strategy turns fsdp at world size 1 into single
             raise RuntimeError("FSDP needs a process group: launch several processes.")
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        mesh = init_device_mesh(placement.device.type, (dist.get_world_size(),))
+        layout = self.layout(dist.get_world_size())
+        if layout.tp > 1:
+            plan = plan_of(module, self.tp_plan)  # refused before any group or weight is made
+        mesh = self._data_mesh(layout, placement.device.type)
+        if layout.tp > 1:
+            apply_plan(module, self._tp_mesh[0], plan)
         options: dict[str, Any] = {
             "mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": precision.fsdp_policy() or MixedPrecisionPolicy(),
@@ -64,9 +87,21 @@ class FSDP:
         fully_shard(module, **options)
         return module
 
-    def materialize_on(self, placement: Placement) -> torch.device:
-        """Where the shards of a model built on the meta device are allocated."""
-        return torch.device("cpu") if self.cpu_offload else placement.device
+    def _data_mesh(self, layout: MeshLayout, device_type: str) -> Any:
+        """The mesh FSDP shards over (2-D with ``replicate``); the tensor-parallel mesh is kept for ``materialize``."""
+        if layout.tp == 1 and layout.replicate == 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            return init_device_mesh(device_type, (layout.world_size,))
+        mesh = layout.build(device_type)
+        self._tp_mesh[:] = [mesh["tp"]]
+        return mesh["replicate", "shard"] if layout.replicate > 1 else mesh["shard"]
+
+    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None:
+        """Allocate and initialise a model built on the meta device: each rank its shards only."""
+        materialize(module, torch.device("cpu") if self.cpu_offload else placement.device, seed)
+        if self._tp_mesh and self._tp_mesh[0].size() > 1:
+            sync_replicas(module, self._tp_mesh[0])
 
     def blocks(self, module: nn.Module) -> list[nn.Module]:
         """The submodules that become their own shard groups, outermost first, root excluded."""

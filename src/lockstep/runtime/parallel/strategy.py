@@ -13,6 +13,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.fsdp import FSDP
+from lockstep.runtime.parallel.meta_init import materialize
 from lockstep.runtime.parallel.precision import Precision
 
 
@@ -25,7 +26,8 @@ class Strategy(Protocol):
     def collective_forward(self) -> bool: ...  # True: every rank must run every forward (FSDP)
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module: ...
-    def materialize_on(self, placement: Placement) -> torch.device: ...
+    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None: ...
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]: ...
     def eval_module(self, wrapped: nn.Module) -> nn.Module: ...
     def release(self, wrapped: nn.Module) -> None: ...
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]: ...
@@ -36,8 +38,11 @@ class _Replicated:
 
     collective_forward = False
 
-    def materialize_on(self, placement: Placement) -> torch.device:
-        return placement.device
+    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None:
+        materialize(module, placement.device, seed)
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
+        return rank, world_size  # every rank sees batches of its own
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,8 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     and no hooks (a model built on the meta device is then materialised whole).
     """
     if not isinstance(strategy, str):
+        if isinstance(strategy, FSDP):
+            strategy.layout(world_size)  # degrees that do not fit the world size are refused here
         if isinstance(strategy, (DDP, FSDP)) and world_size == 1:
             return SingleDevice()
         return strategy

@@ -11,6 +11,7 @@ from torch import nn
 
 from lockstep.runtime._torch_compat import compiled_inner, mark_wrapped_by_lr_scheduler
 from lockstep.runtime.parallel.precision import Precision
+from lockstep.runtime.tree import empty_rows, map_tensors
 
 
 class WrappedModule(nn.Module):
@@ -20,17 +21,23 @@ class WrappedModule(nn.Module):
     checkpoint keys are exactly those of the unwrapped model. With gradients disabled (evaluation),
     ``forward`` calls ``eval_module`` instead, which for DDP is your module itself: evaluation then
     issues no collective, so ranks holding different numbers of batches cannot hang.
+
+    A forward that is a collective (FSDP's) must run on every rank even where the evaluation loader
+    handed out a zero-row padding batch, and many models cannot run on zero rows (a reshape with
+    ``-1``, a DTensor view). ``stand_in`` gives, while such a batch is current, the real row each
+    of its tensors was cut from: the forward runs on that row and its output is cut to zero rows.
     """
 
     def __init__(
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
-        precision: Precision,
+        precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
         self.__dict__["_eval_module"] = eval_module
         self.__dict__["module"] = module
         self.__dict__["_precision"] = precision
+        self.__dict__["_stand_in"] = stand_in
 
     @property
     def forward_module(self) -> nn.Module:
@@ -38,6 +45,14 @@ class WrappedModule(nn.Module):
         return self._forward_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        stand_in = self.__dict__["_stand_in"]
+        rows = stand_in() if stand_in is not None else None
+        if rows:  # a zero-row padding batch: run on the row it was cut from, hand back zero rows
+            args, kwargs = map_tensors(lambda t: rows.get(id(t), t), (args, kwargs))
+            return empty_rows(self._forward(*args, **kwargs))
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         target = self._forward_module if torch.is_grad_enabled() else self.__dict__["_eval_module"]
         precision: Precision = self.__dict__["_precision"]
         if not precision.transforms_forward:  # 32-true: nothing to add on the hot path

@@ -1,0 +1,36 @@
+"""Gradient clipping by total norm, over gradients that live on different device meshes.
+
+On a 2-D mesh the weights that tensor parallelism splits are DTensors over (data, tp) and the
+others over data only; ``torch.nn.utils.clip_grad_norm_`` stacks their norms and refuses the mix.
+Here each mesh's norm is computed whole (a collective over that mesh), the norms are combined,
+and every rank scales its own shards by the one factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lockstep.runtime._torch_compat import foreach_mul_, full_tensor, to_local
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients so that their total ``norm_type``-norm is at most ``max_norm``; returns the
+    norm before clipping, a plain tensor equal on every rank."""
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)  # type: ignore[arg-type]
+    if len(by_mesh) <= 1:  # one mesh (or none): torch's own, which also handles DTensors of one mesh
+        return full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+    with torch.no_grad():
+        norms = [full_tensor(torch.nn.utils.get_total_norm(grads, norm_type)) for grads in by_mesh.values()]
+        device = norms[0].device
+        total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+        factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        local = [to_local(g) for grads in by_mesh.values() for g in grads]
+        for key in {(g.device, g.dtype) for g in local}:
+            same = [g for g in local if (g.device, g.dtype) == key]
+            foreach_mul_(same, factor.to(device=key[0], dtype=key[1]))
+    return total

@@ -1,0 +1,149 @@
+"""Tensor-parallel plans: which submodules split their weights over the ``tp`` ranks, and how.
+
+A plan maps module-name patterns (``*`` stands for one name, such as a layer's index) to a style:
+``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``,
+``"sequence_parallel"`` (the names Hugging Face plans use), or a ``torch.distributed.tensor.parallel``
+``ParallelStyle`` object. A Hugging Face model brings its own (``model._tp_plan``). A plan that does
+not fit the model is refused before any weight moves, naming the module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+Plan = Mapping[str, Any] | Callable[[nn.Module, Any], Any]
+
+_STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise", "sequence_parallel")
+
+
+def _style(name: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate())
+    return SequenceParallel()
+
+
+def plan_of(module: nn.Module, plan: Plan | None) -> Plan:
+    """The plan given, else the ones the model's Hugging Face ``PreTrainedModel``s ship (``_tp_plan``),
+    wherever they sit in it, their patterns prefixed with their place."""
+    if plan is not None:
+        return plan
+    shipped: dict[str, Any] = {}
+    owners: list[str] = []
+    for name, sub in module.named_modules():
+        own = sub.__dict__.get("_tp_plan") or getattr(type(sub), "_tp_plan", None)
+        if not isinstance(own, Mapping) or not own or any(name.startswith(f"{o}.") or not o for o in owners):
+            continue
+        owners.append(name)
+        shipped.update({f"{name}.{pattern}" if name else pattern: style for pattern, style in own.items()})
+    if shipped:
+        return shipped
+    raise ValueError(
+        f"FSDP(tp=...) needs a tensor-parallel plan, and {type(module).__name__} ships none: pass "
+        "FSDP(tp=2, tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}) or a function "
+        "parallelize(model, tp_mesh).")
+
+
+def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan) -> None:
+    """Split ``module``'s weights over ``tp_mesh`` as ``plan`` says, after checking that it fits."""
+    if callable(plan) and not isinstance(plan, Mapping):
+        plan(module, tp_mesh)
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(module, tp_mesh, resolve_plan(module, plan, tp_mesh.size()))
+
+
+def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """Module name → style object for every module a pattern matches; refuses a plan that does not fit."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    named = dict(module.named_modules())
+    resolved: dict[str, Any] = {}
+    matched_by: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, str) and style not in _STYLE_NAMES:
+            raise ValueError(f"tensor-parallel plan: {pattern!r} asks for style {style!r}, which lockstep does not "
+                             f"know; use one of {', '.join(_STYLE_NAMES)}, or a ParallelStyle object.")
+        if not isinstance(style, (str, ParallelStyle)):
+            raise TypeError(f"tensor-parallel plan: {pattern!r} maps to a {type(style).__name__}; give a style name "
+                            "or a ParallelStyle object.")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        names = [name for name in named if name and regex.fullmatch(name)]
+        if not names:
+            raise ValueError(f"tensor-parallel plan: {pattern!r} matches no module of {type(module).__name__} "
+                             f"(its modules include {_some_names(named)}).")
+        for name in names:
+            if name in matched_by:
+                raise ValueError(f"tensor-parallel plan: module {name!r} is matched by both {matched_by[name]!r} "
+                                 f"and {pattern!r}; give each module one style.")
+            matched_by[name] = pattern
+            obj = _style(style) if isinstance(style, str) else style
+            _check_fits(name, named[name], obj, tp)
+            resolved[name] = obj
+    _check_heads(module, tp)
+    return resolved
+
+
+def _check_fits(name: str, module: nn.Module, style: Any, tp: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return
+    kind = "colwise" if isinstance(style, ColwiseParallel) else "rowwise"
+    if isinstance(module, nn.Linear):
+        size, what = (module.out_features, "out_features") if kind == "colwise" else (module.in_features, "in_features")
+    elif isinstance(module, nn.Embedding):
+        size, what = ((module.embedding_dim, "embedding_dim") if kind == "colwise"
+                      else (module.num_embeddings, "num_embeddings"))
+    else:
+        raise ValueError(f"tensor-parallel plan: {name!r} is a {type(module).__name__}; {kind} splits only "
+                         "nn.Linear and nn.Embedding. Give it another style, or leave it out of the plan.")
+    if size % tp:
+        raise ValueError(f"tensor-parallel plan: {name!r} ({type(module).__name__}) has {what}={size}, which "
+                         f"{kind} cannot split into tp={tp} equal parts: choose a tp that divides {size}.")
+
+
+def _check_heads(module: nn.Module, tp: int) -> None:
+    """Attention heads are split whole: a Hugging Face config's head counts must divide by tp."""
+    config = getattr(module, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(f"tensor parallel: the model's {field}={heads} does not divide by tp={tp}, so a head "
+                             f"would be split between ranks: choose a tp that divides {heads}.")
+
+
+def _some_names(named: dict[str, nn.Module]) -> str:
+    names = [n for n in named if n]
+    return ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
+
+
+def sync_replicas(module: nn.Module, tp_mesh: Any) -> None:
+    """Give the tensors that tensor parallelism does not split (norms, biases of the plan's outsiders,
+    buffers) the values of the first rank of each tensor-parallel group, so that the peers agree."""
+    import torch.distributed as dist
+
+    from lockstep.runtime._torch_compat import to_local
+
+    group = tp_mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            continue
+        with torch.no_grad():
+            dist.broadcast(to_local(tensor.data if isinstance(tensor, nn.Parameter) else tensor), source, group=group)

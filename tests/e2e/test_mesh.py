@@ -1,0 +1,77 @@
+"""A device mesh: tensor parallel × FSDP on 4 CPU processes reaches the one-process weights, data
+follows the data-parallel ranks, and a 2-D checkpoint resumes on any other mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mesh_checks as mc
+import lockstep
+from lockstep.testing import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+TOLERANCE = 1e-5
+
+
+def test_dp2_tp2_with_accumulation_and_clipping_reaches_the_one_process_weights():
+    reference = mc.reference_weights(clip=0.5)
+    untouched = mc.tiny_llama()
+    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 2, 0.5):
+        assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
+        assert not torch.allclose(result["weights"], mc.hc.flat(untouched), atol=1e-3, rtol=0)  # it trained
+
+
+def test_every_tensor_parallel_peer_sees_its_data_rank_batch_and_no_sample_twice():
+    results = run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 1, None, None, 2)
+    assert [(r["data_rank"], r["data_size"]) for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
+    for step in range(2):  # the global batch of 8 is split over the 2 data-parallel ranks, in order
+        assert results[0]["seen"][step] + results[2]["seen"][step] == list(range(8 * step, 8 * step + 8))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_on_the_mesh_keeps_the_weights(mode):
+    reference = mc.reference_weights(steps=3)
+    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 1, None, mode, 3):
+        assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
+
+
+def test_tensor_parallel_only_and_hsdp_with_tp_reach_the_same_weights():
+    reference = mc.reference_weights(steps=3)
+    for strategy, world in ((lockstep.FSDP(tp=2), 2), (lockstep.FSDP(replicate=2, tp=2), 4)):
+        for result in run_ranks(mc.mesh_weights, world, strategy, 1, None, None, 3):
+            assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0), strategy
+
+
+def test_evaluation_on_the_mesh_gathers_each_row_once_in_dataset_order():
+    expected = mc.reference_logits()
+    for result in run_ranks(mc.gathered_logits, 4, lockstep.FSDP(tp=2)):
+        assert torch.equal(result["indices"], torch.arange(13))
+        assert torch.allclose(result["logits"], expected, atol=1e-5, rtol=0)
+
+
+def test_the_trainer_on_dp2_tp2_reaches_the_one_process_trainer_weights():
+    alone = run_ranks(mc.trainer_weights, 1, "single")[0]
+    for weights in run_ranks(mc.trainer_weights, 4, lockstep.FSDP(tp=2), "full"):
+        assert torch.allclose(weights, alone, atol=TOLERANCE, rtol=0)
+
+
+def test_saved_on_dp2_tp2_resumes_on_dp4_dp1_tp2_and_one_process(tmp_path):
+    folder = str(tmp_path / "step-8")
+    whole = run_ranks(mc.save_mid_epoch, 4, lockstep.FSDP(tp=2), folder)[0]
+    for strategy, world in (("fsdp", 4), (lockstep.FSDP(tp=2), 2), ("single", 1)):
+        resumed = run_ranks(mc.resume_from, world, strategy, folder)[0]
+        assert resumed["step"] == 8
+        assert resumed["consumed"] == whole["consumed"][8:], strategy  # the same samples, step by step
+        assert torch.allclose(resumed["weights"], whole["weights"], atol=TOLERANCE, rtol=0), strategy
+
+
+def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
+    with pytest.raises(RanksFailed, match="divisible by 4"):
+        run_ranks(mc.mesh_weights, 2, lockstep.FSDP(tp=4))
+    with pytest.raises(RanksFailed, match="num_key_value_heads=2 does not divide by tp=4"):
+        run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=4))
+    with pytest.raises(RanksFailed, match="'decoder.*' matches no module"):
+        run_ranks(mc.mesh_weights, 2, lockstep.FSDP(tp=2, tp_plan={"decoder.*": "colwise"}))

@@ -1,0 +1,175 @@
+"""A small Llama (``transformers``, built from a config) on a device mesh: rank functions for the
+tensor-parallel, 2-D and activation-checkpointing tests, and their one-process references."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hf_checks as hc
+import lockstep
+
+VOCAB = 64
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows of lengths 2..20 (``hf_checks.sequences``), each with its dataset index."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.rows = hc.sequences(n)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.rows[index], index
+
+
+def collate(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    batch = hc.pad([row for row, _ in items])
+    batch["index"] = torch.tensor([index for _, index in items])
+    return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k != "index"}
+
+
+def reference_weights(steps: int = 5, batch_size: int = 8, clip: float | None = None, lr: float = 1e-3) -> torch.Tensor:
+    """A hand-written one-process loop: the mean over every valid token of the global batch, AdamW."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rows = hc.sequences()
+    for step in range(steps):
+        batch = hc.pad(rows[step * batch_size:(step + 1) * batch_size])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels"][:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), ignore_index=hc.IGNORE,
+                               reduction="sum") / (targets != hc.IGNORE).sum()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return hc.flat(model)
+
+
+def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, checkpointing=None,
+                 steps: int = 5, batch_size: int = 8, lr: float = 1e-3, empty: bool = False) -> dict:
+    """The same run through lockstep, on ``strategy``: the model's own loss with num_items."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, optimizer = rt.setup(model, optimizer, activation_checkpointing=checkpointing)
+    loader = rt.loader(Rows(), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
+    seen = []
+    for i, batch in enumerate(loader):
+        seen.append(batch["index"].tolist())
+        last = (i + 1) % accumulate == 0
+        with rt.no_sync(model, enabled=not last):
+            rt.backward(model(**model_inputs(batch)).loss, num_items=hc.valid_tokens(batch))
+        if last:
+            if clip is not None:
+                rt.clip_grad_norm_(model, optimizer, clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        if i + 1 == steps * accumulate:
+            break
+    return {"weights": hc.flat(model), "seen": seen, "data_rank": rt.data_parallel_rank,
+            "data_size": rt.data_parallel_size}
+
+
+def gathered_logits(strategy) -> dict:
+    """Evaluation over 13 rows (uneven over the data-parallel ranks): logits gathered in dataset order."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = rt.setup(tiny_llama())
+    outputs, indices = [], []
+    with torch.no_grad():
+        for batch in rt.eval_loader(Rows(13), batch_size=4, collate_fn=collate, num_workers=0):
+            outputs.append(model(**model_inputs(batch)).logits[:, 0])
+            indices.append(batch["index"])
+    return {"logits": rt.gather(outputs), "indices": rt.gather(indices)}
+
+
+def reference_logits() -> torch.Tensor:
+    model, rows = tiny_llama(), Rows(13)
+    with torch.no_grad():
+        return torch.cat([model(**model_inputs(collate([rows[i]])))["logits"][:, 0] for i in range(13)])
+
+
+def _steps(rt, model, optimizer, loader, consumed: list, stop_after: int | None = None) -> None:
+    """Train over a pass of ``loader``, recording each step's global sample indices (one copy per
+    data-parallel rank: tensor-parallel peers see the same batch)."""
+    for step, batch in enumerate(loader):
+        by_data_rank = dict(rt.all_gather((rt.data_parallel_rank, batch["index"].tolist())))
+        consumed.append(sorted(i for indices in by_data_rank.values() for i in indices))
+        rt.backward(model(**model_inputs(batch)).loss, num_items=hc.valid_tokens(batch))
+        rt.clip_grad_norm_(model, optimizer, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if stop_after is not None and step == stop_after:
+            return
+
+
+def _setup(strategy, seed: int = 0):
+    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    model = tiny_llama(seed)
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = rt.loader(Rows(), batch_size=8, shuffle=True, collate_fn=collate, num_workers=0)
+    return rt, model, optimizer, loader
+
+
+def save_mid_epoch(strategy, folder: str) -> dict:
+    """Two epochs of 5 steps, saved after step 2 of epoch 1, then finished: the uninterrupted run."""
+    rt, model, optimizer, loader = _setup(strategy)
+    consumed: list = []
+    _steps(rt, model, optimizer, loader, consumed)
+    epoch_1 = iter(loader)
+    _steps(rt, model, optimizer, epoch_1, consumed, stop_after=2)
+    rt.save(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": len(consumed)})
+    _steps(rt, model, optimizer, epoch_1, consumed)
+    return {"weights": hc.flat(model), "consumed": consumed}
+
+
+def resume_from(strategy, folder: str) -> dict:
+    """Load what ``save_mid_epoch`` saved into a model with other weights, then finish the run."""
+    rt, model, optimizer, loader = _setup(strategy, seed=5)
+    state = rt.load(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": -1})
+    consumed: list = []
+    _steps(rt, model, optimizer, loader, consumed)
+    return {"step": state["step"], "weights": hc.flat(model), "consumed": consumed}
+
+
+class LlamaModule(lockstep.Module):
+    """The Trainer's view of the same run: token-averaged loss through ``num_items``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = tiny_llama()
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": self.llama(**model_inputs(batch)).loss, "num_items": hc.valid_tokens(batch)}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
+    import trainer_checks as tc
+
+    module = LlamaModule()
+    trainer = tc.quiet_trainer(max_steps=5, strategy=strategy, gradient_clip_val=0.5,
+                               activation_checkpointing=checkpointing)
+    trainer.fit(module, Rows(), batch_size=8, loader_options={"collate_fn": collate})
+    return hc.flat(module.llama)
