@@ -138,8 +138,17 @@ def save_mid_epoch(strategy, folder: str) -> dict:
     epoch_1 = iter(loader)
     _steps(rt, model, optimizer, epoch_1, consumed, stop_after=2)
     rt.save(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": len(consumed)})
+    with torch.no_grad():
+        logits = model(**model_inputs(probe())).logits
+    saved = hc.flat(model)
     _steps(rt, model, optimizer, epoch_1, consumed)
-    return {"weights": hc.flat(model), "consumed": consumed}
+    return {"weights": hc.flat(model), "consumed": consumed, "saved_weights": saved, "saved_logits": logits}
+
+
+def probe() -> dict[str, torch.Tensor]:
+    """Three rows to compare a model's logits on."""
+    rows = Rows(3)
+    return collate([rows[i] for i in range(3)])
 
 
 def resume_from(strategy, folder: str) -> dict:

@@ -34,6 +34,15 @@ def add_parser(commands: Any) -> None:
     consolidate.add_argument("out", type=Path)
     consolidate.add_argument("--part", default=None, help="which saved model, when the checkpoint holds several")
     consolidate.set_defaults(func=_consolidate)
+    export = actions.add_parser(
+        "export", help="write a Hugging Face model folder (config.json, safetensors) from a checkpoint")
+    export.add_argument("folder", type=Path)
+    export.add_argument("out", type=Path)
+    export.add_argument("--hf", action="store_true", required=True,
+                        help="as a transformers model folder that from_pretrained(OUT) loads")
+    export.add_argument("--part", default=None, help="which saved model, when the checkpoint holds several")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    export.set_defaults(func=_export)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -96,4 +105,16 @@ def _consolidate(args: argparse.Namespace) -> int:
     else:
         torch.save(weights, args.out)
     print(f"lockstep: wrote {len(weights)} tensors to {args.out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lockstep.runtime.checkpoint.hf_export import export_hf
+
+    try:
+        name = export_hf(args.folder, args.out, args.part, args.max_shard_size)
+    except CheckpointError as error:
+        print(f"lockstep: {error}", file=sys.stderr)
+        return 2
+    print(f"lockstep: wrote {name} to {args.out} (from_pretrained({str(args.out)!r}) loads it)")
     return 0

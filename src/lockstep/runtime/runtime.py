@@ -407,8 +407,11 @@ class Runtime:
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
             self.sync_buffers(part.model)
+        from lockstep.runtime.checkpoint.hf_export import describe
+
+        hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
         info = {**(metadata or {}), "world_size": self.world_size, "strategy": self.strategy.name,
-                "optimizers": optimizer_of}
+                "optimizers": optimizer_of, **({"hf_models": hf_models} if hf_models else {})}
         with self._watchdog.watch("checkpoint save"):
             return self._checkpoints().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
 
