@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lockstep.train.callbacks import Callback
+from lockstep.train.flops import FlopCount, mfu, peak_flops
 
 if TYPE_CHECKING:
     from lockstep.train.module import Module
@@ -13,21 +14,38 @@ if TYPE_CHECKING:
 
 
 class ThroughputMonitor(Callback):
-    """Samples/s, step time and the fraction of step time spent waiting for data, every logging step.
+    """Samples/s, step time, the fraction of step time spent waiting for data and, where the peak is
+    known, MFU (model FLOPs utilisation), every logging step.
 
-    Cheap: it reads clocks the Trainer already keeps. When the data wait passes ``advise_above``,
-    rank 0 prints its advice once.
+    Cheap: it reads clocks the Trainer already keeps, and counts FLOPs once, over the first training
+    batch (``lockstep.train.flops``), unless the module gives ``flops_per_sample``. When the data
+    wait passes ``advise_above``, rank 0 prints its advice once.
     """
 
     def __init__(self, advise_above: float = 0.2) -> None:
         self.advise_above = advise_above
         self.advised = False
         self._mark: tuple[float, int, float, float] | None = None
+        self.flops_per_sample: float | None = None
+        self._counting: Any = None
+        self._peak: float | None = None
+        self._refused_mfu = False
 
     def on_train_start(self, trainer: Trainer, module: Module) -> None:
         self._mark = None
+        given = getattr(module, "flops_per_sample", None)
+        self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
+        self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
+
+    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+        if self.flops_per_sample is None and self._peak is not None and self._counting is None:
+            self._counting = FlopCount()
+            self._counting.start()
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._counting is not None and self.flops_per_sample is None:
+            flops, rows = self._counting.stop(), trainer.local_batch_samples
+            self.flops_per_sample = flops / rows if rows else None
         if not (trainer.at_step_boundary and trainer.is_logging_step):
             return
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
@@ -37,14 +55,27 @@ class ThroughputMonitor(Callback):
             steps = trainer.global_step - steps_then
             if elapsed > 0 and steps > 0:
                 fraction = (wait - wait_then) / elapsed
-                trainer.log_metrics({"samples_per_s": (samples - samples_then) / elapsed,
-                                     "step_time_s": elapsed / steps, "data_wait_fraction": fraction})
+                rate = (samples - samples_then) / elapsed
+                trainer.log_metrics({"samples_per_s": rate, "step_time_s": elapsed / steps,
+                                     "data_wait_fraction": fraction, **self._mfu(trainer, rate)})
                 if fraction > self.advise_above and not self.advised:
                     self.advised = True
                     trainer.runtime.print(
                         f"lockstep: {fraction:.0%} of step time is spent waiting for data. Raise num_workers "
                         "(Trainer(num_workers=...)), enable pin_memory on GPUs, or make __getitem__ cheaper.")
         self._mark = (now, samples, wait, trainer.global_step)
+
+    def _mfu(self, trainer: Trainer, samples_per_s: float) -> dict[str, float]:
+        if self.flops_per_sample is None or self._peak is None:
+            return {}
+        value = mfu(self.flops_per_sample, samples_per_s, self._peak, trainer.runtime.world_size)
+        if value is None and not self._refused_mfu:
+            self._refused_mfu = True
+            trainer.runtime.print(
+                f"lockstep: {self.flops_per_sample:.3g} FLOPs per sample at {samples_per_s:.3g} samples/s would use "
+                f"more than the devices' peak ({self._peak:.3g} FLOP/s each): the FLOP count or the peak is wrong, "
+                "so no MFU is reported. Set LOCKSTEP_PEAK_FLOPS, or give the module a flops_per_sample.")
+        return {"mfu": value} if value is not None else {}
 
 
 class ProgressBar(Callback):

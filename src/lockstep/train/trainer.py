@@ -106,6 +106,11 @@ class Trainer:
         return self._runtime.is_global_zero if self._runtime is not None else DistEnv.from_environ().is_global_zero
 
     @property
+    def local_batch_samples(self) -> int:
+        """This rank's samples in the current batch."""
+        return self._batch_samples
+
+    @property
     def is_logging_step(self) -> bool:
         return self.global_step % self.config.log_every_n_steps == 0
 
