@@ -182,3 +182,17 @@ def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
                                activation_checkpointing=checkpointing)
     trainer.fit(module, Rows(), batch_size=8, loader_options={"collate_fn": collate})
     return hc.flat(module.llama)
+
+
+def stack_grads(strategy, checkpointing=None, compile: bool = False) -> torch.Tensor:
+    """One backward of ``fsdp_checks.Stack`` (blocks of our own, not Hugging Face layers): its whole gradients."""
+    import fsdp_checks as fc
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = rt.setup(fc.make_stack(), activation_checkpointing=checkpointing, compile=compile)
+    for x, y in rt.loader(fc.checks.make_data(32), batch_size=16, num_workers=0):
+        rt.backward(F.cross_entropy(model(x), y))
+        break
+    from lockstep.runtime._torch_compat import full_tensor
+
+    return torch.cat([full_tensor(p.grad).reshape(-1) for p in lockstep.unwrap(model).parameters()])

@@ -97,3 +97,11 @@ def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
         run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=4))
     with pytest.raises(RanksFailed, match="'decoder.*' matches no module"):
         run_ranks(mc.mesh_weights, 2, lockstep.FSDP(tp=2, tp_plan={"decoder.*": "colwise"}))
+
+
+@pytest.mark.parametrize("strategy, compile", [("ddp", True), ("fsdp", False)])
+def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_gradients(strategy, compile):
+    plain = run_ranks(mc.stack_grads, 2, strategy, None, compile)
+    for mode in ("full", "selective"):
+        for grads, reference in zip(run_ranks(mc.stack_grads, 2, strategy, mode, compile), plain):
+            assert torch.allclose(grads, reference, atol=1e-6, rtol=0), mode

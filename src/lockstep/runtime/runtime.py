@@ -76,7 +76,7 @@ class Runtime:
         strategy: ``"auto"`` (DDP with several processes), ``"ddp"``, ``"fsdp"``, ``"dp"``, ``"single"``,
             or a configured object such as ``lockstep.DDP(find_unused_parameters=True)`` or
             ``lockstep.FSDP(shard_modules=(Block,))``.
-        precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``
+        precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"float8"``
             (aliases ``32``, ``64``, ``16``, ``bf16``).
         seed: seeds python, numpy and torch on every rank, and the data order (default order seed 0).
         deterministic: deterministic kernels (slower); ``benchmark``: cuDNN autotuning.

@@ -55,27 +55,38 @@ def checkpoint_activations(module: nn.Module, policy: Policy | None) -> list[str
         context = None
     else:
         raise TypeError(f"activation_checkpointing takes 'full', 'selective' or a function; got {type(policy).__name__}.")
+    selective = context is not None
     for _, block in chosen:
         if hasattr(block, "gradient_checkpointing"):  # a Hugging Face layer: its own switch, which drops the KV cache
-            from torch.utils.checkpoint import checkpoint, noop_context_fn
+            from torch.utils.checkpoint import checkpoint
 
             block.gradient_checkpointing = True
+            options: dict[str, Any] = {"context_fn": _selective_context} if selective else {}
             block._gradient_checkpointing_func = functools.partial(  # noqa: SLF001 - transformers' documented hook
-                checkpoint, use_reentrant=False, context_fn=context or noop_context_fn)
+                checkpoint, use_reentrant=False, **options)
         elif not getattr(block, _MARK, False):
-            block.forward = types.MethodType(functools.partial(_checkpointed_forward, type(block).forward, context),
-                                             block)
+            run = _selectively_checkpointed_forward if selective else _checkpointed_forward
+            block.forward = types.MethodType(functools.partial(run, type(block).forward), block)
             setattr(block, _MARK, True)
     return [name for name, _ in chosen]
 
 
-def _checkpointed_forward(forward: Callable[..., Any], context: Callable[[], Any] | None, self: nn.Module,
-                          *args: Any, **kwargs: Any) -> Any:
+# Two functions, not one with the context as an argument: torch.compile traces checkpoint() only
+# with a context_fn it can see as a function, not one passed in as a value.
+def _checkpointed_forward(forward: Callable[..., Any], self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
         return forward(self, *args, **kwargs)
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(forward, self, *args, use_reentrant=False, context_fn=context or noop_context_fn, **kwargs)
+    return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+
+
+def _selectively_checkpointed_forward(forward: Callable[..., Any], self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(self, *args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, self, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
 
 
 def _selective_context() -> Any:

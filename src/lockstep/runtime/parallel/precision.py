@@ -179,9 +179,38 @@ def _quiet_scaler_on_shards() -> Iterator[None]:
         yield
 
 
+class Float8Mixed(MixedPrecision):
+    """``float8``: ``bf16-mixed``, with the matrix products of every ``nn.Linear`` whose sizes divide
+    by 16 run in float8 with dynamic scaling (torchao's ``convert_to_float8_training``). Needs a GPU
+    of compute capability 8.9 or newer (Ada, Hopper); fast under ``compile=True``."""
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        from torchao.float8 import convert_to_float8_training
+
+        def fits(child: nn.Module, name: str) -> bool:
+            return isinstance(child, nn.Linear) and child.in_features % 16 == 0 and child.out_features % 16 == 0
+
+        return convert_to_float8_training(module, module_filter_fn=fits)
+
+
+def _check_float8(device: torch.device) -> None:
+    """float8 matmuls run on NVIDIA GPUs of compute capability 8.9+ only; refuse anything else here."""
+    if device.type != "cuda":
+        raise ValueError(f"precision 'float8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"this job runs on {device.type}: use 'bf16-mixed'.")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"precision 'float8' needs compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: use 'bf16-mixed'.")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ValueError("precision 'float8' runs through torchao, which is not installed: pip install torchao.") from None
+
+
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",
-            "fp32": "32-true", "fp16": "16-mixed"}
-PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true")
+            "fp32": "32-true", "fp16": "16-mixed", "fp8": "float8"}
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true", "float8")
 
 
 def make_precision(name: str | int, device: torch.device, sharded: bool = False) -> Precision:
@@ -198,6 +227,9 @@ def make_precision(name: str | int, device: torch.device, sharded: bool = False)
         return TruePrecision(key, torch.float32)
     if key == "64-true":
         return TruePrecision(key, torch.float64)
+    if key == "float8":
+        _check_float8(device)
+        return Float8Mixed(key, torch.bfloat16, device.type, sharded)
     if device.type == "cuda" and key.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise ValueError(
             f"precision {key!r} needs a GPU with bfloat16 support (Ampere or newer); "

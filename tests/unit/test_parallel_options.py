@@ -1,0 +1,143 @@
+"""Tensor-parallel plans refused before anything moves, activation checkpointing in place, clipping
+over several meshes' worth of tensors, and float8 refused where it cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lockstep
+from lockstep.runtime.parallel.activation_checkpointing import checkpoint_activations
+from lockstep.runtime.parallel.grad_norm import clip_grad_norm
+from lockstep.runtime.parallel.precision import make_precision
+from lockstep.runtime.parallel.tensor_parallel import plan_of, resolve_plan
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Block(nn.Module):
+    calls = 0
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def grads_and_calls(policy) -> tuple[torch.Tensor, int]:
+    model = Net()
+    names = checkpoint_activations(model, policy)
+    Block.calls = 0
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    assert policy is None or names
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]), Block.calls
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", lambda name, m: name == "blocks.1"])
+def test_checkpointed_blocks_recompute_in_the_backward_and_give_the_same_gradients(policy):
+    plain, plain_calls = grads_and_calls(None)
+    grads, calls = grads_and_calls(policy)
+    assert plain_calls == 3
+    assert calls == (4 if callable(policy) else 6)  # each checkpointed block's forward runs again
+    assert torch.allclose(grads, plain, atol=1e-6, rtol=0)
+
+
+def test_checkpointing_keeps_names_is_idempotent_and_survives_a_deepcopy():
+    model = Net()
+    before = list(model.state_dict())
+    assert checkpoint_activations(model, "full") == ["blocks.0", "blocks.1", "blocks.2"]
+    checkpoint_activations(model, "full")
+    assert list(model.state_dict()) == before
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.blocks[0].down.weight.zero_()
+        twin.blocks[0].down.bias.zero_()
+    x = torch.randn(2, 16)
+    assert not torch.allclose(twin(x), model(x))  # the copy runs its own weights
+
+
+def test_checkpointing_without_repeated_blocks_or_with_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="found no repeated blocks in Linear"):
+        checkpoint_activations(nn.Linear(2, 2), "full")
+    with pytest.raises(ValueError, match="activation_checkpointing='most'"):
+        checkpoint_activations(Net(), "most")
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(16, 12), nn.Linear(12, 16)
+        self.norm = nn.LayerNorm(16)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Attention(), Attention()])
+
+
+def test_a_plan_resolves_patterns_and_refuses_what_does_not_fit():
+    plan = {"layers.*.q": "colwise", "layers.*.out": "rowwise"}
+    assert sorted(resolve_plan(Decoder(), plan, 2)) == ["layers.0.out", "layers.0.q", "layers.1.out", "layers.1.q"]
+    with pytest.raises(ValueError, match=r"'layers.0.q' \(Linear\) has out_features=12, which colwise cannot split "
+                                         r"into tp=5"):
+        resolve_plan(Decoder(), plan, 5)
+    with pytest.raises(ValueError, match="'blocks.\\*.q' matches no module of Decoder"):
+        resolve_plan(Decoder(), {"blocks.*.q": "colwise"}, 2)
+    with pytest.raises(ValueError, match="'layers.0.norm' is a LayerNorm; colwise splits only"):
+        resolve_plan(Decoder(), {"layers.*.norm": "colwise"}, 2)
+    with pytest.raises(ValueError, match="matched by both"):
+        resolve_plan(Decoder(), {"layers.*.q": "colwise", "layers.0.q": "rowwise"}, 2)
+    with pytest.raises(ValueError, match="style 'diagonal'"):
+        resolve_plan(Decoder(), {"layers.*.q": "diagonal"}, 2)
+
+
+def test_a_hugging_face_model_brings_its_plan_wherever_it_sits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    holder = nn.Module()
+    holder.llama = LlamaForCausalLM(config)
+    plan = plan_of(holder, None)
+    assert plan["llama.lm_head"] == "colwise_gather_output"
+    assert plan["llama.model.layers.*.self_attn.q_proj"] == "colwise"
+    assert len(resolve_plan(holder, plan, 2)) == 9
+    with pytest.raises(ValueError, match="Net ships none"):
+        plan_of(Net(), None)
+
+
+def test_clipping_over_tensors_of_no_mesh_equals_torch():
+    ours, theirs = Net(), Net()
+    for model in (ours, theirs):
+        model(torch.ones(3, 16)).sum().backward()
+    norm = clip_grad_norm(ours.parameters(), 0.1)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    assert torch.equal(norm, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_float8_is_refused_on_the_cpu_at_setup_with_the_reason():
+    with pytest.raises(ValueError, match="'float8' needs an NVIDIA GPU of compute capability 8.9"):
+        make_precision("float8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'float8' needs an NVIDIA GPU"):
+        lockstep.Runtime(accelerator="cpu", precision="fp8")
