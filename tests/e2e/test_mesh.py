@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import mesh_checks as mc
 import lockstep
+import mesh_checks as mc
 from lockstep.runtime.checkpoint.consolidate import model_weights
 from lockstep.testing import RanksFailed, run_ranks
 
@@ -103,5 +103,5 @@ def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
 def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_gradients(strategy, compile):
     plain = run_ranks(mc.stack_grads, 2, strategy, None, compile)
     for mode in ("full", "selective"):
-        for grads, reference in zip(run_ranks(mc.stack_grads, 2, strategy, mode, compile), plain):
+        for grads, reference in zip(run_ranks(mc.stack_grads, 2, strategy, mode, compile), plain, strict=True):
             assert torch.allclose(grads, reference, atol=1e-6, rtol=0), mode

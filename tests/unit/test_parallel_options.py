@@ -133,7 +133,7 @@ def test_clipping_over_tensors_of_no_mesh_equals_torch():
     norm = clip_grad_norm(ours.parameters(), 0.1)
     expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
     assert torch.equal(norm, expected)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
 
 
 def test_float8_is_refused_on_the_cpu_at_setup_with_the_reason():

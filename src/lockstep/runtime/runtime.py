@@ -140,7 +140,8 @@ class Runtime:
         self._recorder = self._make_recorder()
 
     def _make_loaders(self) -> Loaders:
-        count = (lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag))))) if self.world_size > 1 else None
+        count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
+                 if self.world_size > 1 else None)
         return Loaders(self.data_parallel_rank, self.data_parallel_size, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
                        self.print)

@@ -44,7 +44,8 @@ def export_hf(folder: Path, out: Path, part: str | None = None, max_shard_size: 
                               "needs a checkpoint of a transformers PreTrainedModel, saved by rt.save or the Trainer.")
     if part is None:
         if len(described) != 1:
-            raise CheckpointError(f"{folder}: holds the Hugging Face models {sorted(described)}: choose one with --part.")
+            raise CheckpointError(f"{folder}: holds the Hugging Face models {sorted(described)}: choose one with "
+                                  "--part.")
         part = next(iter(described))
     info = described.get(part)
     if not isinstance(info, dict):
@@ -60,7 +61,8 @@ def export_hf(folder: Path, out: Path, part: str | None = None, max_shard_size: 
     prefix = f"{info['prefix']}." if info.get("prefix") else ""
     weights = {name[len(prefix):]: tensor for name, tensor in model_weights(folder, part).items()
                if name.startswith(prefix)}
-    model = cls(cls.config_class.from_dict(dict(info.get("config") or {})))
+    config_class = cls.config_class or transformers.PretrainedConfig
+    model = cls(config_class.from_dict(dict(info.get("config") or {})))
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:

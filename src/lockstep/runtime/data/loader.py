@@ -238,7 +238,7 @@ class DistributedLoader:
                 if pads and self.sampler.local_size(step) == 0:
                     real, batch = batch, empty_rows(batch)
                     if observer is not None:
-                        observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real))})
+                        observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real), strict=True)})
                 yield batch
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:

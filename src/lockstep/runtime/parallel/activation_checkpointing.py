@@ -54,16 +54,17 @@ def checkpoint_activations(module: nn.Module, policy: Policy | None) -> list[str
         chosen = [(name, m) for name, m in chosen if not any(name.startswith(f"{o}.") for o, _ in chosen)]
         context = None
     else:
-        raise TypeError(f"activation_checkpointing takes 'full', 'selective' or a function; got {type(policy).__name__}.")
+        raise TypeError("activation_checkpointing takes 'full', 'selective' or a function; got "
+                        f"{type(policy).__name__}.")
     selective = context is not None
     for _, block in chosen:
         if hasattr(block, "gradient_checkpointing"):  # a Hugging Face layer: its own switch, which drops the KV cache
             from torch.utils.checkpoint import checkpoint
 
-            block.gradient_checkpointing = True
             options: dict[str, Any] = {"context_fn": _selective_context} if selective else {}
-            block._gradient_checkpointing_func = functools.partial(  # noqa: SLF001 - transformers' documented hook
-                checkpoint, use_reentrant=False, **options)
+            block.__dict__["_gradient_checkpointing_func"] = functools.partial(checkpoint, use_reentrant=False,
+                                                                               **options)
+            block.__dict__["gradient_checkpointing"] = True
         elif not getattr(block, _MARK, False):
             run = _selectively_checkpointed_forward if selective else _checkpointed_forward
             block.forward = types.MethodType(functools.partial(run, type(block).forward), block)

@@ -55,8 +55,3 @@ class MeshLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMENSIONS)
-
-    def describe(self) -> str:
-        parts = [f"{name} {degree}" for name, degree in zip(DIMENSIONS, (self.replicate, self.shard, self.tp))
-                 if degree > 1 or name == "shard"]
-        return " × ".join(parts)

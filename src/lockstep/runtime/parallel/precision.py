@@ -205,7 +205,8 @@ def _check_float8(device: torch.device) -> None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise ValueError("precision 'float8' runs through torchao, which is not installed: pip install torchao.") from None
+        raise ValueError("precision 'float8' runs through torchao, which is not installed: pip install torchao."
+                         ) from None
 
 
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",

@@ -7,7 +7,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
