@@ -46,11 +46,12 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if k != "index"}
 
 
-def reference_weights(steps: int = 5, batch_size: int = 8, clip: float | None = None, lr: float = 1e-3) -> torch.Tensor:
+def reference_weights(steps: int = 5, batch_size: int = 8, clip: float | None = None, lr: float = 1e-3,
+                      rows: int = 40) -> torch.Tensor:
     """A hand-written one-process loop: the mean over every valid token of the global batch, AdamW."""
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rows = hc.sequences()
+    rows = hc.sequences(rows)
     for step in range(steps):
         batch = hc.pad(rows[step * batch_size:(step + 1) * batch_size])
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -66,13 +67,13 @@ def reference_weights(steps: int = 5, batch_size: int = 8, clip: float | None = 
 
 
 def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, checkpointing=None,
-                 steps: int = 5, batch_size: int = 8, lr: float = 1e-3, empty: bool = False) -> dict:
+                 steps: int = 5, batch_size: int = 8, lr: float = 1e-3, rows: int = 40) -> dict:
     """The same run through lockstep, on ``strategy``: the model's own loss with num_items."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer, activation_checkpointing=checkpointing)
-    loader = rt.loader(Rows(), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
+    loader = rt.loader(Rows(rows), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
     seen = []
     for i, batch in enumerate(loader):
         seen.append(batch["index"].tolist())
@@ -196,3 +197,40 @@ def stack_grads(strategy, checkpointing=None, compile: bool = False) -> torch.Te
     from lockstep.runtime._torch_compat import full_tensor
 
     return torch.cat([full_tensor(p.grad).reshape(-1) for p in lockstep.unwrap(model).parameters()])
+
+
+def flops_of_one_step(strategy) -> int:
+    """What the Trainer's FLOP count sees for one forward and backward of 4 rows on this rank."""
+    from lockstep.train.flops import FlopCount
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = rt.setup(tiny_llama())
+    rows = Rows(4)
+    count = FlopCount()
+    count.start()
+    model(**model_inputs(collate([rows[i] for i in range(4)]))).loss.backward()
+    return count.stop()
+
+
+def built_empty_on_the_mesh() -> dict:
+    """``fsdp_checks.Stack`` built on the meta device, then tensor parallel × FSDP: what each rank holds."""
+    import fsdp_checks as fc
+
+    from lockstep.runtime._torch_compat import to_local
+
+    plan = {"blocks.*.linear": "colwise_gather_output"}
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=lockstep.FSDP(tp=2, tp_plan=plan))
+    with rt.init_module(empty=True):
+        model = fc.Stack()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inner = lockstep.unwrap(model)
+    losses = []
+    for x, y in rt.loader(fc.checks.make_data(32), batch_size=8, num_workers=0):
+        loss = F.cross_entropy(model(x), y)
+        rt.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"embed": to_local(inner.embed.weight).detach().clone(),
+            "block": to_local(inner.blocks[0].linear.weight).detach().clone(),
+            "losses": losses, "finite": bool(torch.isfinite(fc.full_weights(model)).all())}

@@ -21,9 +21,11 @@ TOLERANCE = 1e-5
 
 
 def test_dp2_tp2_with_accumulation_and_clipping_reaches_the_one_process_weights():
-    reference = mc.reference_weights(clip=0.5)
+    # 39 rows, global batch 8 in 2 micro-batches: the last step's 7 rows split 2+2 and 2+1 over the
+    # data-parallel ranks, whose token counts all differ (num_items).
+    reference = mc.reference_weights(clip=0.5, rows=39)
     untouched = mc.tiny_llama()
-    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 2, 0.5):
+    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 2, 0.5, None, 5, 8, 1e-3, 39):
         assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
         assert not torch.allclose(result["weights"], mc.hc.flat(untouched), atol=1e-3, rtol=0)  # it trained
 
@@ -105,3 +107,21 @@ def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_grad
     for mode in ("full", "selective"):
         for grads, reference in zip(run_ranks(mc.stack_grads, 2, strategy, mode, compile), plain, strict=True):
             assert torch.allclose(grads, reference, atol=1e-6, rtol=0), mode
+
+
+def test_a_tensor_parallel_rank_counts_the_whole_model_flops_of_its_batch():
+    # DTensor ops are counted at their global shapes: MFU = flops/sample x samples/s / (peak x world)
+    # then holds on the mesh as it does for data parallelism.
+    alone = run_ranks(mc.flops_of_one_step, 1, "single")[0]
+    assert alone > 0
+    assert run_ranks(mc.flops_of_one_step, 2, lockstep.FSDP(tp=2)) == [alone, alone]
+
+
+def test_a_model_built_empty_on_the_mesh_gives_tensor_parallel_peers_the_same_replicated_weights():
+    results = run_ranks(mc.built_empty_on_the_mesh, 4)
+    assert all(r["finite"] for r in results)
+    for peer, other in ((0, 1), (2, 3)):  # ranks 0-1 and 2-3 are tensor-parallel groups
+        assert torch.equal(results[peer]["embed"], results[other]["embed"])  # not split by the plan: equal
+        assert not torch.equal(results[peer]["block"], results[other]["block"])  # split: each its own part
+        assert results[peer]["losses"] == results[other]["losses"]  # one batch, one model
+    assert not torch.equal(results[0]["embed"], results[2]["embed"])  # FSDP shards differ
