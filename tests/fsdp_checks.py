@@ -289,3 +289,19 @@ def full_state_dicts() -> dict:
                for name, value in lockstep.unwrap(model).state_dict().items()}
     return {"rank0": rt.full_state_dict(model), "every": rt.full_state_dict(model, rank0_only=False),
             "by_hand": by_hand, "sharded": isinstance(lockstep.unwrap(model).head.weight, DTensor)}
+
+
+def offloaded_on_one_process() -> dict:
+    """``FSDP(cpu_offload=True)`` on one process: sharded (over a group of one) and offloaded, not
+    turned into the single-device path; trained as ``train`` trains."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import torch.distributed as dist
+
+    rt = lockstep.Runtime(accelerator="cpu", strategy=lockstep.FSDP(cpu_offload=True), seed=0)
+    model = rt.setup(make_stack())
+    sharded = isinstance(lockstep.unwrap(model), FSDPModule) and isinstance(lockstep.unwrap(model).head.weight, DTensor)
+    rt.close()
+    group_left = dist.is_initialized()  # the group of one is the Runtime's: closing it leaves it
+    weights = train(lockstep.FSDP(cpu_offload=True), epochs=1)
+    return {"weights": weights, "sharded": sharded, "group_left": group_left}

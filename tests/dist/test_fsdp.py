@@ -60,3 +60,10 @@ def test_full_state_dict_gathers_the_shards_on_rank_0_or_on_every_rank():
             assert value.device.type == "cpu" and not isinstance(value, torch.distributed.tensor.DTensor)
             assert torch.equal(value, reference[name]), name
 
+
+
+def test_cpu_offload_on_one_process_stays_fsdp_and_trains_as_one_process_does():
+    result = run_ranks(fc.offloaded_on_one_process, 1)[0]
+    assert result["sharded"] and not result["group_left"]
+    single = run_ranks(fc.train, 1, "single", "32-true", 1, None, 1)[0]
+    assert torch.allclose(result["weights"], single, atol=1e-6, rtol=0)

@@ -262,3 +262,28 @@ def test_num_items_under_16_mixed_matches_the_global_token_mean():
     assert not any(skipped), skipped  # the scaled backward stays near the loss's size: no fp16 overflow
     without = float((run(False) - reference).abs().max())
     assert with_items < without, (with_items, without)
+
+
+OFFLOAD = """
+import torch, torch.nn.functional as F, lockstep
+from torch import nn
+rt = lockstep.Runtime(accelerator="cuda", devices=1, strategy=lockstep.FSDP(cpu_offload=True), precision="bf16-mixed")
+with rt.init_module(empty=True):
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)])  # 268 M parameters, 1 GiB in float32
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+local = [p.to_local() for p in model.parameters()]
+assert all(t.device.type == "cpu" for t in local), "shards are not in host memory"
+torch.cuda.reset_peak_memory_stats()
+x = torch.randn(8, 4096, device=rt.device)
+rt.backward(model(x).float().square().mean())
+optimizer.step()
+peak = torch.cuda.max_memory_allocated()
+print("peak", peak)
+assert peak < 0.5 * sum(t.numel() * 4 for t in local), peak  # one block at a time on the GPU, not the model
+rt.close()
+"""
+
+
+def test_cpu_offload_on_one_gpu_keeps_the_shards_in_host_memory():
+    done = subprocess.run([sys.executable, "-c", OFFLOAD], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -24,6 +24,7 @@ from lockstep.runtime.comm.process_group import (
     choose_backend,
     destroy_process_group,
     init_process_group,
+    init_single_process_group,
 )
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
@@ -168,7 +169,11 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not self.env.is_distributed:
-            return False
+            if not isinstance(self.strategy, FSDP):  # FSDP on one process: its CPU offload (make_strategy)
+                return False
+            owns = init_single_process_group(backend, self.timeout)
+            atexit.register(self.close)
+            return owns
         owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
         atexit.register(self.close)
         if self.env.elastic_store:  # say which nodes left or joined since the last attempt

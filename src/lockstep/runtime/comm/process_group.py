@@ -79,6 +79,16 @@ def init_process_group(
     return True
 
 
+def init_single_process_group(backend: str, timeout_s: float) -> bool:
+    """A group of this one process, over an in-memory store (no port, no peer): what FSDP's CPU
+    offload needs to shard a model on one device. True if this call created it."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))
+    return True
+
+
 def choose_socket_interface(env: DistEnv) -> None:
     """On several nodes, point Gloo and NCCL at the interface that reaches the master, unless set.
 

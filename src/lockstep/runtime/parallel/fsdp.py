@@ -76,7 +76,9 @@ class FSDP:
         options: dict[str, Any] = {
             "mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": precision.fsdp_policy() or MixedPrecisionPolicy(),
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            # pinned host memory needs an accelerator: on a CPU-only job the shards stay unpinned
+            "offload_policy": (CPUOffloadPolicy(pin_memory=placement.device.type != "cpu") if self.cpu_offload
+                               else OffloadPolicy()),
         }
         if not self.cpu_offload and not is_empty(module):
             module = module.to(placement.device)

@@ -145,11 +145,15 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     """``auto`` is DDP with several processes and a single device otherwise.
 
     ``ddp`` and ``fsdp`` at world size 1 are a single device: the same code path, with no group
-    and no hooks (a model built on the meta device is then materialised whole).
+    and no hooks (a model built on the meta device is then materialised whole). Except
+    ``FSDP(cpu_offload=True)``: on one device, offload is how a model larger than its memory is
+    trained, so it stays FSDP, over a group of one process.
     """
     if not isinstance(strategy, str):
         if isinstance(strategy, FSDP):
             strategy.layout(world_size)  # degrees that do not fit the world size are refused here
+            if strategy.cpu_offload:
+                return strategy
         if isinstance(strategy, (DDP, FSDP)) and world_size == 1:
             return SingleDevice()
         return strategy
