@@ -294,9 +294,8 @@ def full_state_dicts() -> dict:
 def offloaded_on_one_process() -> dict:
     """``FSDP(cpu_offload=True)`` on one process: sharded (over a group of one) and offloaded, not
     turned into the single-device path; trained as ``train`` trains."""
-    from torch.distributed.fsdp import FSDPModule
-
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     rt = lockstep.Runtime(accelerator="cpu", strategy=lockstep.FSDP(cpu_offload=True), seed=0)
     model = rt.setup(make_stack())

@@ -215,7 +215,6 @@ def flops_of_one_step(strategy) -> int:
 def built_empty_on_the_mesh() -> dict:
     """``fsdp_checks.Stack`` built on the meta device, then tensor parallel × FSDP: what each rank holds."""
     import fsdp_checks as fc
-
     from lockstep.runtime._torch_compat import to_local
 
     plan = {"blocks.*.linear": "colwise_gather_output"}
