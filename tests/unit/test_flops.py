@@ -122,3 +122,26 @@ def test_an_mfu_above_one_is_refused_and_said_once(tmp_path, monkeypatch, capsys
     _, windows, _ = _fit(tmp_path, "1", monkeypatch)  # a peak of 1 FLOP/s: any real rate exceeds it
     assert windows and not any("mfu" in m for m in windows)
     assert capsys.readouterr().out.count("no MFU is reported") == 1
+
+
+class TokenRegressor(Regressor):
+    """Reports 3 items per sample, as a token-averaged loss reports its valid tokens."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return {"loss": F.cross_entropy(self.net(x), y), "num_items": 3 * len(y)}
+
+
+def test_the_items_a_module_reports_are_logged_per_second(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
+    logged: list[dict] = []
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=6, log_every_n_steps=2, enable_progress_bar=False,
+                               loggers=(), num_workers=0, log_dir=tmp_path)
+    original = trainer.log_metrics
+    trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]  # type: ignore
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    trainer.fit(TokenRegressor(), data, batch_size=16)
+    windows = [m for m in logged if "samples_per_s" in m]
+    assert windows and all(m["items_per_s"] == pytest.approx(3 * m["samples_per_s"]) for m in windows)
+    assert not any("mfu" in m for m in windows)  # no peak known on the CPU
+    assert float(trainer.items_seen_local) == 3 * 96

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class ThroughputMonitor(Callback):
-    """Samples/s, step time, the fraction of step time spent waiting for data and, where the peak is
-    known, MFU (model FLOPs utilisation), every logging step.
+    """Samples/s, items/s (the ``num_items`` a ``training_step`` returns, e.g. tokens), step time, the
+    fraction of step time spent waiting for data and, where the peak is known, MFU (model FLOPs
+    utilisation), every logging step.
 
     Cheap: it reads clocks the Trainer already keeps, and counts FLOPs once, over the first training
     batch (``lockstep.train.flops``), unless the module gives ``flops_per_sample``. When the data
@@ -26,13 +27,14 @@ class ThroughputMonitor(Callback):
         self.advise_above = advise_above
         self.advised = False
         self._mark: tuple[float, int, float, float] | None = None
+        self._items_then = 0.0
         self.flops_per_sample: float | None = None
         self._counting: Any = None
         self._peak: float | None = None
         self._refused_mfu = False
 
     def on_train_start(self, trainer: Trainer, module: Module) -> None:
-        self._mark = None
+        self._mark, self._items_then = None, 0.0
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
@@ -49,6 +51,7 @@ class ThroughputMonitor(Callback):
         if not (trainer.at_step_boundary and trainer.is_logging_step):
             return
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
+        items = self._items_per_s(trainer, now - self._mark[0] if self._mark is not None else 0.0)  # every rank
         if self._mark is not None:
             then, samples_then, wait_then, steps_then = self._mark
             elapsed = now - then
@@ -56,14 +59,26 @@ class ThroughputMonitor(Callback):
             if elapsed > 0 and steps > 0:
                 fraction = (wait - wait_then) / elapsed
                 rate = (samples - samples_then) / elapsed
-                trainer.log_metrics({"samples_per_s": rate, "step_time_s": elapsed / steps,
-                                     "data_wait_fraction": fraction, **self._mfu(trainer, rate)})
+                trainer.log_metrics({"samples_per_s": rate, **items,
+                                     "step_time_s": elapsed / steps, "data_wait_fraction": fraction,
+                                     **self._mfu(trainer, rate)})
                 if fraction > self.advise_above and not self.advised:
                     self.advised = True
                     trainer.runtime.print(
                         f"lockstep: {fraction:.0%} of step time is spent waiting for data. Raise num_workers "
                         "(Trainer(num_workers=...)), enable pin_memory on GPUs, or make __getitem__ cheaper.")
         self._mark = (now, samples, wait, trainer.global_step)
+
+    def _items_per_s(self, trainer: Trainer, elapsed: float) -> dict[str, float]:
+        """The items (``num_items``: tokens, say) of every data-parallel rank per second since the last
+        mark; one all-reduce per logging step, when the module gives ``num_items``."""
+        local = trainer.items_seen_local
+        if local is None:
+            return {}
+        rt = trainer.runtime
+        total = float(rt.all_reduce(local.clone(), op="sum")) / (rt.world_size // rt.data_parallel_size)
+        then, self._items_then = self._items_then, total
+        return {"items_per_s": (total - then) / elapsed} if elapsed > 0 else {}
 
     def _mfu(self, trainer: Trainer, samples_per_s: float) -> dict[str, float]:
         if self.flops_per_sample is None or self._peak is None:

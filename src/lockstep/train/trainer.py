@@ -90,6 +90,7 @@ class Trainer:
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self._batch_samples = 0  # this rank's samples in the current batch: the weight of self.log
+        self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
         self._defining: dict[tuple[str, int, int], list[tuple[str, Callable[..., None]]]] = {}  # see fire
 
     # -- where this rank sits ----------------------------------------------------------------------
@@ -371,6 +372,9 @@ class Trainer:
             with self._hook("training_step"):
                 outputs = self._wrapped("training_step", batch, batch_idx)
             loss, items = loss_of(outputs)
+            if items is not None:  # a device tensor: counted without waiting for the device
+                count = torch.as_tensor(items).detach().double()
+                self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
             self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
             with self._hook("backward"):
                 if items is not None:  # normalised over every item of the step, accumulation included
