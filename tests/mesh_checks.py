@@ -233,3 +233,48 @@ def built_empty_on_the_mesh() -> dict:
     return {"embed": to_local(inner.embed.weight).detach().clone(),
             "block": to_local(inner.blocks[0].linear.weight).detach().clone(),
             "losses": losses, "finite": bool(torch.isfinite(fc.full_weights(model)).all())}
+
+
+class GatedBlock(nn.Module):
+    """A Llama-style MLP block of our own: gate and up split by columns, down by rows."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(width, 64), nn.Linear(width, 64), nn.Linear(64, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GatedNet(nn.Module):
+    PLAN = {"blocks.*.gate": "colwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 4)
+        self.blocks = nn.ModuleList([GatedBlock(), GatedBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def gated_weights(strategy, compile: bool = False) -> dict:
+    """Two epochs of ``GatedNet`` with AdamW and clipping, optionally compiled: its whole weights."""
+    import dist_checks as checks
+
+    from lockstep.runtime._torch_compat import full_tensor
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = GatedNet()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compile=compile)
+    for x, y in rt.loader(checks.make_data(64), batch_size=16, num_workers=0):
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.clip_grad_norm_(model, optimizer, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = torch.cat([full_tensor(p.detach()).reshape(-1) for p in lockstep.unwrap(model).parameters()])
+    return {"weights": weights, "compiled": rt.compiled}

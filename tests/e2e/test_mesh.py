@@ -125,3 +125,10 @@ def test_a_model_built_empty_on_the_mesh_gives_tensor_parallel_peers_the_same_re
         assert not torch.equal(results[peer]["block"], results[other]["block"])  # split: each its own part
         assert results[peer]["losses"] == results[other]["losses"]  # one batch, one model
     assert not torch.equal(results[0]["embed"], results[2]["embed"])  # FSDP shards differ
+
+
+def test_compiled_blocks_on_dp2_tp2_reach_the_one_process_weights():
+    reference = run_ranks(mc.gated_weights, 1, "single")[0]["weights"]
+    for result in run_ranks(mc.gated_weights, 4, lockstep.FSDP(tp=2, tp_plan=mc.GatedNet.PLAN), True):
+        assert result["compiled"] == ["blocks.0", "blocks.1"]
+        assert torch.allclose(result["weights"], reference, atol=1e-5, rtol=0)
