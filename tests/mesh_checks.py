@@ -174,6 +174,17 @@ class LlamaModule(lockstep.Module):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    def predict_step(self, batch, batch_idx):
+        return self.llama(**model_inputs(batch)).logits[:, 0]
+
+
+def trainer_predictions(strategy) -> torch.Tensor:
+    """The Trainer's predictions over 13 rows (uneven over the data-parallel ranks), untrained."""
+    import trainer_checks as tc
+
+    return tc.quiet_trainer(strategy=strategy).predict(LlamaModule(), Rows(13), batch_size=4,
+                                                        loader_options={"collate_fn": collate})
+
 
 def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
     import trainer_checks as tc

@@ -62,6 +62,12 @@ def test_evaluation_on_the_mesh_gathers_each_row_once_in_dataset_order(strategy,
         assert torch.allclose(result["logits"], expected, atol=1e-5, rtol=0)
 
 
+def test_the_trainer_predicts_on_dp2_tp2_each_row_once_in_dataset_order():
+    expected = mc.reference_logits()
+    for predictions in run_ranks(mc.trainer_predictions, 4, lockstep.FSDP(tp=2)):
+        assert torch.allclose(predictions, expected, atol=1e-5, rtol=0)
+
+
 def test_the_trainer_on_dp2_tp2_reaches_the_one_process_trainer_weights():
     alone = run_ranks(mc.trainer_weights, 1, "single")[0]
     for weights in run_ranks(mc.trainer_weights, 4, lockstep.FSDP(tp=2), "full"):
