@@ -276,7 +276,6 @@ class GatedNet(nn.Module):
 def gated_weights(strategy, compile: bool = False) -> dict:
     """Two epochs of ``GatedNet`` with AdamW and clipping, optionally compiled: its whole weights."""
     import dist_checks as checks
-
     from lockstep.runtime._torch_compat import full_tensor
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
