@@ -288,3 +288,17 @@ def gated_weights(strategy, compile: bool = False) -> dict:
         optimizer.zero_grad()
     weights = torch.cat([full_tensor(p.detach()).reshape(-1) for p in lockstep.unwrap(model).parameters()])
     return {"weights": weights, "compiled": rt.compiled}
+
+
+def trainer_checkpoint(strategy, folder: str) -> torch.Tensor:
+    """Fit 3 steps with checkpoints in ``folder``; the trained model's logits on ``probe()``."""
+    import trainer_checks as tc
+
+    module = LlamaModule()
+    trainer = tc.quiet_trainer(max_steps=3, strategy=strategy, checkpoint_dir=folder)
+    trainer.fit(module, Rows(24), batch_size=8, loader_options={"collate_fn": collate})
+    whole = trainer.runtime.full_state_dict(module, rank0_only=False)  # shards gathered
+    plain = tiny_llama(seed=7)
+    plain.load_state_dict({name.removeprefix("llama."): t for name, t in whole.items()})
+    with torch.no_grad():
+        return plain(**model_inputs(probe())).logits

@@ -138,3 +138,21 @@ def test_compiled_blocks_on_dp2_tp2_reach_the_one_process_weights():
     for result in run_ranks(mc.gated_weights, 4, lockstep.FSDP(tp=2, tp_plan=mc.GatedNet.PLAN), True):
         assert result["compiled"] == ["blocks.0", "blocks.1"]
         assert torch.allclose(result["weights"], reference, atol=1e-5, rtol=0)
+
+
+def test_a_trainer_checkpoint_of_a_module_holding_a_llama_exports_to_hugging_face(tmp_path):
+    logits = run_ranks(mc.trainer_checkpoint, 2, "fsdp", str(tmp_path / "ckpt"))[0]
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "export",
+                           str(tmp_path / "ckpt" / "last.ckpt"), str(out), "--hf"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from transformers import LlamaForCausalLM
+
+    with torch.no_grad():
+        exported = LlamaForCausalLM.from_pretrained(out)(**mc.model_inputs(mc.probe())).logits
+    assert torch.allclose(exported, logits, atol=1e-5, rtol=0)
+    refused = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "export",
+                              str(tmp_path / "ckpt" / "last.ckpt"), str(out)], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "--hf" in refused.stderr
