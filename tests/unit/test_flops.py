@@ -94,17 +94,21 @@ class Regressor(lockstep.Module):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(tmp_path, peak: str, monkeypatch) -> tuple:
+def _fit(tmp_path, peak: str | None, monkeypatch, module: lockstep.Module | None = None) -> tuple:
+    """Fit 6 steps, logging every 2; the Trainer, the throughput windows it logged, its monitor."""
     from lockstep.train.progress import ThroughputMonitor
 
-    monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", peak)
+    if peak is None:
+        monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
+    else:
+        monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", peak)
     logged: list[dict] = []
     trainer = lockstep.Trainer(accelerator="cpu", max_steps=6, log_every_n_steps=2, enable_progress_bar=False,
                                loggers=(), num_workers=0, log_dir=tmp_path)
     original = trainer.log_metrics
     trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]  # type: ignore
     data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
-    trainer.fit(Regressor(), data, batch_size=16)
+    trainer.fit(module if module is not None else Regressor(), data, batch_size=16)
     monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
     return trainer, [m for m in logged if "samples_per_s" in m], monitor
 
@@ -133,15 +137,7 @@ class TokenRegressor(Regressor):
 
 
 def test_the_items_a_module_reports_are_logged_per_second(tmp_path, monkeypatch):
-    monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
-    logged: list[dict] = []
-    trainer = lockstep.Trainer(accelerator="cpu", max_steps=6, log_every_n_steps=2, enable_progress_bar=False,
-                               loggers=(), num_workers=0, log_dir=tmp_path)
-    original = trainer.log_metrics
-    trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]  # type: ignore
-    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
-    trainer.fit(TokenRegressor(), data, batch_size=16)
-    windows = [m for m in logged if "samples_per_s" in m]
+    trainer, windows, _ = _fit(tmp_path, None, monkeypatch, TokenRegressor())
     assert windows and all(m["items_per_s"] == pytest.approx(3 * m["samples_per_s"]) for m in windows)
     assert not any("mfu" in m for m in windows)  # no peak known on the CPU
     assert float(trainer.items_seen_local) == 3 * 96
