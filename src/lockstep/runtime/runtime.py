@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import gc
 import logging
 import weakref
@@ -199,16 +200,20 @@ class Runtime:
     def world_size(self) -> int:
         return self.env.world_size
 
+    @functools.cached_property
+    def _data_parallel(self) -> tuple[int, int]:
+        return self.strategy.data_parallel(self.rank, self.world_size)  # fixed for the Runtime's life
+
     @property
     def data_parallel_rank(self) -> int:
         """This rank's place among the ranks that see different batches: ``rank``, except on a mesh with
         tensor parallelism (``FSDP(tp=...)``), whose ``tp`` peers share one data-parallel rank."""
-        return self.strategy.data_parallel(self.rank, self.world_size)[0]
+        return self._data_parallel[0]
 
     @property
     def data_parallel_size(self) -> int:
         """How many different batches one step sees: ``world_size / tp``."""
-        return self.strategy.data_parallel(self.rank, self.world_size)[1]
+        return self._data_parallel[1]
 
     @property
     def node_rank(self) -> int:

@@ -4,7 +4,7 @@ The FLOPs of one sample (forward and backward) are counted with ``torch.utils.fl
 the first training batch (matrix products, convolutions and attention; element-wise work is not
 counted, as in every MFU figure), or given by the module (``flops_per_sample``). The peak is the
 device's dense peak for the precision's matmul dtype, from the table below, or
-``LOCKSTEP_PEAK_FLOPS`` (per device, e.g. what ``lockstep doctor --bench`` measured). Where
+``LOCKSTEP_PEAK_FLOPS`` (per device, e.g. a matmul rate you measured). Where
 neither is known no MFU is reported; a figure above 100 % means the count or the peak is wrong,
 and it is refused, not shown.
 """

@@ -45,8 +45,8 @@ class ThroughputMonitor(Callback):
             self._counting.start()
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._counting is not None and self.flops_per_sample is None:
-            flops, rows = self._counting.stop(), trainer.local_batch_samples
+        if self._counting is not None:  # the counted batch ends: stop counting, whatever it found
+            flops, rows, self._counting = self._counting.stop(), trainer.local_batch_samples, None
             self.flops_per_sample = flops / rows if rows else None
         if not (trainer.at_step_boundary and trainer.is_logging_step):
             return

@@ -63,7 +63,7 @@ class FSDP:
         return layout.data_parallel_rank(rank), layout.data_parallel_size
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
-        if not dist.is_initialized():  # pragma: no cover - make_strategy turns fsdp at world size 1 into single
+        if not dist.is_initialized():  # pragma: no cover - the Runtime makes a group of one for a lone FSDP
             raise RuntimeError("FSDP needs a process group: launch several processes.")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

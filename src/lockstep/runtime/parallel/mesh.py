@@ -47,9 +47,6 @@ class MeshLayout:
     def data_parallel_rank(self, rank: int) -> int:
         return rank // self.tp
 
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
     def build(self, device_type: str) -> Any:
         """The ``DeviceMesh`` over every rank, its dimensions named ``replicate``, ``shard``, ``tp``."""
         from torch.distributed.device_mesh import init_device_mesh
