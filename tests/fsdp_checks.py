@@ -71,12 +71,13 @@ def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float
     return full_weights(model)
 
 
-def bf16_against_plain_fsdp2() -> float:
-    """lockstep ``bf16-mixed`` under FSDP against a hand-written FSDP2 loop with the same policy."""
+def bf16_against_plain_fsdp2(precision: str = "bf16-mixed") -> float:
+    """lockstep ``bf16-mixed`` (or ``float8``) under FSDP against a hand-written FSDP2 loop with the
+    same policy (and torchao's float8 conversion of the Linears whose sizes divide by 16)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", precision="bf16-mixed", seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", precision=precision, seed=0)
     dataset = checks.make_data(16 * 12)
     model = make_stack()
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -87,6 +88,11 @@ def bf16_against_plain_fsdp2() -> float:
     ours = full_weights(model)
 
     plain = make_stack()
+    if precision == "float8":
+        from torchao.float8 import convert_to_float8_training
+
+        plain = convert_to_float8_training(
+            plain, module_filter_fn=lambda m, name: m.in_features % 16 == 0 and m.out_features % 16 == 0)
     mesh = init_device_mesh("cpu", (rt.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in plain.blocks:

@@ -302,3 +302,25 @@ def trainer_checkpoint(strategy, folder: str) -> torch.Tensor:
     plain.load_state_dict({name.removeprefix("llama."): t for name, t in whole.items()})
     with torch.no_grad():
         return plain(**model_inputs(probe())).logits
+
+
+def float8_on_the_mesh(strategy) -> dict:
+    """``float8`` on ``strategy``: 8 AdamW steps on one fixed batch; the losses and what q_proj became."""
+    from lockstep.runtime._torch_compat import is_dtensor
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision="float8")
+    model = tiny_llama()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batch = next(iter(rt.loader(Rows(16), batch_size=8, collate_fn=collate, num_workers=0)))
+    losses = []
+    for _ in range(8):
+        loss = model(**model_inputs(batch)).loss
+        rt.backward(loss, num_items=hc.valid_tokens(batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(rt.all_reduce(loss.detach(), "mean")))
+    q_proj = lockstep.unwrap(model).model.layers[0].self_attn.q_proj
+    weight = q_proj.weight
+    return {"losses": losses, "q_proj": type(q_proj).__name__,  # sharded over (dp, tp), split by rows on tp
+            "mesh_dims": weight.device_mesh.ndim if is_dtensor(weight) else 0,
+            "rows_split_on_tp": is_dtensor(weight) and weight.placements[-1].is_shard(dim=0)}

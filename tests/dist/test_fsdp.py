@@ -17,6 +17,11 @@ def test_bf16_mixed_equals_a_hand_written_fsdp2_loop_with_the_same_policy():
     assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2)) <= 1e-6
 
 
+def test_float8_under_fsdp_equals_a_hand_written_fsdp2_loop_over_torchao():
+    pytest.importorskip("torchao.float8")
+    assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2, "float8")) <= 1e-6
+
+
 def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():
     results = run_ranks(fc.built_empty, 2)
     for result in results:

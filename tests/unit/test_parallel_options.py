@@ -4,6 +4,7 @@ over several meshes' worth of tensors, and float8 refused where it cannot run.""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -136,8 +137,56 @@ def test_clipping_over_tensors_of_no_mesh_equals_torch():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
 
 
-def test_float8_is_refused_on_the_cpu_at_setup_with_the_reason():
-    with pytest.raises(ValueError, match="'float8' needs an NVIDIA GPU of compute capability 8.9"):
-        make_precision("float8", torch.device("cpu"))
-    with pytest.raises(ValueError, match="'float8' needs an NVIDIA GPU"):
+def test_float8_is_refused_at_setup_where_torch_has_no_float8_matmul_or_torchao_is_missing(monkeypatch):
+    pytest.importorskip("torchao.float8")
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no kernel for Float8_e4m3fn")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", no_kernel)
+    with pytest.raises(ValueError, match="'float8' needs float8 matrix products, which torch .* does not run on cpu"):
         lockstep.Runtime(accelerator="cpu", precision="fp8")
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what an environment without torchao imports
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ValueError, match="runs through torchao, which is not installed: pip install torchao"):
+        make_precision("float8", torch.device("cpu"))
+
+
+def _tiny_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def _train_with_lockstep(precision: str, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    rt = lockstep.Runtime(accelerator="cpu", precision=precision)
+    model = _tiny_mlp()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for xb, yb in zip(x, y, strict=True):
+        rt.backward(nn.functional.cross_entropy(model(xb), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+    return lockstep.unwrap(model)
+
+
+def test_float8_trains_on_the_cpu_as_a_hand_written_torchao_loop_does():
+    """One process: lockstep's ``float8`` against convert_to_float8_training + bf16 autocast by hand."""
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 8, 16), torch.randint(0, 3, (6, 8))
+    ours = _train_with_lockstep("float8", x, y)
+    assert [type(m).__name__ for m in ours] == ["Float8Linear", "ReLU", "Float8Linear", "ReLU", "Linear"]  # 3: not /16
+
+    plain = float8.convert_to_float8_training(
+        _tiny_mlp(), module_filter_fn=lambda m, name: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for xb, yb in zip(x, y, strict=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = plain(xb)
+        nn.functional.cross_entropy(out.float(), yb).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    for a, b in zip(ours.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    bf16 = _train_with_lockstep("bf16-mixed", x, y)  # the conversion changed the arithmetic
+    assert not all(torch.equal(a, b) for a, b in zip(ours.parameters(), bf16.parameters(), strict=True))

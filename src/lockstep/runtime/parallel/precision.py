@@ -181,8 +181,9 @@ def _quiet_scaler_on_shards() -> Iterator[None]:
 
 class Float8Mixed(MixedPrecision):
     """``float8``: ``bf16-mixed``, with the matrix products of every ``nn.Linear`` whose sizes divide
-    by 16 run in float8 with dynamic scaling (torchao's ``convert_to_float8_training``). Needs a GPU
-    of compute capability 8.9 or newer (Ada, Hopper); fast under ``compile=True``."""
+    by 16 run in float8 with dynamic scaling (torchao's ``convert_to_float8_training``). Fast on GPUs
+    of compute capability 8.9 or newer (Ada, Hopper) under ``compile=True``; it also runs, slowly,
+    on a CPU whose torch has float8 matrix products (2.13 has), which is how it is tested there."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -194,19 +195,39 @@ class Float8Mixed(MixedPrecision):
 
 
 def _check_float8(device: torch.device) -> None:
-    """float8 matmuls run on NVIDIA GPUs of compute capability 8.9+ only; refuse anything else here."""
-    if device.type != "cuda":
-        raise ValueError(f"precision 'float8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                         f"this job runs on {device.type}: use 'bf16-mixed'.")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(f"precision 'float8' needs compute capability 8.9 or newer (Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: use 'bf16-mixed'.")
+    """Refuse float8 where its matmuls cannot run: CUDA below compute capability 8.9, a device whose
+    torch has no float8 matrix product, or no torchao."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise ValueError("precision 'float8' runs through torchao, which is not installed: pip install torchao."
                          ) from None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"precision 'float8' needs compute capability 8.9 or newer (Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
+                             "use 'bf16-mixed'.")
+    elif not _float8_matmul_runs(device):
+        raise ValueError(f"precision 'float8' needs float8 matrix products, which torch {torch.__version__} "
+                         f"does not run on {device.type}: use 'bf16-mixed' (or a GPU of compute capability 8.9+).")
+
+
+def _float8_matmul_runs(device: torch.device) -> bool:
+    """Whether a tiny tensor-wise scaled float8 matmul runs on ``device`` and gives the right sum."""
+    from torch.nn import functional
+
+    scaled_mm = getattr(functional, "scaled_mm", None)
+    if scaled_mm is None:
+        return False
+    try:
+        ones = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        scale = torch.ones((), device=device)
+        tensor_wise = functional.ScalingType.TensorWise
+        product = scaled_mm(ones, ones.t(), scale, tensor_wise, scale, tensor_wise)
+        return bool(product[0, 0].item() == 16)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
 
 
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",
