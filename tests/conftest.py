@@ -76,3 +76,9 @@ def no_process_left_behind():
     if left:
         lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
         pytest.fail(f"the test left {len(left)} process(es) running {LEFTOVER_GRACE_S:g}s after it ended:\n{lines}")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Each test reads and writes its own lockstep cache (measured peaks), never the user's."""
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))

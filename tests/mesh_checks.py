@@ -212,12 +212,12 @@ def stack_grads(strategy, checkpointing=None, compile: bool = False) -> torch.Te
 
 def flops_of_one_step(strategy) -> int:
     """What the Trainer's FLOP count sees for one forward and backward of 4 rows on this rank."""
-    from lockstep.train.flops import FlopCount
+    from lockstep.runtime import FlopCount
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
     model = rt.setup(tiny_llama())
     rows = Rows(4)
-    count = FlopCount()
+    count = FlopCount(tp=rt.world_size // rt.data_parallel_size)
     count.start()
     model(**model_inputs(collate([rows[i] for i in range(4)]))).loss.backward()
     return count.stop()

@@ -191,3 +191,33 @@ def batchnorm_model_from(folder: str) -> nn.Module:
     model = rt.setup(BatchNormClassifier())
     rt.load(folder, {"model": model})
     return lockstep.unwrap(model).eval()
+
+
+class Regressor(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_logging(tmp_path, module: lockstep.Module | None = None, max_steps: int = 6) -> tuple:
+    """Fit ``max_steps`` (a ``Regressor`` by default), logging every 2; the Trainer, the throughput
+    windows it logged, its throughput monitor."""
+    from lockstep.train.progress import ThroughputMonitor
+
+    logged: list[dict] = []
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=max_steps, log_every_n_steps=2, enable_progress_bar=False,
+                               loggers=(), num_workers=0, log_dir=tmp_path)
+    original = trainer.log_metrics
+    trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]  # type: ignore
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    trainer.fit(module if module is not None else Regressor(), data, batch_size=16)
+    monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
+    return trainer, [m for m in logged if "samples_per_s" in m], monitor

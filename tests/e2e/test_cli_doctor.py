@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -48,3 +49,29 @@ def test_doctor_bench_reports_bandwidth_per_size():
         assert float(micros) > 0
         assert abs(int(size) / (float(micros) * 1e-6) / 1e9 - float(algbw)) <= 0.002 + 0.01 * float(algbw)
         assert float(busbw) == float(algbw)  # 2 processes: busbw = algbw * 2 * (2 - 1) / 2
+
+
+def test_doctor_bench_records_the_matmul_peak_that_the_trainers_mfu_then_uses(monkeypatch, tmp_path):
+    import torch
+
+    import trainer_checks as tc
+    from lockstep.train.flops import cache_file, device_name, peak_flops
+
+    monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, "32-true") is None  # nothing measured yet: no MFU on the CPU
+    done = _doctor("--bench", "--devices", "1", "--accelerator", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "all-reduce benchmark: skipped, it needs at least 2 processes" in done.stdout
+    printed = dict(re.findall(r"^  (bf16|fp32): ([\d.]+) TFLOP/s$", done.stdout, flags=re.MULTILINE))
+    recorded = json.loads(cache_file().read_text())[device_name(cpu)]  # the child ran with this process's threads
+    assert set(printed) == set(recorded) == {"bf16", "fp32"}
+    for key, rate in recorded.items():
+        assert float(printed[key]) == pytest.approx(rate / 1e12, abs=1e-3)
+        assert 1e9 < rate < 1e14  # some GFLOP/s, less than any CPU's 100 TFLOP/s
+    assert peak_flops(cpu, "32-true") == recorded["fp32"]
+
+    _, windows, monitor = tc.fit_logging(tmp_path, max_steps=4)
+    assert windows and all(0 < m["mfu"] <= 1 for m in windows)
+    for m in windows:
+        assert m["mfu"] == pytest.approx(monitor.flops_per_sample * m["samples_per_s"] / recorded["fp32"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
-from lockstep.train.flops import FlopCount, mfu, peak_flops
+import trainer_checks as tc
+from lockstep.runtime import FlopCount
+from lockstep.train.flops import cache_file, device_name, mfu, peak_flops, record_measured_peaks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,43 +83,49 @@ def test_the_peak_comes_from_the_environment_or_the_table_and_is_unknown_on_the_
         peak_flops(torch.device("cpu"), "32-true")
 
 
-class Regressor(lockstep.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+def test_a_measured_peak_counts_for_its_device_and_precision_only(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
+    cpu = torch.device("cpu")
+    record_measured_peaks(cpu, {"fp32": 1.5e11})
+    record_measured_peaks(cpu, {"bf16": 4e11})  # merged with what was there
+    assert json.loads(cache_file().read_text()) == {device_name(cpu): {"fp32": 1.5e11, "bf16": 4e11}}
+    assert peak_flops(cpu, "32-true") == 1.5e11
+    assert peak_flops(cpu, "bf16-mixed") == peak_flops(cpu, "float8") == 4e11
+    assert peak_flops(cpu, "64-true") is None  # not measured
+    threads = torch.get_num_threads()
+    try:  # fewer threads, a lower peak: another device name, no measured peak
+        torch.set_num_threads(threads + 1)
+        assert peak_flops(cpu, "32-true") is None
+    finally:
+        torch.set_num_threads(threads)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+@pytest.mark.parametrize("content", [b"{not json", b'{"cpu": 3}', b'{"cpu": {"fp32": -1}}',
+                                     b'{"cpu": {"fp32": NaN}}', b'{"cpu": {"fp32": true}}', b"[]",
+                                     b'{"x": {"fp32": 1}}' + b" " * (1 << 20)])
+def test_a_damaged_cache_of_peaks_is_ignored_with_a_warning(monkeypatch, content):
+    monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
+    cache_file().parent.mkdir(parents=True, exist_ok=True)
+    cache_file().write_bytes(content.replace(b'"cpu"', json.dumps(device_name(torch.device("cpu"))).encode()))
+    with pytest.warns(UserWarning, match="is not a file of measured peaks"):
+        assert peak_flops(torch.device("cpu"), "32-true") is None
+    record_measured_peaks(torch.device("cpu"), {"fp32": 2e11})  # rewritten whole
+    assert peak_flops(torch.device("cpu"), "32-true") == 2e11
 
 
 def _fit(tmp_path, peak: str | None, monkeypatch, module: lockstep.Module | None = None) -> tuple:
-    """Fit 6 steps, logging every 2; the Trainer, the throughput windows it logged, its monitor."""
-    from lockstep.train.progress import ThroughputMonitor
-
+    """Fit 6 steps, logging every 2, with LOCKSTEP_PEAK_FLOPS set to ``peak`` (or unset)."""
     if peak is None:
         monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)
     else:
         monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", peak)
-    logged: list[dict] = []
-    trainer = lockstep.Trainer(accelerator="cpu", max_steps=6, log_every_n_steps=2, enable_progress_bar=False,
-                               loggers=(), num_workers=0, log_dir=tmp_path)
-    original = trainer.log_metrics
-    trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]  # type: ignore
-    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
-    trainer.fit(module if module is not None else Regressor(), data, batch_size=16)
-    monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
-    return trainer, [m for m in logged if "samples_per_s" in m], monitor
+    return tc.fit_logging(tmp_path, module)
 
 
 def test_the_trainer_counts_the_first_batch_and_logs_mfu_against_the_given_peak(tmp_path, monkeypatch):
     trainer, windows, monitor = _fit(tmp_path, "1e12", monkeypatch)
     weights = 8 * 64 + 64 * 4
-    assert monitor.flops_per_sample == 2 * weights + 2 * weights + 2 * 64 * 4  # fwd, dW, dX of the second product
+    assert monitor.flops_per_sample == 3 * (2 * weights)  # three times the forward's products
     assert windows and all("mfu" in m for m in windows)
     for m in windows:
         assert m["mfu"] == pytest.approx(monitor.flops_per_sample * m["samples_per_s"] / 1e12)
@@ -128,7 +137,7 @@ def test_an_mfu_above_one_is_refused_and_said_once(tmp_path, monkeypatch, capsys
     assert capsys.readouterr().out.count("no MFU is reported") == 1
 
 
-class TokenRegressor(Regressor):
+class TokenRegressor(tc.Regressor):
     """Reports 3 items per sample, as a token-averaged loss reports its valid tokens."""
 
     def training_step(self, batch, batch_idx):
@@ -141,3 +150,45 @@ def test_the_items_a_module_reports_are_logged_per_second(tmp_path, monkeypatch)
     assert windows and all(m["items_per_s"] == pytest.approx(3 * m["samples_per_s"]) for m in windows)
     assert not any("mfu" in m for m in windows)  # no peak known on the CPU
     assert float(trainer.items_seen_local) == 3 * 96
+
+
+class CausalLM(lockstep.Module):
+    """A ``transformers`` Llama on fixed-length token rows, its own loss."""
+
+    def __init__(self, attention: str) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                  attn_implementation=attention)
+        self.llama = LlamaForCausalLM(self.config)
+
+    def training_step(self, batch, batch_idx):
+        return self.llama(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def benchmark_formula(model: CausalLM, tokens: int) -> float:
+    """torchtitan's FLOPs per token: 6 (N - N_embedding) + 12 L d T; times T for one sequence."""
+    config = model.config
+    n = sum(p.numel() for p in model.parameters()) - model.llama.model.embed_tokens.weight.numel()
+    return (6 * n + 12 * config.num_hidden_layers * config.hidden_size * tokens) * tokens
+
+
+@pytest.mark.parametrize("attention,checkpointing", [("sdpa", None), ("sdpa", "full"), ("eager", None)])
+def test_the_trainers_count_for_a_llama_agrees_with_the_benchmark_formula_with_or_without_checkpointing(
+        tmp_path, monkeypatch, attention, checkpointing):
+    pytest.importorskip("transformers")
+    from lockstep.train.progress import ThroughputMonitor
+
+    monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", "1e15")
+    module, tokens = CausalLM(attention), 128
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=1, enable_progress_bar=False, loggers=(),
+                               num_workers=0, log_dir=tmp_path, activation_checkpointing=checkpointing)
+    trainer.fit(module, torch.utils.data.TensorDataset(torch.randint(0, 1000, (4, tokens))), batch_size=4)
+    monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
+    assert monitor.flops_per_sample == pytest.approx(benchmark_formula(module, tokens), rel=0.02)

@@ -8,6 +8,7 @@ import socket
 import statistics
 import sys
 import time
+from typing import Any
 
 from lockstep.env import DistEnv, EnvError, job_secret_from_environ
 from lockstep.runtime.comm.network import interfaces
@@ -15,12 +16,13 @@ from lockstep.runtime.comm.network import interfaces
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = commands.add_parser(
-        "doctor", help="show torch, CUDA, NCCL, GPUs, launcher, network; --bench measures all-reduce",
+        "doctor", help="show torch, CUDA, NCCL, GPUs, launcher, network; --bench measures matmul and all-reduce",
         description="Print versions, devices, the launcher environment, network interfaces and "
-        "problems lockstep can spot. With --bench, time an all-reduce over the local GPUs (or N CPU "
-        "processes) and report algorithm and bus bandwidth per message size, as nccl-tests do.",
+        "problems lockstep can spot. With --bench, measure one device's matmul peak (recorded for the "
+        "Trainer's MFU), then time an all-reduce over the local GPUs (or N CPU processes) and report "
+        "algorithm and bus bandwidth per message size, as nccl-tests do.",
     )
-    parser.add_argument("--bench", action="store_true", help="run the all-reduce benchmark")
+    parser.add_argument("--bench", action="store_true", help="run the matmul and all-reduce benchmarks")
     parser.add_argument("--devices", type=int, default=None,
                         help="processes for --bench (default: every GPU, or 2 CPU processes)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
@@ -202,6 +204,19 @@ def bench_all_reduce(max_bytes: int, iters: int, accelerator: str) -> list[tuple
     return rows
 
 
+def bench_matmul(device: Any) -> None:
+    """Measure and record this device's matmul peak per dtype, which the Trainer's MFU then uses."""
+    from lockstep.train.flops import MEASURED_DTYPES, device_name, measure_matmul_peak, record_measured_peaks
+
+    rates = {key: measure_matmul_peak(device, dtype) for key, dtype in MEASURED_DTYPES.items()}
+    path = record_measured_peaks(device, rates)
+    print(f"\nmatmul peak on {device_name(device)}, best of 5 square products:")
+    for key, rate in rates.items():
+        print(f"  {key}: {rate / 1e12:.3f} TFLOP/s")
+    print(f"  recorded in {path}: the Trainer's MFU uses it for this device unless the peak table or "
+          "LOCKSTEP_PEAK_FLOPS gives one")
+
+
 def doctor_command(args: argparse.Namespace) -> int:
     print(report())
     if not args.bench:
@@ -212,10 +227,11 @@ def doctor_command(args: argparse.Namespace) -> int:
 
     gpus = torch.cuda.device_count() if args.accelerator in ("auto", "cuda") else 0
     accelerator = "cuda" if gpus else "cpu"
+    bench_matmul(torch.device(accelerator))
     nproc = args.devices or (gpus if gpus else 2)
     if nproc < 2:
-        print("lockstep doctor: --bench needs at least 2 processes.", file=sys.stderr)
-        return 2
+        print("\nall-reduce benchmark: skipped, it needs at least 2 processes (--devices).")
+        return 0
     print(f"\nall-reduce benchmark: {nproc} processes on {accelerator}, float32 sum, median of {args.iters}")
     rows = lockstep.launch(bench_all_reduce, nprocs=nproc, args=(_parse_bytes(args.max_bytes), args.iters, accelerator))
     print(f"  {'bytes':>12} {'time (us)':>12} {'algbw GB/s':>12} {'busbw GB/s':>12}")

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from lockstep.runtime.data.loader import DistributedLoader
     from lockstep.runtime.data.streams import is_stream
     from lockstep.runtime.files import write_atomic
+    from lockstep.runtime.parallel.flop_count import FlopCount
     from lockstep.runtime.parallel.fsdp import FSDP
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice
     from lockstep.runtime.parallel.wrappers import unwrap
@@ -42,13 +43,14 @@ _WHERE = {
     "RuntimeConfig": "lockstep.runtime.config",
     "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
     "write_atomic": "lockstep.runtime.files", "FSDP": "lockstep.runtime.parallel.fsdp",
+    "FlopCount": "lockstep.runtime.parallel.flop_count",
     "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
     "SingleDevice": "lockstep.runtime.parallel.strategy",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }
 
-__all__ = ["CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "Runtime",
+__all__ = ["CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "FlopCount", "Runtime",
            "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "is_checkpoint_folder", "is_stream",
            "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 

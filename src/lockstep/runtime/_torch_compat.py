@@ -21,7 +21,8 @@ import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
 # torch.utils._pytree: torch's own walker of nested containers, which torch.compile, DTensor and
 # FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
 __all__ = ["compiled_inner", "default_store", "foreach_mul_", "full_tensor", "hide_worker_info",
-           "is_dtensor", "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "set_default_timeout",
+           "is_dtensor", "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula",
+           "set_default_timeout",
            "shutdown_workers", "to_local"]
 
 
@@ -47,6 +48,15 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor in place by ``factor`` in one kernel per device and dtype.
     ``torch._foreach_mul_``: what torch's own optimizers and ``clip_grad_norm_`` use; no public name."""
     torch._foreach_mul_(tensors, factor)
+
+
+def raw_flop_formula(formula: Any) -> Any:
+    """Mark a FLOP formula for ``FlopCounterMode(custom_mapping=...)`` as one that takes the op's
+    tensors, not their shapes. ``_get_raw`` is how the counter tells the two apart; the public
+    ``register_flop_formula(get_raw=True)`` registers an op for every counter in the process, and
+    refuses an op torch already registered."""
+    formula._get_raw = True
+    return formula
 
 
 def compiled_inner(module: Any) -> Any:

@@ -1,18 +1,26 @@
 """Model FLOPs utilisation: the FLOPs a step needs, counted once, against the devices' peak.
 
-The FLOPs of one sample (forward and backward) are counted with ``torch.utils.flop_counter`` over
-the first training batch (matrix products, convolutions and attention; element-wise work is not
-counted, as in every MFU figure), or given by the module (``flops_per_sample``). The peak is the
-device's dense peak for the precision's matmul dtype, from the table below, or
-``LOCKSTEP_PEAK_FLOPS`` (per device, e.g. a matmul rate you measured). Where
-neither is known no MFU is reported; a figure above 100 % means the count or the peak is wrong,
-and it is refused, not shown.
+The FLOPs of one sample are three times those of its forward (the backward's products are twice
+the forward's), which ``torch.utils.flop_counter`` counts over the first training batch (matrix
+products, convolutions and attention; element-wise work is not counted, as in every MFU figure),
+or given by the module (``flops_per_sample``). Work the backward recomputes (activation
+checkpointing, flash attention) is not model work and is not counted. The peak is the
+device's dense peak for the precision's matmul dtype: ``LOCKSTEP_PEAK_FLOPS`` (per device), else
+the table below, else the matmul rate ``lockstep doctor --bench`` measured on a device of the same
+name and recorded in the cache (``$LOCKSTEP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lockstep``, else
+``~/.cache/lockstep``). Where none is known no MFU is reported; a figure above 100 % means the
+count or the peak is wrong, and it is refused, not shown.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from typing import Any
+import platform
+import time
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -32,7 +40,8 @@ _DTYPES = {"bf16-mixed": "bf16", "bf16-true": "bf16", "float8": "bf16", "16-mixe
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """One device's dense peak FLOP/s for ``precision``'s matmuls; None when unknown."""
+    """One device's dense peak FLOP/s for ``precision``'s matmuls; None when unknown: the
+    environment's, the table's or the one ``lockstep doctor --bench`` measured, in that order."""
     given = os.environ.get("LOCKSTEP_PEAK_FLOPS")
     if given:
         try:
@@ -40,32 +49,105 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
         except ValueError:
             raise ValueError(f"LOCKSTEP_PEAK_FLOPS={given!r}: give one device's peak in FLOP/s, e.g. 989e12.") from None
         return value if value > 0 else None
-    if device.type != "cuda":
-        return None
     dtype = _DTYPES.get(precision)
-    if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        dtype = "tf32"
-    name = torch.cuda.get_device_name(device)
-    for model, peaks in _PEAKS.items():  # the first entry whose name the device's contains (H100 SXM before H100)
-        if model in name:
-            return peaks.get(dtype or "")
-    return None
+    if dtype is None:
+        return None
+    if device.type == "cuda":
+        if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            dtype = "tf32"
+        name = torch.cuda.get_device_name(device)
+        for model, peaks in _PEAKS.items():  # the first entry whose name the device's contains (H100 SXM before H100)
+            if model in name:
+                return peaks.get(dtype)
+    return measured_peaks().get(device_name(device), {}).get(dtype)
 
 
-class FlopCount:
-    """Counts the FLOPs of what runs between ``start`` and ``stop`` (on this rank)."""
+# What ``lockstep doctor --bench`` measures, and the dtypes it measures them in.
+MEASURED_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_CACHE_LIMIT = 1 << 20  # a cache of peaks is a few hundred bytes; anything much larger is not one
 
-    def __init__(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
 
-        self._mode: Any = FlopCounterMode(display=False)
+def device_name(device: torch.device) -> str:
+    """The name measured peaks are recorded under: the GPU's model, or the CPU's and its threads
+    (a process with fewer threads has a lower peak)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{device.type}: {model}, {torch.get_num_threads()} threads"
 
-    def start(self) -> None:
-        self._mode.__enter__()
 
-    def stop(self) -> int:
-        self._mode.__exit__(None, None, None)
-        return int(self._mode.get_total_flops())
+def cache_file() -> Path:
+    root = os.environ.get("LOCKSTEP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lockstep")
+    return Path(root) / "peak_flops.json"
+
+
+def measured_peaks() -> dict[str, dict[str, float]]:
+    """The recorded peaks ``{device name: {dtype: FLOP/s}}``. A cache that is not such a file (too
+    large, not JSON, wrong shapes, non-finite or non-positive rates) is ignored with a warning."""
+    path = cache_file()
+    try:
+        with open(path, "rb") as source:
+            raw = source.read(_CACHE_LIMIT + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as error:
+        warnings.warn(f"lockstep: cannot read the measured peaks in {path} ({error}); no measured peak is used.",
+                      stacklevel=2)
+        return {}
+    try:
+        if len(raw) > _CACHE_LIMIT:
+            raise ValueError("larger than 1 MiB")
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        peaks: dict[str, dict[str, float]] = {}
+        for name, rates in data.items():
+            if not isinstance(rates, dict):
+                raise ValueError(f"{name!r} holds no rates")
+            for dtype, rate in rates.items():
+                if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
+                    raise ValueError(f"{name!r} {dtype!r}: {rate!r} is not a rate")
+            peaks[name] = {dtype: float(rate) for dtype, rate in rates.items()}
+        return peaks
+    except ValueError as error:  # json's errors are ValueErrors too
+        warnings.warn(f"lockstep: {path} is not a file of measured peaks ({error}); it is ignored: run "
+                      "`lockstep doctor --bench` again to rewrite it.", stacklevel=2)
+        return {}
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None,
+                        repeats: int = 5) -> float:
+    """The best rate of ``repeats`` square matmuls of ``size`` (8192 on a GPU, 2048 elsewhere), in FLOP/s."""
+    size = size or (8192 if device.type == "cuda" else 2048)
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # warm-up: kernels chosen, memory allocated
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def record_measured_peaks(device: torch.device, rates: dict[str, float]) -> Path:
+    """Add ``rates`` ({dtype: FLOP/s}) for this device to the cache, atomically; the file's path."""
+    path = cache_file()
+    peaks = measured_peaks()
+    peaks.setdefault(device_name(device), {}).update(rates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(peaks, indent=1, sort_keys=True))
+    os.replace(partial, path)
+    return path
 
 
 def mfu(flops_per_sample: float, samples_per_s: float, peak: float, devices: int) -> float | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from lockstep.runtime import FlopCount
 from lockstep.train.callbacks import Callback
-from lockstep.train.flops import FlopCount, mfu, peak_flops
+from lockstep.train.flops import mfu, peak_flops
 
 if TYPE_CHECKING:
     from lockstep.train.module import Module
@@ -18,8 +19,11 @@ class ThroughputMonitor(Callback):
     fraction of step time spent waiting for data and, where the peak is known, MFU (model FLOPs
     utilisation), every logging step.
 
-    Cheap: it reads clocks the Trainer already keeps, and counts FLOPs once, over the first training
-    batch (``lockstep.train.flops``), unless the module gives ``flops_per_sample``. When the data
+    Cheap: it reads clocks the Trainer already keeps, and counts FLOPs once, over the forward of the
+    first training batch (``lockstep.train.flops``), unless the module gives ``flops_per_sample``.
+    Model FLOPs are three times the forward's (the backward's products are twice the forward's),
+    so work recomputed in the backward (activation checkpointing, flash attention) is not counted:
+    MFU, not hardware utilisation, comparable with 6 × parameters per token. When the data
     wait passes ``advise_above``, rank 0 prints its advice once.
     """
 
@@ -41,13 +45,20 @@ class ThroughputMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
         if self.flops_per_sample is None and self._peak is not None and self._counting is None:
-            self._counting = FlopCount()
+            runtime = trainer.runtime
+            self._counting = FlopCount(tp=runtime.world_size // runtime.data_parallel_size)
             self._counting.start()
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._counting is not None:  # the counted batch ends: stop counting, whatever it found
+    def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:
+        self._forward_counted(trainer)
+
+    def _forward_counted(self, trainer: Trainer) -> None:
+        if self._counting is not None:
             flops, rows, self._counting = self._counting.stop(), trainer.local_batch_samples, None
-            self.flops_per_sample = flops / rows if rows else None
+            self.flops_per_sample = 3 * flops / rows if rows else None
+
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._forward_counted(trainer)  # the counted batch ends: stop counting, whatever it found
         if not (trainer.at_step_boundary and trainer.is_logging_step):
             return
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s

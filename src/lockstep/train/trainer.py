@@ -376,6 +376,7 @@ class Trainer:
                 count = torch.as_tensor(items).detach().double()
                 self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
             self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
+            self.fire("on_before_backward", loss)
             with self._hook("backward"):
                 if items is not None:  # normalised over every item of the step, accumulation included
                     rt.backward(loss, num_items=items)
