@@ -9,7 +9,6 @@ import functools
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
-from lockstep.errors import CheckpointError
+from lockstep.env import DistEnv, slurm_requeue_from_environ, verify_from_environ
+from lockstep.runtime.checkpoint_methods import CheckpointMethods
+from lockstep.runtime.collective_methods import CollectiveMethods
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.comm.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the checkpoint machinery (DCP) loads at the first save or l
     from lockstep.runtime.checkpoint.checkpointer import Checkpointer
 
 
-class Runtime:
+class Runtime(CollectiveMethods, CheckpointMethods):
     """Processes, devices, strategy, precision, data and collectives for one training job.
 
     Every rank creates one ``Runtime`` with the same arguments. Creating it joins the process
@@ -398,179 +398,12 @@ class Runtime:
         """
         return self._loaders.evaluation(data, batch_size, options)
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True,
-             metadata: dict[str, Any] | None = None, on_commit: Callable[[], None] | None = None) -> float:
-        """Save ``state`` as the checkpoint folder ``path``; every rank calls it. Returns the seconds
-        the call blocked.
-
-        Models (what ``rt.setup`` returned) and their optimizers are saved by parameter name, each
-        rank writing its own shards; loaders and anything else with ``state_dict()`` are saved
-        through it; other values (numbers, strings, tensors, dicts of them) as they are on rank 0.
-        The folder is committed atomically and loads on any number of processes and any strategy
-        (``rt.load``). ``blocking=False`` writes in the background while training goes on (see
-        ``wait_for_save``). ``metadata``: JSON values added to the folder's ``lockstep.json``
-        (readable without loading, e.g. the step). ``on_commit``: run on rank 0 once the folder is
-        complete (after the background write, with ``blocking=False``).
-        """
-        from lockstep.runtime.checkpoint.parts import split_state
-
-        sharded, objects, optimizer_of = split_state(state)
-        for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
-            self.sync_buffers(part.model)
-        from lockstep.runtime.checkpoint.hf_export import describe
-
-        hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
-        info = {**(metadata or {}), "world_size": self.world_size, "strategy": self.strategy.name,
-                "optimizers": optimizer_of, **({"hf_models": hf_models} if hf_models else {})}
-        with self._watchdog.watch("checkpoint save"):
-            return self._checkpoints().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
-
-    def load(self, path: str | Path, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
-        """Load the checkpoint folder ``path`` into ``state``, as given to ``rt.save``: models,
-        optimizers, loaders and other objects with ``load_state_dict`` in place; plain values (None
-        too) are replaced in ``state``, which is also returned. Every rank calls it, with the same
-        keys. The files are checked against their checksums first (``verify=False``: already done,
-        by ``verify_checkpoint``); a damaged checkpoint is refused, naming the file.
-        """
-        from lockstep.runtime.checkpoint.parts import is_stateful, split_state
-
-        sharded, _, optimizer_of = split_state(state)
-        with self._watchdog.watch("checkpoint load"):
-            objects = self._checkpoints().load(path, sharded, verify_files=verify)
-        for name, value in state.items():
-            if name in sharded or name in optimizer_of:
-                continue
-            if name not in objects:
-                raise CheckpointError(f"{path}: holds no {name!r}; it holds {sorted(objects)}.")
-            if is_stateful(value):
-                value.load_state_dict(objects[name])
-            else:
-                state[name] = objects[name]
-        return state
-
-    def verify_checkpoint(self, path: str | Path) -> list[str]:
-        """Every problem with the files of checkpoint ``path`` (none when intact: each file matches the
-        checksum written at commit, and nothing in it would run code). Every rank calls it, reads its
-        share of the files, and gets the same list."""
-        with self._watchdog.watch("checkpoint verify"):
-            return self._checkpoints().verify(path)
-
-    def wait_for_save(self) -> None:
-        """Block until a background save (``save(blocking=False)``) is written and committed; raise its
-        error if it failed. Returns at once when none is under way. Every rank calls it."""
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-
-    def _checkpoints(self) -> Checkpointer:
-        if self._checkpointer is None:
-            from lockstep.runtime.checkpoint.checkpointer import Checkpointer
-
-            self._checkpointer = Checkpointer(self.rank, self.world_size, self.barrier, checksums_from_environ())
-        return self._checkpointer
-
     def mark(self, stage: str) -> None:
         """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
 
         Costs one attribute write: call it as often as you like.
         """
         self._watchdog.stage = stage
-
-    # -- collectives (every rank must call, in the same order) -------------------------------
-    def barrier(self) -> None:
-        """Block until every rank arrives here."""
-        with self._watchdog.watch("barrier"):
-            collectives.barrier(self.device)
-
-    def all_reduce(self, data: Any, op: str = "mean") -> Any:
-        """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``) over all ranks.
-
-        Every rank gets the result.
-        """
-        with self._watchdog.watch(f"all_reduce({op})", data):
-            return collectives.all_reduce(data, op, self.device)
-
-    def all_gather(self, data: Any) -> list[Any]:
-        """Every rank's ``data`` as a list indexed by rank, on every rank. Shapes may differ by rank."""
-        with self._watchdog.watch("all_gather", data, exact_shapes=False):
-            return collectives.all_gather(data, self.device)
-
-    def gather(self, data: Any, loader: DistributedLoader | None = None, order: str = "dataset") -> Any:
-        """Outputs of all ranks as one structure with one row per sample, in dataset order, on every rank.
-
-        ``data`` holds this rank's outputs of one pass over a lockstep loader (``loader``, by default
-        the loader whose pass started last), collected batch by batch: the loader knows
-        which dataset index each row belongs to, so the rows come back sorted by it, whichever
-        loader it was (training or evaluation, shuffled or not, any sampler). Outputs that do not
-        match the samples the pass handed out on some rank raise an error naming the rank.
-        ``order="rank"``, or no loader used yet: every rank's rows concatenated in rank order.
-
-        Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
-        outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
-        namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
-        concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
-        On a mesh with tensor parallelism the ``tp`` peers hold the same rows: one copy is kept.
-        """
-        if order not in ("dataset", "rank"):
-            raise ValueError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
-        source = (loader or self._current.last) if order == "dataset" else None
-        indices = source.handed_out() if source is not None else None
-        replica = self.rank != self.data_parallel_rank * (self.world_size // self.data_parallel_size)
-        with self._watchdog.watch("gather", data, exact_shapes=False):
-            return collectives.gather_rows(data, self.device, indices, replica=replica)
-
-    def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards
-        (FSDP) are gathered, wrappers left out; buffers are rank 0's. For ``torch.save``,
-        ``save_pretrained`` or an export. Every rank must call it. ``rank0_only=True``: rank 0 gets
-        it and the other ranks an empty dict (one full copy in host memory, not one per rank).
-        """
-        module = unwrap(model)
-        if self.world_size == 1:
-            return {name: value.detach().cpu() for name, value in module.state_dict().items()}
-        from lockstep.runtime.checkpoint.parts import full_state_dict
-
-        self.sync_buffers(module)
-        with self._watchdog.watch("full_state_dict"):
-            return full_state_dict(module, rank0_only)
-
-    def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
-        """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
-
-        Each rank updates such statistics from its own share of the batch, so after training the
-        ranks hold different ones (DDP hands rank 0's to all at the start of each training forward;
-        FSDP never). Call it before evaluating, predicting or saving from every rank, so that all
-        ranks compute with, and save, the same model. ``rt.save`` and the Trainer (before
-        evaluation, prediction and checkpoints) call it for you. Every rank must call it.
-        """
-        buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
-        if buffers and self.world_size > 1:
-            with self._watchdog.watch("sync_buffers"):
-                collectives.broadcast_in_place(buffers, src)
-
-    def broadcast(self, data: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``data`` on every rank."""
-        with self._watchdog.watch(f"broadcast(src={src})"):
-            return collectives.broadcast(data, src, self.device)
-
-    def should_stop(self) -> bool:
-        """True on every rank when any rank received the preemption signal (USR1 or TERM).
-
-        Every rank must call it at the same points (e.g. each step boundary); it is one small
-        all-reduce under SLURM and free elsewhere (always False). On True: save a checkpoint, call
-        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint. A process that
-        has never called it when the signal comes has 5 seconds to do so; after that the signal
-        ends it as it would without lockstep.
-        """
-        if self.preemption is None:
-            return False
-        self.preemption.poll()
-        return bool(self.all_reduce(self.preemption.local_flag, op="max"))
-
-    def requeue(self) -> str:
-        """After ``should_stop``: rank 0 requeues the SLURM job when USR1 came and the job script
-        asked for it (``lockstep slurm --requeue``). Returns what happened."""
-        return "not under SLURM" if self.preemption is None else self.preemption.requeue(self.rank)
 
     # -- printing and ordering ---------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -582,19 +415,6 @@ class Runtime:
     def log(self) -> _RankLogger:
         """The ``lockstep`` logger, prefixing each message with this process's rank."""
         return self._logger
-
-    @contextlib.contextmanager
-    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
-        """Rank 0 (``local=True``: each node's local rank 0) runs the block first; the others wait.
-
-        For work such as downloading or preprocessing a dataset once. Every rank must enter it.
-        """
-        first = self.is_local_zero if local else self.is_global_zero
-        if not first:
-            self.barrier()
-        yield
-        if first:
-            self.barrier()
 
     def close(self) -> None:
         """Leave the process group this Runtime created (safe to call twice; also done at exit).
