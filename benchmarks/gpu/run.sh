@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tier in one run, on a machine with one NVIDIA GPU whose Python already has torch:
 # installs lockstep without dependencies (and torchao from .whl/ if carried there), runs `lockstep
-# doctor`, the GPU tests, the GPT benchmark (eager and compiled), the ~1B Llama benchmark and the CPU/Gloo FSDP and checkpoint tests on that torch. Logs and tables go
-# to $OUT (default: ./gpu-results).
+# doctor`, the GPU tests, the GPT benchmark (eager and compiled), the ~1B Llama benchmark and the
+# CPU/Gloo FSDP and checkpoint tests on that torch. Logs and tables go to $OUT (default:
+# ./gpu-results).
 #
 #     bash benchmarks/gpu/run.sh
 set -uo pipefail
