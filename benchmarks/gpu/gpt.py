@@ -2,7 +2,8 @@
 
 A 12-layer, 768-wide decoder (12 heads, sequence 1024, vocabulary 50304, 124 M parameters) on random
 tokens, bf16 autocast, fused AdamW, batch 8 sequences. Each loop feeds the same CPU tensors through a
-DataLoader with pinned memory. Rounds alternate the loops (the order rotates); each round times
+DataLoader with pinned memory. Lightning's Trainer and Accelerate run the same model too, where
+they are installed. Rounds alternate the loops (the order rotates); each round times
 ``--steps`` steps after ``--warmup`` steps, with the GPU synchronised at both ends. Reports the median
 tokens/s, the ratio to the hand-written loop and the MFU (model FLOPs per token: 6 N + 12 L T d, over
 the bf16 peak this card reached on an 8192^3 matrix product).
@@ -157,7 +158,71 @@ def trainer_loop(data: TensorDataset, warmup: int, compile_: bool) -> float:
     return timer.seconds
 
 
-LOOPS = {"hand-written": hand_written, "lockstep runtime": runtime_api, "lockstep Trainer": trainer_loop}
+def lightning_loop(data: TensorDataset, warmup: int, compile_: bool) -> float:
+    """The same model as a LightningModule under ``lightning.Trainer(precision="bf16-mixed")``."""
+    import lightning as L
+
+    timer = Timer(warmup)
+
+    class LitModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT()
+            if compile_:
+                self.gpt.compile()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return loss_of(self.gpt(x), y)
+
+        def configure_optimizers(self):
+            return optimizer_for(self)
+
+    class Ticks(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            timer.tick()
+
+        def on_train_end(self, trainer, pl_module):
+            timer.stop()
+
+    trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Ticks()])
+    trainer.fit(LitModule(), DataLoader(data, batch_size=BATCH, pin_memory=True, num_workers=2))
+    return timer.seconds
+
+
+def accelerate_loop(data: TensorDataset, warmup: int, compile_: bool) -> float:
+    """The same loop through ``accelerate.Accelerator(mixed_precision="bf16")``."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = GPT()
+    if compile_:
+        model.compile()
+    loader = DataLoader(data, batch_size=BATCH, pin_memory=True, num_workers=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer_for(model), loader)
+    timer = Timer(warmup)
+    for x, y in loader:
+        accelerator.backward(loss_of(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.tick()
+    timer.stop()
+    return timer.seconds
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+LOOPS = {"hand-written": hand_written, "lockstep runtime": runtime_api, "lockstep Trainer": trainer_loop,
+         **({"Lightning": lightning_loop} if _importable("lightning") else {}),
+         **({"Accelerate": accelerate_loop} if _importable("accelerate") else {})}
 
 
 def bf16_peak() -> float:
@@ -189,7 +254,8 @@ def main() -> None:
     names = list(LOOPS)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds + 1):  # round 0 warms up (and compiles) and is not counted
-        for name in names[round_index % 3:] + names[: round_index % 3]:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             seconds = LOOPS[name](data, args.warmup, args.compile)
             if round_index:
                 rates[name].append(tokens / seconds)

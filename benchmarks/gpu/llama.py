@@ -3,8 +3,9 @@ option, against a hand-written loop on the same model.
 
 The model is a ``transformers`` Llama shaped as Llama 3.2 1B (16 layers, width 2048, 32 heads, 8 KV
 heads, MLP 8192, vocabulary 128256) but with an untied output layer, as torchtitan's Llama 3 has:
-1.50 B parameters. Built from its config with random weights, trained on random tokens (sequence ``--seq``, batch ``--batch``), AdamW (fused on
-CUDA), bf16. Each mode runs in a fresh process, so that its peak memory is its own:
+1.50 B parameters. Built from its config with random weights, trained on random tokens (sequence
+``--seq``, batch ``--batch``), AdamW (fused on CUDA), bf16. Each mode runs in a fresh process, so
+that its peak memory is its own:
 
 - ``hand-written``: the same model compiled block by block, bf16 autocast, a plain loop;
 - ``compile``: ``Trainer(compile=True, precision="bf16-mixed")``;
@@ -145,8 +146,8 @@ def with_trainer(args: argparse.Namespace, device: str, mode: str) -> tuple[Cloc
     checkpointing = "selective" if "selective" in mode else "full" if "+ac" in mode else None
     trainer = lockstep.Trainer(accelerator=device, precision="float8" if "float8" in mode else "bf16-mixed",
                                compile=True, activation_checkpointing=checkpointing, max_epochs=1, seed=0,
-                               log_every_n_steps=2 if args.tiny else 5, loggers=(), enable_progress_bar=False, num_workers=2,
-                               callbacks=[watch], log_dir=args.log_dir)
+                               log_every_n_steps=2 if args.tiny else 5, loggers=(), enable_progress_bar=False,
+                               num_workers=2, callbacks=[watch], log_dir=args.log_dir)
     module = CausalLM(args.size, device)
     trainer.fit(module, data(args.warmup + args.steps, args.batch, args.seq, module.llama.config.vocab_size),
                 batch_size=args.batch)
