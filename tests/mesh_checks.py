@@ -304,23 +304,51 @@ def trainer_checkpoint(strategy, folder: str) -> torch.Tensor:
         return plain(**model_inputs(probe())).logits
 
 
-def float8_on_the_mesh(strategy) -> dict:
-    """``float8`` on ``strategy``: 8 AdamW steps on one fixed batch; the losses and what q_proj became."""
-    from lockstep.runtime._torch_compat import is_dtensor
+def float8_against_plain_2d() -> float:
+    """``float8`` on dp2 × tp2 against a hand-written 2-D loop: torchao's conversion, the model's
+    tensor-parallel plan written out as torch's styles, ``fully_shard`` over dp with bf16
+    parameters, and the loss summed over this rank's tokens, the gradients scaled by dp / all tokens.
+    Returns the largest weight difference after 3 AdamW steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8 import convert_to_float8_training
 
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision="float8")
+    steps, batch_size = 3, 8
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=lockstep.FSDP(tp=2), precision="float8")
     model = tiny_llama()
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    batch = next(iter(rt.loader(Rows(16), batch_size=8, collate_fn=collate, num_workers=0)))
-    losses = []
-    for _ in range(8):
-        loss = model(**model_inputs(batch)).loss
-        rt.backward(loss, num_items=hc.valid_tokens(batch))
+    for batch in rt.loader(Rows(steps * batch_size), batch_size=batch_size, collate_fn=collate, num_workers=0):
+        rt.backward(model(**model_inputs(batch)).loss, num_items=hc.valid_tokens(batch))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(rt.all_reduce(loss.detach(), "mean")))
-    q_proj = lockstep.unwrap(model).model.layers[0].self_attn.q_proj
-    weight = q_proj.weight
-    return {"losses": losses, "q_proj": type(q_proj).__name__,  # sharded over (dp, tp), split by rows on tp
-            "mesh_dims": weight.device_mesh.ndim if is_dtensor(weight) else 0,
-            "rows_split_on_tp": is_dtensor(weight) and weight.placements[-1].is_shard(dim=0)}
+    ours = hc.flat(model)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plain = convert_to_float8_training(
+        tiny_llama(), module_filter_fn=lambda m, name: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(plain.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(plain, mesh["tp"], plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in plain.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(plain, mesh=mesh["dp"], mp_policy=policy)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    rows, dp_rank = Rows(steps * batch_size), rt.rank // 2
+    for step in range(steps):
+        first = step * batch_size + dp_rank * (batch_size // 2)
+        batch = collate([rows[i] for i in range(first, first + batch_size // 2)])
+        everyone = collate([rows[i] for i in range(step * batch_size, (step + 1) * batch_size)])
+        mine = hc.valid_tokens(batch)
+        (plain(**model_inputs(batch)).loss * mine).backward()
+        for p in plain.parameters():
+            p.grad.mul_(2 / hc.valid_tokens(everyone))
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    return float((ours - hc.flat(plain)).abs().max())

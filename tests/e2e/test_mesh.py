@@ -160,11 +160,7 @@ def test_a_trainer_checkpoint_of_a_module_holding_a_llama_exports_to_hugging_fac
     assert refused.returncode == 2 and "--hf" in refused.stderr
 
 
-def test_float8_trains_on_dp2_tp2_with_tensor_parallel_float8_linears():
+def test_float8_on_dp2_tp2_equals_a_hand_written_2d_loop_over_torchao():
     pytest.importorskip("torchao.float8")
-    results = run_ranks(mc.float8_on_the_mesh, 4, lockstep.FSDP(tp=2))
-    for result in results:
-        assert result["q_proj"] == "Float8Linear"
-        assert result["mesh_dims"] == 2 and result["rows_split_on_tp"]
-        assert result["losses"] == results[0]["losses"]  # every rank saw the same global loss
-        assert result["losses"][-1] < 0.75 * result["losses"][0]  # measured: 4.19 to 2.33
+    # bit for bit; without torchao's conversion in the hand-written loop the weights differ by 0.05
+    assert run_ranks(mc.float8_against_plain_2d, 4) == [0.0] * 4
