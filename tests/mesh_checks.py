@@ -88,7 +88,7 @@ def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, check
         if i + 1 == steps * accumulate:
             break
     return {"weights": hc.flat(model), "seen": seen, "data_rank": rt.data_parallel_rank,
-            "data_size": rt.data_parallel_size}
+            "data_size": rt.data_parallel_size, "tp_size": rt.tensor_parallel_size}
 
 
 def gathered_logits(strategy) -> dict:
@@ -217,7 +217,7 @@ def flops_of_one_step(strategy) -> int:
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
     model = rt.setup(tiny_llama())
     rows = Rows(4)
-    count = FlopCount(tp=rt.world_size // rt.data_parallel_size)
+    count = FlopCount(tp=rt.tensor_parallel_size)
     count.start()
     model(**model_inputs(collate([rows[i] for i in range(4)]))).loss.backward()
     return count.stop()

@@ -32,7 +32,8 @@ def test_dp2_tp2_with_accumulation_and_clipping_reaches_the_one_process_weights(
 
 def test_every_tensor_parallel_peer_sees_its_data_rank_batch_and_no_sample_twice():
     results = run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 1, None, None, 2)
-    assert [(r["data_rank"], r["data_size"]) for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [(r["data_rank"], r["data_size"], r["tp_size"]) for r in results] == [
+        (0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
     for step in range(2):  # the global batch of 8 is split over the 2 data-parallel ranks, in order
         assert results[0]["seen"][step] + results[2]["seen"][step] == list(range(8 * step, 8 * step + 8))

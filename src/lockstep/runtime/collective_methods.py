@@ -37,7 +37,7 @@ class CollectiveMethods:
         @property
         def data_parallel_rank(self) -> int: ...
         @property
-        def data_parallel_size(self) -> int: ...
+        def tensor_parallel_size(self) -> int: ...
         @property
         def is_global_zero(self) -> bool: ...
         @property
@@ -81,7 +81,7 @@ class CollectiveMethods:
             raise ValueError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader or self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
-        replica = self.rank != self.data_parallel_rank * (self.world_size // self.data_parallel_size)
+        replica = self.rank != self.data_parallel_rank * self.tensor_parallel_size
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices, replica=replica)
 

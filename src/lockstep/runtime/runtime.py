@@ -150,7 +150,7 @@ class Runtime(CollectiveMethods, CheckpointMethods):
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value)."""
-        return self.all_reduce(value, op="sum") / (self.world_size // self.data_parallel_size)
+        return self.all_reduce(value, op="sum") / self.tensor_parallel_size
 
     def _make_recorder(self) -> StepRecorder | None:
         """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
@@ -214,6 +214,11 @@ class Runtime(CollectiveMethods, CheckpointMethods):
     def data_parallel_size(self) -> int:
         """How many different batches one step sees: ``world_size / tp``."""
         return self._data_parallel[1]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """How many ranks share one batch, each computing part of every layer: ``tp`` on a mesh, else 1."""
+        return self.world_size // self._data_parallel[1]
 
     @property
     def node_rank(self) -> int:

@@ -45,8 +45,7 @@ class ThroughputMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
         if self.flops_per_sample is None and self._peak is not None and self._counting is None:
-            runtime = trainer.runtime
-            self._counting = FlopCount(tp=runtime.world_size // runtime.data_parallel_size)
+            self._counting = FlopCount(tp=trainer.runtime.tensor_parallel_size)
             self._counting.start()
 
     def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:
@@ -87,7 +86,7 @@ class ThroughputMonitor(Callback):
         if local is None:
             return {}
         rt = trainer.runtime
-        total = float(rt.all_reduce(local.clone(), op="sum")) / (rt.world_size // rt.data_parallel_size)
+        total = float(rt.all_reduce(local.clone(), op="sum")) / rt.tensor_parallel_size
         then, self._items_then = self._items_then, total
         return {"items_per_s": (total - then) / elapsed} if elapsed > 0 else {}
 
