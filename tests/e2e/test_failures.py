@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
-def _job(script: str, *, timeout_env: str | None = None, debug: bool = False, devices: str = "2"):
+def _job(script: str, *args: str, timeout_env: str | None = None, debug: bool = False, devices: str = "2"):
     env = {**os.environ}
     if timeout_env:
         env["LOCKSTEP_TIMEOUT"] = timeout_env
@@ -27,7 +27,7 @@ def _job(script: str, *, timeout_env: str | None = None, debug: bool = False, de
         env["LOCKSTEP_DEBUG"] = "1"
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices, "--accelerator",
-                           "cpu", f"tests/failures/{script}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "cpu", f"tests/failures/{script}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=100)
     elapsed = time.monotonic() - start
     leftover = subprocess.run(["pgrep", "-f", f"tests/failures/{script}"], capture_output=True, text=True).stdout
@@ -79,6 +79,21 @@ def test_5b_a_rank_spinning_in_python_while_the_others_wait():
         in stderr
     assert "alive (a heartbeat within 1.5s), in my_step, epoch 0, batch 4" in stderr
     assert "Timed out" in stderr
+
+
+@pytest.mark.parametrize("api", ["runtime", "trainer"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_10_a_rank_stuck_in_its_own_code_while_the_other_waits_in_the_steps_collectives(strategy, api):
+    """DDP's gradient all-reduce and FSDP's all-gather fail inside autograd or a module hook, as plain
+    RuntimeErrors: the report still names the rank that did not come, its mark and the line it is on."""
+    stderr, elapsed = _job("stuck_in_step.py", strategy, api, timeout_env="10")
+    assert elapsed < 10 + 10 + 8  # the timeout, the report, and the start of two processes
+    assert "CollectiveError: rank 0: " in stderr and "Timed out" in stderr, stderr
+    mark = "my_data" if api == "runtime" else "training_step"
+    assert "rank 1: last at backward #" in stderr or "rank 1: last at forward #" in stderr, stderr
+    assert f"; alive (a heartbeat within 1.5s), in {mark}, epoch 0, batch 3, now at stuck_in_step.py:16 in " \
+           "slow_fetch" in stderr, stderr
+    assert "gloo/transport" not in stderr.split("CollectiveError")[0].split("Traceback")[-1]  # no torch trace first
 
 
 def test_7_different_shapes_in_one_collective_in_debug_mode():

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lockstep.env import DistEnv, slurm_requeue_from_environ, verify_from_environ
@@ -272,7 +271,8 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         repoint_optimizers(before, module, optimizers)
         eval_module = self.strategy.eval_module(forward_module)
         stand_in = (lambda: self._current.stand_in) if self.shards_model else None
-        wrapped = WrappedModule(forward_module, eval_module, module, self.precision, stand_in)
+        watch = self._watchdog if self.strategy.collective_forward else None  # a forward that is a collective
+        wrapped = WrappedModule(forward_module, eval_module, module, self.precision, stand_in, watch)
         self._wrapped.append(weakref.ref(forward_module))
         recorder = self._recorder
         if recorder is not None:
@@ -341,10 +341,14 @@ class Runtime(CollectiveMethods, CheckpointMethods):
             self._items.plain_backward()
             weight = self._current.loss_weight
             loss = loss * weight if weight != 1.0 else loss
+        self._watchdog.note("backward")  # the gradient reduction (DDP, FSDP) and tensor-parallel collectives
         try:
             self.precision.backward(loss)
-        except dist.DistError as error:  # the gradient all-reduce failed: say where the others are
-            raise self._watchdog.explain(error, op="backward (gradient all-reduce)") from error
+        except RuntimeError as error:  # a collective inside failed: say where the others are
+            report = self._watchdog.explain_step(error)
+            if report is None:
+                raise
+            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
     def no_sync(self, model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce inside this block (gradient accumulation micro-steps).
@@ -368,7 +372,14 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
         self._items.finish_step()
         self.precision.unscale_(optimizer)
-        return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
+        self._watchdog.note("clip_grad_norm_")
+        try:
+            return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
+        except RuntimeError as error:
+            report = self._watchdog.explain_step(error)
+            if report is None:
+                raise
+            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
     @property
     def step_was_skipped(self) -> bool:

@@ -42,6 +42,21 @@ def record_uncaught_exceptions() -> None:
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
+# What a collective's own failure says (Gloo, NCCL, the process group), besides a lost peer.
+_COLLECTIVE_FAILED = ("timed out waiting", "gloo", "nccl", "processgroup", "watchdog caught collective")
+
+
+def collective_failed(error: BaseException) -> bool:
+    """True when ``error`` is a collective's failure (``torch.distributed.DistError``, or a RuntimeError
+    that autograd or a module hook passed on from one), not an error of the model's own code."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (lost_a_peer(text) or any(p in text for p in _COLLECTIVE_FAILED))
+
+
 def lost_a_peer(text: str) -> bool:
     """True when an error text says a peer closed its connection (it crashed or was killed)."""
     lowered = text.lower()

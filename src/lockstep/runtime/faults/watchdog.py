@@ -26,13 +26,14 @@ import torch.distributed as dist
 
 from lockstep.errors import CollectiveError
 from lockstep.runtime._torch_compat import default_store
-from lockstep.runtime.faults.root_cause import lost_a_peer
+from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
 from lockstep.runtime.tree import flatten
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
-
-
+# Where a rank's own code is: the innermost frame outside lockstep, installed packages and the standard library.
+_NOT_THE_USERS = (os.path.dirname(_PACKAGE), os.path.dirname(os.path.abspath(torch.__file__)),
+                  os.path.dirname(os.path.abspath(os.__file__)))
 
 
 def caller() -> str:
@@ -42,6 +43,19 @@ def caller() -> str:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def current_line(thread_id: int | None) -> str:
+    """``file:line in function`` where the thread ``thread_id`` runs its own code now: the innermost frame
+    outside lockstep, torch and the standard library (the innermost of all when every frame is theirs)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    innermost = frame
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_THE_USERS):
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return ""
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
@@ -68,6 +82,9 @@ class Watchdog:
         self.batch: tuple[str, int, int] | None = None  # (loader kind, epoch, batch index)
         self.stage = ""
         self.store: Any = None
+        self._published = ""  # the ``last`` that the store holds for this rank
+        self._writing = threading.Lock()  # one writer of this rank's position at a time
+        self._thread = threading.get_ident()  # the thread that runs the training loop
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if world_size > 1 and dist.is_initialized():
@@ -90,17 +107,35 @@ class Watchdog:
         return ", ".join(parts)
 
     def mark(self, text: str) -> None:
-        self.last = text
+        """Before a collective lockstep issues: this rank is there (written to the store at once)."""
+        with self._writing:
+            self.last = text
+            self._publish()
+
+    def note(self, op: str) -> None:
+        """Before the step's own collectives (the backward's gradient reduction, a sharded forward):
+        this rank is there. One attribute write; the heartbeat writes it to the store."""
+        self.count += 1
+        self.last = f"{op} #{self.count}"
+
+    def _publish(self) -> None:
         if self.store is not None:
+            text = self.last
             with contextlib.suppress(Exception):
                 self.store.set(self._key(self.rank), f"{text}\n{self.position()}")
+                self._published = text
 
     def _heartbeat(self) -> None:
         beat = 0
         while True:
             beat += 1
             try:
-                self.store.set(self._key(self.rank, "alive"), f"{beat} {self.position()}")
+                if self.last != self._published:  # a step's collective noted since the last beat
+                    with self._writing:
+                        self._publish()
+                now = current_line(self._thread)
+                position = ", ".join(p for p in (self.position(), f"now at {now}" if now else "") if p)
+                self.store.set(self._key(self.rank, "alive"), f"{beat} {position}")
             except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
                 return
             if self._stop.wait(self.interval_s):
@@ -132,6 +167,13 @@ class Watchdog:
             raise
         except RuntimeError as error:
             raise self.explain(error) from error
+
+    def explain_step(self, error: BaseException) -> CollectiveError | None:
+        """For an error raised inside the step's own collectives (noted with ``note``): the report, when
+        it is a collective's failure (a timeout, a lost peer), else None (the model's own error)."""
+        if self.world_size == 1 or isinstance(error, CollectiveError) or not collective_failed(error):
+            return None
+        return self.explain(error, op=f"{self.last} at {current_line(threading.get_ident())}")
 
     def _compare(self, op: str, sig: str, where: str) -> None:
         mine = (op, self.count, sig, where)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lockstep.runtime._torch_compat import compiled_inner, mark_wrapped_by_lr_scheduler
+from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.tree import empty_rows, map_tensors
 
@@ -31,6 +32,7 @@ class WrappedModule(nn.Module):
     def __init__(
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -38,6 +40,7 @@ class WrappedModule(nn.Module):
         self.__dict__["module"] = module
         self.__dict__["_precision"] = precision
         self.__dict__["_stand_in"] = stand_in
+        self.__dict__["_watchdog"] = watchdog
 
     @property
     def forward_module(self) -> nn.Module:
@@ -45,6 +48,19 @@ class WrappedModule(nn.Module):
         return self._forward_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog: Watchdog | None = self.__dict__["_watchdog"]
+        if watchdog is None:
+            return self._forward_rows(*args, **kwargs)
+        watchdog.note("forward")  # its all-gathers (FSDP) and tensor-parallel collectives
+        try:
+            return self._forward_rows(*args, **kwargs)
+        except RuntimeError as error:  # a collective inside failed: say where the other ranks are
+            report = watchdog.explain_step(error)
+            if report is None:
+                raise
+            raise report from None  # the report quotes the collective's error; its torch trace is noise
+
+    def _forward_rows(self, *args: Any, **kwargs: Any) -> Any:
         stand_in = self.__dict__["_stand_in"]
         rows = stand_in() if stand_in is not None else None
         if rows:  # a zero-row padding batch: run on the row it was cut from, hand back zero rows
