@@ -101,3 +101,52 @@ def test_one_process_saves_in_the_background_and_commits_on_wait(tmp_path):
     moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
     assert torch.equal(*moments)
 
+
+
+class _StreamClassifier(tc.Classifier):
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        return super().training_step((x, y), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        return super().validation_step((x, y), batch_idx)
+
+
+def _ended_by_max_steps(tmp_path, stream: bool, steps: int, resume: str | None = None):
+    """A fit of ``steps`` steps that ``max_steps`` ends inside an epoch (10 steps an epoch), with
+    dropout (the random states must resume too) and validation data."""
+    import data_checks
+
+    module = (_StreamClassifier if stream else tc.Classifier)(dropout=0.2)
+    train = data_checks.IndexedStream(160) if stream else tc.checks.make_data(160)
+    val = data_checks.IndexedStream(40) if stream else tc.checks.make_data(40)
+    trainer = tc.quiet_trainer(max_steps=steps, checkpoint_dir=tmp_path, resume=resume, loggers=("csv",))
+    trainer.fit(module, train, val, batch_size=16)
+    return trainer, module
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
+def test_a_fit_ended_by_max_steps_inside_an_epoch_is_validated_and_saved_at_its_last_step(tmp_path, stream):
+    """Map data cut in its second epoch; a stream cut within its first pass (the LLM case)."""
+    import data_checks
+
+    cut, epoch = (7, 1) if stream else (15, 2)
+    trainer, module = _ended_by_max_steps(tmp_path / "cut", stream, steps=cut)
+    final = tmp_path / "cut" / "last.ckpt"
+    metadata = read_metadata(final)
+    assert metadata["step"] == cut and final.resolve().name == f"epoch={epoch}-step={cut:08d}.ckpt"
+    assert metadata["epoch"] == epoch  # as in the name: epochs count from 1
+    # its val_loss is that of the final weights, over the whole validation set
+    val = data_checks.IndexedStream(40) if stream else tc.checks.make_data(40)
+    again = tc.quiet_trainer().validate(module, val, batch_size=16)
+    assert metadata["metrics"]["val_loss"] == pytest.approx(again["val_loss"], rel=1e-6)
+    # one row per step in metrics.csv, the last step's validation on it
+    rows = (tmp_path / "cut" / "metrics.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in rows[1:]] == (["7"] if stream else ["10", "15"])
+
+    # the resume from that checkpoint continues exactly: cut + more steps equal all the steps at once
+    _, resumed = _ended_by_max_steps(tmp_path / "cut", stream, steps=25, resume="auto")
+    _, whole = _ended_by_max_steps(tmp_path / "whole", stream, steps=25)
+    assert torch.equal(tc.checks.flat_weights(resumed), tc.checks.flat_weights(whole))
+    assert read_metadata(tmp_path / "cut" / "last.ckpt")["step"] == 25

@@ -121,6 +121,18 @@ class ModelCheckpoint(Callback):
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
+    def on_train_end(self, trainer: Trainer, module: Module) -> None:
+        """Whatever ended the fit (``max_steps`` within an epoch, a stream, early stopping), its final
+        step is saved, as by the step and epoch rules, unless a checkpoint of that step exists."""
+        folder = self.dirpath or trainer.checkpoint_dir
+        if folder is None:
+            return
+        rt = trainer.runtime
+        rt.wait_for_save()
+        saved = any(step == trainer.global_step for _, step in complete_checkpoints(Path(folder)))
+        if not rt.broadcast(saved):  # rank 0's view decides, so every rank saves or none does
+            self.save(trainer)
+
     def save(self, trainer: Trainer) -> None:
         """Every rank calls it (every rank writes its shards)."""
         folder = self.dirpath or trainer.checkpoint_dir

@@ -31,7 +31,7 @@ def plain_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 class CSVLogger:
-    """``metrics.csv`` (one row per logging call; columns grow as metrics appear) and ``hparams.json``."""
+    """``metrics.csv`` (one row per step; columns grow as metrics appear) and ``hparams.json``."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -39,6 +39,7 @@ class CSVLogger:
         self.path = self.folder / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
+        self._last_row_at = 0  # the byte offset of the file's last row
 
     def resume(self, step: int, state: dict[str, Any] | None) -> None:
         """Keep the rows of ``metrics.csv`` up to ``step``; a row that cannot be read ends what is kept."""
@@ -60,17 +61,31 @@ class CSVLogger:
         with open(self.path, "w", newline="") as handle:  # the header names every column
             writer = csv.DictWriter(handle, fieldnames=self.columns)
             writer.writeheader()
-            writer.writerows(self.rows)
+            writer.writerows(self.rows[:-1])
+            self._last_row_at = handle.tell()  # where the last row starts: its step may log more values
+            writer.writerows(self.rows[-1:])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.rows.append({"step": step, **metrics})
+        last = self.rows[-1] if self.rows else None
+        merge = last is not None and str(last["step"]) == str(step) and not set(metrics) & set(last)
+        if merge:  # more values of the step just logged (an epoch's end, validation): the same row
+            assert last is not None
+            last.update(metrics)
+        else:
+            self.rows.append({"step": step, **metrics})
         new = [k for k in metrics if k not in self.columns]
         if new or not self.path.exists():
             self.columns += new
             self._rewrite()  # a new column: the header widens
-        else:
-            with open(self.path, "a", newline="") as handle:
-                csv.DictWriter(handle, fieldnames=self.columns).writerow(self.rows[-1])
+            return
+        with open(self.path, "r+" if merge else "a", newline="") as handle:
+            if merge:  # the step's row is the file's last line: write it anew
+                handle.seek(self._last_row_at)
+                handle.truncate()
+            else:
+                handle.seek(0, os.SEEK_END)
+                self._last_row_at = handle.tell()
+            csv.DictWriter(handle, fieldnames=self.columns).writerow(self.rows[-1])
 
     def finalize(self) -> None:
         return None

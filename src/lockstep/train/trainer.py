@@ -87,6 +87,7 @@ class Trainer:
         self.train_loader: DistributedLoader | None = None
         self._val_loader: DistributedLoader | None = None
         self._resume_batches = 0
+        self._validated_at: int | None = None  # the step of the last validation in this fit
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self._batch_samples = 0  # this rank's samples in the current batch: the weight of self.log
@@ -169,9 +170,11 @@ class Trainer:
             self.fire("on_train_start")
             while not self._finished():
                 self._train_epoch()
+            if self._val_loader is not None and self._validated_at != self.global_step:
+                self._validate_during_fit()  # whatever ended the fit, its final step is validated
+            self.fire("on_train_end")  # ModelCheckpoint saves the final step, if it is not saved yet
             rt.wait_for_save()  # a checkpoint still being written in the background
             self._report_final_checkpoint()
-            self.fire("on_train_end")
             self.fire("on_fit_end")
         except BaseException as error:
             for callback in self.callbacks:
@@ -447,6 +450,7 @@ class Trainer:
         assert self._val_loader is not None
         stores = self._stores
         self._run_eval(self._val_loader, "validation_step")
+        self._validated_at = self.global_step
         self.fire("on_validation_epoch_end")
         self._stores = stores
         self._wrapped.train()
