@@ -31,6 +31,29 @@ def test_verify_passes_where_the_run_computes_what_one_process_computes(devices,
     assert len([line for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]) == 3
 
 
+def _verify_as_the_readme_writes_it(devices: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``lockstep verify SCRIPT --devices N ...``: verify's options after the script, then the script's."""
+    return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "verify", script, "--devices", str(devices),
+                           "--accelerator", "cpu", "--steps", "3", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=200)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_script_on_a_tensor_parallel_mesh_verifies_against_itself_on_one_process(devices):
+    """FSDP(tp=2): on one process the model runs unsplit (one line says so); on 2 it is tp2, on 4 dp2 x tp2."""
+    done = _verify_as_the_readme_writes_it(devices, "tests/scripts/verify_planted.py", "tokens-tp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"the run on {devices} processes computes what one process computes: 3 steps agree" in done.stdout
+
+
+def test_verify_takes_its_options_after_the_script_and_passes_the_rest_on():
+    done = _verify_as_the_readme_writes_it(2, "tests/scripts/verify_planted.py", "--", "tokens-bug")
+    assert done.returncode == 1 and "DIVERGES at step 1: the loss differs" in done.stderr, done.stdout + done.stderr
+    missing = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "verify", "examples/train.py"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "give --devices N" in missing.stderr
+
+
 @pytest.mark.parametrize(("mode", "cause"), [
     ("tokens-bug", "must say the count: rt.backward(loss, num_items=n)"),
     ("batchnorm", "the model has BatchNorm"),

@@ -1,6 +1,7 @@
 """Scripts for `lockstep verify`: argv MODE. tokens: a token-averaged loss given with num_items;
-tokens-bug: the same loss averaged per rank without num_items (a planted bug); batchnorm: a Trainer
-fit of a model with BatchNorm (each rank normalises with its own rows' statistics)."""
+tokens-bug: the same loss averaged per rank without num_items (a planted bug); tokens-tp: the token
+loss on a mesh, ``FSDP(tp=2)``, which one process runs unsplit; batchnorm: a Trainer fit of a model
+with BatchNorm (each rank normalises with its own rows' statistics)."""
 
 import os
 import sys
@@ -26,9 +27,10 @@ def token_data() -> torch.utils.data.TensorDataset:
 
 
 if mode.startswith("tokens"):
-    rt = lockstep.Runtime(seed=0)
+    plan = {"2": "colwise", "4": "rowwise"}  # the feed-forward block split over tp
+    rt = lockstep.Runtime(seed=0, strategy=lockstep.FSDP(tp=2, tp_plan=plan) if mode == "tokens-tp" else None)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     for _ in range(3):
         for tokens, labels in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):

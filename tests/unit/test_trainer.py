@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dist_checks as checks
+import lockstep
 import trainer_checks as tc
 
 pytestmark = pytest.mark.timeout(180)
@@ -93,6 +94,35 @@ def test_empty_training_data_is_an_error_and_a_batch_larger_than_the_data_is_sai
     assert "batch_size=8 is larger than the training data (5 samples): each epoch is one step of 5" in \
         capsys.readouterr().out
     assert trainer.global_step == 2
+
+
+def test_empty_validation_test_and_predict_data_are_errors_before_any_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class Counting(tc.Classifier):
+        steps = 0
+
+        def training_step(self, batch, batch_idx):
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    for empty in (checks.make_data(0), torch.utils.data.DataLoader(checks.make_data(0), batch_size=4)):
+        with pytest.raises(ValueError, match=r"the validation data \(TensorDataset\) holds no samples: validation "
+                                             "would cover nothing"):
+            tc.quiet_trainer(max_epochs=1, callbacks=[lockstep.EarlyStopping(monitor="val_loss")]).fit(
+                Counting(), checks.make_data(32), empty, batch_size=8)
+    assert Counting.steps == 0
+    with pytest.raises(ValueError, match=r"the test data \(TensorDataset\) holds no samples"):
+        tc.quiet_trainer().test(tc.Classifier(), checks.make_data(0), batch_size=8)
+    with pytest.raises(ValueError, match=r"the validation data \(TensorDataset\) holds no samples"):
+        tc.quiet_trainer().validate(tc.Classifier(), checks.make_data(0), batch_size=8)
+    with pytest.raises(ValueError, match=r"the predict data \(TensorDataset\) holds no samples"):
+        tc.quiet_trainer().predict(tc.Classifier(), checks.make_data(0), batch_size=8)
+    # a stream without __len__ is known to be empty once read: at its first pass
+    with pytest.raises(ValueError, match=r"the validation data \(_EmptyStream\) holds no samples"):
+        tc.quiet_trainer().validate(tc.Classifier(), _EmptyStream(), batch_size=8)
+    with pytest.raises(ValueError, match=r"the predict data \(_EmptyStream\) holds no samples"):
+        tc.quiet_trainer().predict(tc.Classifier(), _EmptyStream(), batch_size=8)
 
 
 def test_a_resume_path_that_is_no_checkpoint_says_what_it_is(tmp_path):

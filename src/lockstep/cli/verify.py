@@ -35,14 +35,8 @@ EXPECTED = {
 }
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = commands.add_parser(
-        "verify", help="check that SCRIPT on N processes computes what it computes on one",
-        description="Run SCRIPT's first --steps optimizer steps on one process and on --devices processes "
-        "(through lockstep run) and compare, step by step, the global batch's loss, the gradient norm and "
-        "every weight. Exits 1 at the first step beyond the tolerance, naming it and the parameter.",
-    )
-    parser.add_argument("--devices", type=int, required=True, help="processes (or GPUs) of the run to check")
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, help="processes (or GPUs) of the run to check (required)")
     parser.add_argument("--strategy", help="strategy of the run to check (ddp, fsdp, ...; the script's own wins)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", help="precision of both runs (the script's own wins)")
@@ -51,9 +45,37 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (default 1e-6)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds each run may take (default 600)")
     parser.add_argument("--keep", metavar="DIR", help="keep the two runs' records in DIR")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "verify", help="check that SCRIPT on N processes computes what it computes on one",
+        description="Run SCRIPT's first --steps optimizer steps on one process and on --devices processes "
+        "(through lockstep run) and compare, step by step, the global batch's loss, the gradient norm and "
+        "every weight. Exits 1 at the first step beyond the tolerance, naming it and the parameter. "
+        "verify's options may come before or after SCRIPT; the other arguments go to SCRIPT, and so does "
+        "everything after a '--'.",
+    )
+    _add_options(parser)
     parser.add_argument("script", metavar="SCRIPT", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     parser.set_defaults(func=verify_command)
+
+
+def _take_own_options(args: argparse.Namespace) -> None:
+    """verify's options written after SCRIPT are verify's (``lockstep verify train.py --devices 2``); the
+    other arguments, and all after a ``--``, stay the script's."""
+    rest = list(args.script_args)
+    theirs: list[str] = []
+    if "--" in rest:
+        rest, theirs = rest[:rest.index("--")], rest[rest.index("--") + 1:]
+    options = argparse.ArgumentParser(prog="lockstep verify", allow_abbrev=False, add_help=False)
+    _add_options(options)
+    for action in options._actions:
+        action.default = argparse.SUPPRESS  # only the options given after SCRIPT land in ``given``
+    given, unknown = options.parse_known_args(rest)
+    vars(args).update(vars(given))
+    args.script_args = unknown + theirs
 
 
 def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: Path) -> str | None:
@@ -146,6 +168,10 @@ def _causes(folder: Path, divergence: str) -> list[str]:
 
 
 def verify_command(args: argparse.Namespace) -> int:
+    _take_own_options(args)
+    if args.devices is None:
+        print("lockstep verify: give --devices N, the processes of the run to check.", file=sys.stderr)
+        return 2
     if args.devices < 2 or args.steps < 1:
         print("lockstep verify: give --devices 2 or more and --steps 1 or more.", file=sys.stderr)
         return 2

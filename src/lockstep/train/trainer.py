@@ -156,7 +156,7 @@ class Trainer:
         options = self._loader_options(loader_options)
         self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
-            self._val_loader = rt.eval_loader(val_data, batch_size=val_batch_size or batch_size, **options)
+            self._val_loader = self._eval_loader(val_data, val_batch_size or batch_size, options, "validation")
         saved_loggers = self._restore()
         if rt.is_global_zero:
             self.loggers = make_loggers(self._logger_specs, self.log_dir)
@@ -212,13 +212,21 @@ class Trainer:
                 loader_options: dict[str, Any] | None = None) -> Any:
         """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample)."""
         rt = self._start(module, with_optimizers=False)
-        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
+        loader = self._eval_loader(data, batch_size, self._loader_options(loader_options), "predict")
         self._stores = []
         rt.sync_buffers(self._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
         self._wrapped.eval()
         with torch.no_grad():
             outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
+        _check_not_empty(loader, "predict", bool(outputs))
         return rt.gather(outputs, loader=loader)
+
+    def _eval_loader(self, data: Any, batch_size: int | None, options: dict[str, Any], stage: str
+                     ) -> DistributedLoader:
+        """``rt.eval_loader`` for ``stage``, refusing data that holds no samples before any step."""
+        loader = self.runtime.eval_loader(data, batch_size=batch_size, **options)
+        _check_not_empty(loader, stage, None)
+        return loader
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
@@ -460,11 +468,13 @@ class Trainer:
         self._stores = [store]
         self.runtime.sync_buffers(self._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
         self._wrapped.eval()
+        batch_idx = -1
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 self._batch_samples = loader.local_batch_size(batch_idx)
                 with self._hook(step):
                     self._wrapped(step, batch, batch_idx)
+        _check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
         metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
         self._stores = []
         self.log_metrics(metrics)
@@ -472,10 +482,10 @@ class Trainer:
 
     def _evaluate_once(self, module: Module, data: Any, batch_size: int | None, step: str,
                        loader_options: dict[str, Any] | None) -> dict[str, float]:
-        rt = self._start(module, with_optimizers=False)
+        self._start(module, with_optimizers=False)
         if not hasattr(module, step):
             raise AttributeError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
-        loader = rt.eval_loader(data, batch_size=batch_size, **self._loader_options(loader_options))
+        loader = self._eval_loader(data, batch_size, self._loader_options(loader_options), step.removesuffix("_step"))
         return self._run_eval(loader, step)
 
     # -- callbacks and reports ---------------------------------------------------------------------
@@ -511,6 +521,19 @@ class Trainer:
             self.runtime.print(f"profiler report ({self.profiler.name}), rank 0:\n{text}")
         for logger in self.loggers:
             logger.finalize()
+
+
+def _check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None) -> None:
+    """Evaluating over no samples is a mistake (an empty split, a filter that kept nothing), refused
+        as empty training data is: before any step where the data has a length, else (a stream
+        without ``__len__``) once a pass yielded no batch, which happens on every rank at once."""
+    try:
+        empty = len(loader.dataset) == 0
+    except TypeError:  # a stream without __len__: known once read
+        empty = yielded is False
+    if empty:
+        raise ValueError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
+                         "cover nothing. Check the dataset's path, filter or split, or pass no data.")
 
 
 def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,

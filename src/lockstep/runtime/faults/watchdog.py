@@ -29,11 +29,14 @@ from lockstep.runtime._torch_compat import default_store
 from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
 from lockstep.runtime.tree import flatten
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIPPED = (_PACKAGE, os.path.abspath(contextlib.__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lockstep/
+_SKIPPED = (_PACKAGE + os.sep, os.path.abspath(contextlib.__file__))
 # Where a rank's own code is: the innermost frame outside lockstep, installed packages and the standard library.
-_NOT_THE_USERS = (os.path.dirname(_PACKAGE), os.path.dirname(os.path.abspath(torch.__file__)),
-                  os.path.dirname(os.path.abspath(os.__file__)))
+_NOT_THE_USERS = (_PACKAGE + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep,
+                  os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
+
+
+_ENDED = "ended the script (Runtime.close)"  # what a rank that closed its Runtime leaves in the store
 
 
 def caller() -> str:
@@ -145,7 +148,7 @@ class Watchdog:
         """Record that this rank left and end the heartbeat (before the group and its store go)."""
         if self._stop.is_set():
             return
-        self.mark(f"exited (Runtime.close) after {self.last}")
+        self.mark(f"{_ENDED} after {self.last}")
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=2 * self.interval_s)
@@ -235,7 +238,12 @@ class Watchdog:
         reason = str(error).splitlines()[0][:200]
         lost = lost_a_peer(str(error))
         lines = [f"rank {self.rank}: {here} failed ({reason})."]
-        if lost:
+        ended = sorted(r for r, text in elsewhere.items() if text.startswith(_ENDED))
+        if ended:
+            lines.append(f"Rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))} ended the script while "
+                         "this rank still waits in a collective: every rank must run the same collectives. Code "
+                         "under `if rank == 0:` that validates, saves or syncs a metric is the usual cause.")
+        elif lost:
             lines.append("A peer closed its connection: it crashed or was killed; its own error names the cause.")
         if elsewhere or silent:
             # a peer that just closed its connection beat a moment ago: no heartbeat to read then

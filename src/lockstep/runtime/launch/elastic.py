@@ -56,7 +56,7 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
     try:
         elastic_run(args)
     except ChildFailedError as failed:
-        cause = _report(failed.failures)
+        cause = _report(failed.failures, _count(args.nproc_per_node), _count(str(args.nnodes).split(":")[-1]))
         if watch is not None:
             elsewhere = watch.failure_elsewhere(3 * watch.interval_s) if cause.startswith("lost a peer") else ""
             if elsewhere:
@@ -136,8 +136,17 @@ def _raise_signal(signum: int, frame: object) -> None:
     raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
 
 
-def _report(failures: dict[int, Any]) -> str:
-    """Print the root cause of a failed group; returns it in one line."""
+def _count(value: Any) -> int:
+    """A launch argument's count (``--nproc-per-node 2``, ``--nnodes 1:2``'s maximum); 0 when not a number."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
+    """Print the root cause of a failed group (``nproc`` workers on each of up to ``nnodes`` nodes);
+    returns it in one line."""
     rank, failure = _root_cause(failures)
     how = f"exit code {failure.exitcode}"
     if failure.exitcode < 0:
@@ -148,8 +157,19 @@ def _report(failures: dict[int, Any]) -> str:
     cause = f"rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} failed with {how}"
     print(f"lockstep: {cause}; every worker of the job was stopped.", file=sys.stderr)
     if all(_lost_a_peer(f) for f in failures.values()):
-        print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
-              "that node's output names it.", file=sys.stderr)
+        finished = sorted(set(range(nproc)) - {f.local_rank for f in failures.values()}) if nproc else []
+        ranks = ", ".join(map(str, finished))
+        if finished:  # they ended their script (exit 0) while the others still waited in a collective
+            print(f"lockstep: {'rank' if nnodes == 1 else 'local rank'}{'s' if len(finished) > 1 else ''} {ranks} "
+                  "ended the script (exit code 0) while the others still waited in a collective: every rank must "
+                  "run the same collectives. Code under `if rank == 0:` that validates, saves or syncs a metric "
+                  "is the usual cause.", file=sys.stderr)
+        elif nnodes == 1:
+            print("lockstep: every worker only lost a peer, and none says why: a worker was killed from outside "
+                  "(the kernel's OOM killer, kill -9) or its node lost its network.", file=sys.stderr)
+        else:
+            print("lockstep: every worker here only lost a peer: a worker on another node failed first; "
+                  "that node's output names it.", file=sys.stderr)
         cause = "lost a peer: " + cause
     trace = _traceback_of(failure.error_file_data)
     if trace:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -151,6 +152,11 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     """
     if not isinstance(strategy, str):
         if isinstance(strategy, FSDP):
+            if world_size == 1 and (strategy.tp > 1 or strategy.replicate > 1):
+                # the same script on one process as on the mesh: `lockstep verify`'s reference, a debug run
+                print(f"lockstep: {strategy.name.upper()}(tp={strategy.tp}, replicate={strategy.replicate}) on one "
+                      "process: the model runs unsplit, as the one-process reference of the mesh.", flush=True)
+                strategy = dataclasses.replace(strategy, tp=1, replicate=1)
             strategy.layout(world_size)  # degrees that do not fit the world size are refused here
             if strategy.cpu_offload:
                 return strategy
