@@ -222,6 +222,46 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
         torch.backends.cudnn.deterministic = False
 
 
+def _token_steps(rt: Runtime, divide: int | None, steps: int = 2) -> tuple[nn.Module, nn.Module]:
+    """``steps`` SGD steps of 4 micro-batches of a token loss with ``num_items`` (each loss divided by
+    ``divide`` when given), and the same steps hand-written: the mean over each step's tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    reference = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    wrapped, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        micro = []
+        for _ in range(4):
+            tokens = torch.randint(0, 16, (2, 12), generator=generator)
+            labels = tokens.roll(-1, 1)
+            labels[:, int(torch.randint(2, 12, (), generator=generator)):] = -100
+            micro.append((tokens, labels))
+            loss = F.cross_entropy(wrapped(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+            rt.backward(loss / divide if divide else loss, num_items=(labels != -100).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        total = sum(F.cross_entropy(reference(t).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+                    for t, y in micro)
+        (total / sum((y != -100).sum() for _, y in micro)).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    return model, reference
+
+
+def test_accumulation_with_num_items_is_not_divided_by_the_steps_and_a_division_is_refused():
+    """The plain-loop habit ``loss / k`` with num_items would shrink the gradient k times: refused at
+    the first step. Undivided, the steps equal the hand-written mean over each step's tokens."""
+    model, reference = _token_steps(runtime(), divide=None)
+    assert checks.flat_weights(model).sub(checks.flat_weights(reference)).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="every loss of the first optimizer step was divided by 4, its number of "
+                                         "micro-batches.*shrinks the gradient 4 times"):
+        _token_steps(runtime(), divide=4)
+    _token_steps(runtime(), divide=3, steps=1)  # a division by something else is the user's own business
+
+
 def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():
     rt = runtime()
     model = torch.nn.Linear(3, 1, bias=False)

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
 
 # torch.utils._pytree: torch's own walker of nested containers, which torch.compile, DTensor and
 # FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
-__all__ = ["compiled_inner", "default_store", "foreach_mul_", "full_tensor", "hide_worker_info",
+__all__ = ["compiled_inner", "constant_divisor", "default_store", "foreach_mul_", "full_tensor", "hide_worker_info",
            "is_dtensor", "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula",
            "set_default_timeout",
            "shutdown_workers", "to_local"]
@@ -32,6 +32,24 @@ def is_dtensor(value: Any) -> bool:
     costs every job DTensor's import (sympy included, about a second)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def constant_divisor(loss: torch.Tensor) -> float | None:
+    """The number ``loss`` was last divided by (``x / 4``, ``x * 0.25``), when it was a Python number;
+    else None. Reads the autograd node's saved operand (``grad_fn._saved_other``, the ``_saved_``
+    attributes that torch's autograd notes describe); there is no public way to read it. A number
+    wrapped by torch is a 0-dim CPU tensor: reading it waits for no device."""
+    node = loss.grad_fn
+    name = node.name() if node is not None else ""
+    if name not in ("DivBackward0", "MulBackward0"):
+        return None
+    other = getattr(node, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.dim() != 0 or other.device.type != "cpu" or other.requires_grad:
+        return None
+    value = float(other)
+    if name == "MulBackward0":
+        return 1.0 / value if 0.0 < value < 1.0 else None
+    return value
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:

@@ -332,11 +332,15 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         mean over every item of every rank and every micro-batch since the last step, whatever the
         world size and accumulation. Cost: one all-reduce of one number per optimizer step.
         Give it to every backward of a step, or to none; clip with ``rt.clip_grad_norm_``.
+
+        Gradient accumulation: with ``num_items``, never divide the loss by the accumulation steps
+        (that shrinks the gradient k times; a first step whose every loss is divided by its number of
+        micro-batches is refused); without it, divide, as a plain loop does.
         """
         if self._recorder is not None:
             self._recorder.backward(loss, num_items if num_items is not None else self._current.loss_weight)
         if num_items is not None:
-            loss = loss * self._items.loss_factor(num_items)
+            loss = loss * self._items.loss_factor(num_items, loss)
         else:
             self._items.plain_backward()
             weight = self._current.loss_weight

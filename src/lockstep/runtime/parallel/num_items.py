@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lockstep.runtime._torch_compat import foreach_mul_, to_local
+from lockstep.runtime._torch_compat import constant_divisor, foreach_mul_, to_local
 
 
 class ItemNormalizer:
@@ -35,14 +35,18 @@ class ItemNormalizer:
         # c, the same on every rank; a device tensor, so that nothing here waits for the device.
         self.scale = torch.ones((), dtype=torch.float64, device=device)
         self._calibrated = False  # c is set from real counts: at the first backward, then every step
+        # What the first step's losses were divided by, with their counts (None after the first step).
+        self._first_divisors: list[tuple[float | None, torch.Tensor]] | None = []
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.append(weakref.ref(optimizer))
 
-    def loss_factor(self, num_items: int | float | torch.Tensor) -> torch.Tensor:
-        """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, float32."""
+    def loss_factor(self, num_items: int | float | torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, float32.
+        ``loss``: looked at in the first step only, for a division by the accumulation steps."""
         if self._plain_backwards:
             raise ValueError(_MIXED)
+
         count = torch.as_tensor(num_items).detach().to(device=self.device, dtype=torch.float64)
         if count.numel() != 1:
             raise ValueError(f"num_items must be one number (this rank's items in the batch); got shape "
@@ -52,6 +56,8 @@ class ItemNormalizer:
             self._calibrated = True
             self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self.world_size)
         self._pending = count if self._pending is None else self._pending + count
+        if self._first_divisors is not None and loss is not None:
+            self._first_divisors.append((constant_divisor(loss), count))
         return (count / self.scale).float()
 
     def plain_backward(self) -> None:
@@ -67,6 +73,14 @@ class ItemNormalizer:
         self._plain_backwards = 0
         if self._pending is None:
             return
+        first, self._first_divisors = self._first_divisors, None
+        if first is not None and _divided_by_accumulation(first):
+            k = len(first)
+            raise ValueError(
+                f"every loss of the first optimizer step was divided by {k:g}, its number of micro-batches, and "
+                f"given to rt.backward with num_items: that shrinks the gradient {k:g} times. With num_items the "
+                "gradient is already the mean over every item of every micro-batch of the step: remove the "
+                "division by the accumulation steps (docs/models.md, 'Token-averaged losses').")
         pending, self._pending = self._pending, None
         total = self._sum_over_ranks(pending)
         factor = (self.world_size * self.scale) / total.clamp(min=1.0)
@@ -89,6 +103,16 @@ class ItemNormalizer:
 
     def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
         return self._all_reduce_sum(count.clone())  # the Runtime's all_reduce: the identity on one process
+
+
+def _divided_by_accumulation(losses: list[tuple[float | None, torch.Tensor]]) -> bool:
+    """Whether every loss of a step of several micro-batches was divided by their number (the 1/k of a
+    plain loop), and not by its own count (a mean written as ``sum / n``, where ``n`` may equal k).
+    Reads the counts (one wait for the device) only when every divisor is k: in the first step only."""
+    k = len(losses)
+    if k < 2 or any(divisor != k for divisor, _ in losses):
+        return False
+    return any(value != k for value in torch.stack([count for _, count in losses]).tolist())
 
 
 def _power_of_two_at_most(value: torch.Tensor) -> torch.Tensor:
