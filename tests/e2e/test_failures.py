@@ -106,6 +106,45 @@ def test_11_validate_on_rank_0_only_names_the_rank_that_ended_and_blames_no_othe
     assert "Rank 1 ended the script while this rank still waits in a collective" in stderr
 
 
+def test_12_a_killed_rank_comes_first_and_its_peers_say_one_line_each():
+    stderr, elapsed = _job("killed.py", devices="3")
+    assert elapsed < 60
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1] == "lockstep: rank 1 (local rank 1) on " + lines[-1].split(" on ", 1)[1]
+    assert "failed with signal SIGKILL; every worker of the job was stopped." in lines[-1]
+    folded = [line for line in lines if "stopped because a peer failed first" in line]
+    assert len(folded) == 2 and len(lines) == 3, stderr  # no traceback, no torch agent lines
+    for line in folded:  # the full traceback is kept where the line says
+        kept = Path(line.rsplit("This rank's traceback: ", 1)[1])
+        assert "Traceback (most recent call last)" in kept.read_text()
+        kept.unlink()
+
+
+def test_13_a_checkpoint_of_another_model_says_so_without_every_ranks_dcp_trace(tmp_path):
+    stderr, elapsed = _job("other_model.py", str(tmp_path))
+    assert "cannot load it into this model (ValueError: Size mismatch" in stderr
+    assert "CheckpointException" not in stderr and len(stderr.splitlines()) < 40, stderr
+
+
+def test_14_a_misspelt_strategy_or_precision_is_refused_before_any_worker_starts():
+    for option, value, message in (("--strategy", "fdsp", "no such strategy; use one of auto, single, ddp, fsdp"),
+                                   ("--precision", "bf17", "no such precision; use one of 32-true")):
+        done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", option, value, "--devices", "2",
+                               "--accelerator", "cpu", "tests/failures/spin.py"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and f"lockstep run: {option} {value}: {message}" in done.stderr, done.stderr
+        assert "[rank" not in done.stderr  # no worker started
+
+
+def test_15_on_a_mesh_torchs_warnings_are_shown_once_not_by_every_rank():
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", "4", "--accelerator", "cpu",
+                           "tests/scripts/verify_planted.py", "tokens-tp"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr
+    shown = [line for line in done.stderr.splitlines() if "Warning: " in line]
+    assert len(shown) == len(set(shown)), done.stderr
+
+
 def test_7_different_shapes_in_one_collective_in_debug_mode():
     stderr, elapsed = _job("shapes.py", debug=True)
     assert elapsed < 15

@@ -45,6 +45,10 @@ def test_unusable_checkpoints_say_why(tmp_path):
     trainer = tc.quiet_trainer(max_steps=2, resume=tmp_path / "missing")
     with pytest.raises(CheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
         trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
+    rt = trainer.runtime
+    for verify in (True, False):  # a path that is not there is missing, not "damaged"
+        with pytest.raises(CheckpointError, match=r"missing: no such file or folder\. A lockstep checkpoint is a"):
+            rt.load(tmp_path / "missing", {"model": rt.setup(torch.nn.Linear(2, 2))}, verify=verify)
 
 
 def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):

@@ -109,7 +109,7 @@ def test_wrapped_model_keeps_names_and_checkpoint_keys():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"precision": "fp4"}, "unknown precision 'fp4'"),
+        ({"precision": "fp4"}, "unknown precision 'fp4'.*float8 \\(or the aliases .*bf16, fp32, fp16, fp8\\)"),
         ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
         ({"devices": 0}, "devices=0: ask for at least one device"),
         ({"devices": [0, 1]}, "lists GPU indices but the accelerator is the CPU"),

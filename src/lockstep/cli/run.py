@@ -185,6 +185,17 @@ def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, 
     return host, port, store, options
 
 
+def _check_names(strategy: str | None, precision: str | None) -> None:
+    """A misspelt --strategy or --precision is refused here, not by every worker after its start."""
+    from lockstep.runtime.parallel.precision import PRECISION_NAMES  # torch's import: not for --help
+    from lockstep.runtime.parallel.strategy import STRATEGIES
+
+    if strategy is not None and strategy.lower() not in STRATEGIES:
+        raise PreflightError(f"--strategy {strategy}: no such strategy; use one of {', '.join(STRATEGIES)}.")
+    if precision is not None and precision not in PRECISION_NAMES:
+        raise PreflightError(f"--precision {precision}: no such precision; use one of {', '.join(PRECISION_NAMES)}.")
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that can fail before a process starts; raises PreflightError."""
     if args.module:
@@ -192,6 +203,7 @@ def plan(args: argparse.Namespace) -> Plan:
             raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
     elif not Path(args.script).is_file():
         raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    _check_names(args.strategy, args.precision)
     nodes = _parse_nodes(str(args.nodes))
     elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
     if not elastic and not 0 <= args.node_rank < nodes[0]:

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import logging
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,8 @@ class Runtime(CollectiveMethods, CheckpointMethods):
             return owns
         owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
         atexit.register(self.close)
+        if self.rank != 0:  # every rank runs the same torch code: its warnings are shown once, by rank 0
+            warnings.filterwarnings("ignore", module=r"torch(\.|$)")
         if self.env.elastic_store:  # say which nodes left or joined since the last attempt
             report_membership(self.env.elastic_store, self.rank, self.world_size,
                               lambda d: collectives.all_gather(d, self.device))

@@ -118,17 +118,17 @@ class Checkpointer:
         The files are checked against the checksums written at commit first (each rank checks its
         share), unless ``verify_files`` is False; a damaged checkpoint is refused, naming the file."""
         path = Path(path)
+        read_metadata(path)  # no such folder, not a checkpoint: said as such, not as damage
         if verify_files:
             problems = self.verify(path)
             if problems:
                 raise CheckpointError(f"{path}: damaged, not loaded:\n  " + "\n  ".join(problems))
-        else:
-            read_metadata(path)
         try:
             dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
                      storage_reader=SafeReader(str(path)), planner=SafePlanner())
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
-            raise _load_error(path, error) from error
+            # The reason is quoted; DCP's text repeats every rank's traceback (about 200 lines of noise).
+            raise _load_error(path, error) from None
         return read_objects(path)
 
     def verify(self, path: Path | str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from types import TracebackType
@@ -22,20 +23,38 @@ def record_uncaught_exceptions() -> None:
 
     def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        text = "".join(traceback.format_exception(kind, error, trace))
         if path:
             data = {"message": {"message": f"{kind.__name__}: {error}", "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(kind, error, trace)),
-                "timestamp": str(int(time.time())),
+                "py_callstack": text, "timestamp": str(int(time.time())),
             }}}
             try:
                 with open(path, "w") as handle:
                     json.dump(data, handle)
             except OSError:
                 pass  # the launcher still reports the exit code
+        if lost_a_peer(str(error)) and _fold(kind, error, text):
+            return
         previous(kind, error, trace)
 
     hook._lockstep_records = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _fold(kind: type[BaseException], error: BaseException, text: str) -> bool:
+    """A rank that only lost a peer prints one line, not its traceback: the peer's failure is the
+    cause, and the job's report shows it whole. The traceback goes to a file the line names."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        handle, path = tempfile.mkstemp(prefix=f"lockstep-rank{rank}-", suffix=".traceback")
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+    except OSError:
+        return False  # nowhere to keep it: print it whole
+    first = (str(error).strip().splitlines() or [""])[0][:240]
+    print(f"lockstep: rank {rank} stopped because a peer failed first ({kind.__name__}: {first}); the job's "
+          f"report names that peer. This rank's traceback: {path}", file=sys.stderr, flush=True)
+    return True
 
 
 # What a rank's error says when it only lost a peer that failed first.

@@ -148,7 +148,9 @@ class Watchdog:
         """Record that this rank left and end the heartbeat (before the group and its store go)."""
         if self._stop.is_set():
             return
-        self.mark(f"{_ENDED} after {self.last}")
+        failed = getattr(sys, "last_value", None)  # set while an uncaught exception ends the process
+        self.mark(f"failed with {type(failed).__name__} after {self.last}" if failed is not None
+                  else f"{_ENDED} after {self.last}")
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=2 * self.interval_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import signal
 import socket
@@ -42,6 +43,9 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
         watch.start()
     # The agent's log folder holds the workers' error files (read by _report); left to torch, it
     # would be a /tmp/torchelastic_* folder that nobody removes.
+    # The agent's own lines on a failure ("Sending process ... closing signal", "failed (exitcode ...)")
+    # repeat what _report says once, with the cause: they are left out.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = parse_args(torchrun_args)
     with tempfile.TemporaryDirectory(prefix="lockstep-elastic-") as logs:
         args.log_dir = args.log_dir or logs

@@ -233,6 +233,7 @@ def _float8_matmul_runs(device: torch.device) -> bool:
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed",
             "fp32": "32-true", "fp16": "16-mixed", "fp8": "float8"}
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true", "float8")
+PRECISION_NAMES = (*PRECISIONS, *_ALIASES)  # what precision= and --precision take
 
 
 def make_precision(name: str | int, device: torch.device, sharded: bool = False) -> Precision:
@@ -243,7 +244,7 @@ def make_precision(name: str | int, device: torch.device, sharded: bool = False)
     if key not in PRECISIONS:
         raise ValueError(
             f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)} "
-            "(or the aliases 16, 32, 64, bf16)."
+            f"(or the aliases {', '.join(_ALIASES)})."
         )
     if key == "32-true":
         return TruePrecision(key, torch.float32)
