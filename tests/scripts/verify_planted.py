@@ -30,7 +30,10 @@ if mode.startswith("tokens"):
     plan = {"2": "colwise", "4": "rowwise"}  # the feed-forward block split over tp
     rt = lockstep.Runtime(seed=0, strategy=lockstep.FSDP(tp=2, tp_plan=plan) if mode == "tokens-tp" else None)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+    if mode == "tokens-tp":
+        model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+    else:
+        model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16))
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     for _ in range(3):
         for tokens, labels in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):
