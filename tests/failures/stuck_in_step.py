@@ -13,6 +13,7 @@ data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
 
 def slow_fetch(rank: int, step: int) -> None:
     if rank == 1 and step == 3:
+        print(f"stuck since {time.time()}", flush=True)
         time.sleep(3600)  # rank 1 never comes back
 
 
