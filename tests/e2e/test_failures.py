@@ -100,7 +100,7 @@ def test_10_a_rank_stuck_in_its_own_code_while_the_other_waits_in_the_steps_coll
     assert "CollectiveError: rank 0: " in stderr and "Timed out" in stderr, stderr
     mark = "my_data" if api == "runtime" else "training_step"
     assert "rank 1: last at backward #" in stderr or "rank 1: last at forward #" in stderr, stderr
-    assert f"; alive (a heartbeat within 1.5s), in {mark}, epoch 0, batch 3, now at stuck_in_step.py:16 in " \
+    assert f"; alive (a heartbeat within 1.5s), in {mark}, epoch 0, batch 3, now at stuck_in_step.py:17 in " \
            "slow_fetch" in stderr, stderr
     assert "gloo/transport" not in stderr.split("CollectiveError")[0].split("Traceback")[-1]  # no torch trace first
 

@@ -85,7 +85,7 @@ class Watchdog:
         self.batch: tuple[str, int, int] | None = None  # (loader kind, epoch, batch index)
         self.stage = ""
         self.store: Any = None
-        self._published = ""  # the ``last`` that the store holds for this rank
+        self._published = self.last  # the ``last`` the store holds for this rank (nothing yet: none)
         self._writing = threading.Lock()  # one writer of this rank's position at a time
         self._thread = threading.get_ident()  # the thread that runs the training loop
         self._stop = threading.Event()
