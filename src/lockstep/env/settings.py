@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 
 def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | None:
@@ -80,3 +81,12 @@ def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, 
     if not steps.isdigit() or int(steps) < 1:
         raise ValueError(f"{VERIFY_VARIABLES[1]}={steps!r}: give a positive number of optimizer steps.")
     return folder, int(steps)
+
+
+def cache_dir_from_environ(environ: Mapping[str, str] | None = None) -> Path:
+    """lockstep's own files that outlive a job (measured peaks, folded tracebacks):
+    ``LOCKSTEP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lockstep``, else ``~/.cache/lockstep``."""
+    environ = os.environ if environ is None else environ
+    root = environ.get("LOCKSTEP_CACHE_DIR") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lockstep")
+    return Path(root)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lockstep.env import cache_dir_from_environ
+
 # Dense peak FLOP/s per device by matmul dtype (vendor data sheets, no sparsity).
 _PEAKS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
@@ -82,9 +84,7 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_file() -> Path:
-    root = os.environ.get("LOCKSTEP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lockstep")
-    return Path(root) / "peak_flops.json"
+    return cache_dir_from_environ() / "peak_flops.json"
 
 
 def measured_peaks() -> dict[str, dict[str, float]]:

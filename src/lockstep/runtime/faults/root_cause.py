@@ -10,6 +10,8 @@ import time
 import traceback
 from types import TracebackType
 
+from lockstep.env import cache_dir_from_environ
+
 
 def record_uncaught_exceptions() -> None:
     """Write uncaught exceptions to ``TORCHELASTIC_ERROR_FILE``, in torch elastic's format.
@@ -41,12 +43,21 @@ def record_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
+_TRACEBACKS_KEPT = 100
+
+
 def _fold(kind: type[BaseException], error: BaseException, text: str) -> bool:
     """A rank that only lost a peer prints one line, not its traceback: the peer's failure is the
     cause, and the job's report shows it whole. The traceback goes to a file the line names."""
     rank = os.environ.get("RANK", "?")
+    folder = cache_dir_from_environ() / "tracebacks"
     try:
-        handle, path = tempfile.mkstemp(prefix=f"lockstep-rank{rank}-", suffix=".traceback")
+        folder.mkdir(parents=True, exist_ok=True)
+        kept = sorted(folder.glob("*.traceback"), key=lambda p: p.stat().st_mtime)
+        for old in kept[:-_TRACEBACKS_KEPT]:  # the newest are kept, not every job's
+            old.unlink(missing_ok=True)
+        handle, path = tempfile.mkstemp(prefix=f"rank{rank}-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                        suffix=".traceback", dir=folder)
         with os.fdopen(handle, "w") as file:
             file.write(text)
     except OSError:
