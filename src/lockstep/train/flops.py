@@ -123,8 +123,10 @@ def measured_peaks() -> dict[str, dict[str, float]]:
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None,
                         repeats: int = 5) -> float:
-    """The best rate of ``repeats`` square matmuls of ``size`` (8192 on a GPU, 2048 elsewhere), in FLOP/s."""
-    size = size or (8192 if device.type == "cuda" else 2048)
+    """The best rate of ``repeats`` square matmuls of ``size``, in FLOP/s. By default 8192 on a GPU; on a
+    CPU the largest size up to 2048 whose product takes under 0.05 s, so that a dtype the CPU lacks
+    instructions for (bf16 without AVX-512: 18 s per 2048 product) is timed in seconds, not minutes."""
+    size = size or (8192 if device.type == "cuda" else _cpu_size(device, dtype))
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b  # warm-up: kernels chosen, memory allocated
@@ -136,6 +138,18 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
         sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def _cpu_size(device: torch.device, dtype: torch.dtype, largest: int = 2048) -> int:
+    size = 256
+    while size < largest:
+        x = torch.randn(size, size, device=device).to(dtype)
+        start = time.perf_counter()
+        x @ x
+        if time.perf_counter() - start > 0.05:
+            break
+        size *= 2
+    return size
 
 
 def record_measured_peaks(device: torch.device, rates: dict[str, float]) -> Path:
