@@ -348,14 +348,8 @@ class Runtime(CollectiveMethods, CheckpointMethods):
             self._items.plain_backward()
             weight = self._current.loss_weight
             loss = loss * weight if weight != 1.0 else loss
-        self._watchdog.note("backward")  # the gradient reduction (DDP, FSDP) and tensor-parallel collectives
-        try:
+        with self._watchdog.step("backward"):  # the gradient reduction (DDP, FSDP), tensor-parallel collectives
             self.precision.backward(loss)
-        except RuntimeError as error:  # a collective inside failed: say where the others are
-            report = self._watchdog.explain_step(error)
-            if report is None:
-                raise
-            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
     def no_sync(self, model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce inside this block (gradient accumulation micro-steps).
@@ -379,14 +373,8 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
         self._items.finish_step()
         self.precision.unscale_(optimizer)
-        self._watchdog.note("clip_grad_norm_")
-        try:
+        with self._watchdog.step("clip_grad_norm_"):
             return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
-        except RuntimeError as error:
-            report = self._watchdog.explain_step(error)
-            if report is None:
-                raise
-            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
     @property
     def step_was_skipped(self) -> bool:

@@ -525,8 +525,8 @@ class Trainer:
 
 def _check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None) -> None:
     """Evaluating over no samples is a mistake (an empty split, a filter that kept nothing), refused
-        as empty training data is: before any step where the data has a length, else (a stream
-        without ``__len__``) once a pass yielded no batch, which happens on every rank at once."""
+    as empty training data is: before any step where the data has a length, else (a stream
+    without ``__len__``) once a pass yielded no batch, which happens on every rank at once."""
     try:
         empty = len(loader.dataset) == 0
     except TypeError:  # a stream without __len__: known once read

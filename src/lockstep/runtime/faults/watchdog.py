@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,32 +35,50 @@ _SKIPPED = (_PACKAGE + os.sep, os.path.abspath(contextlib.__file__))
 # Where a rank's own code is: the innermost frame outside lockstep, installed packages and the standard library.
 _NOT_THE_USERS = (_PACKAGE + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep,
                   os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
-
-
 _ENDED = "ended the script (Runtime.close)"  # what a rank that closed its Runtime leaves in the store
+
+
+def _outside(frame: FrameType | None, skipped: tuple[str, ...]) -> FrameType | None:
+    """The first frame from ``frame`` outward whose file is not under one of ``skipped``."""
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
+        frame = frame.f_back
+    return frame
+
+
+def _where(frame: FrameType) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def caller() -> str:
     """``file:line in function`` of the first frame outside lockstep (the user's call site)."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    frame = _outside(sys._getframe(1), _SKIPPED)
+    return _where(frame) if frame is not None else "?"
 
 
 def current_line(thread_id: int | None) -> str:
     """``file:line in function`` where the thread ``thread_id`` runs its own code now: the innermost frame
     outside lockstep, torch and the standard library (the innermost of all when every frame is theirs)."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    innermost = frame
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_THE_USERS):
-        frame = frame.f_back
-    frame = frame or innermost
-    if frame is None:
-        return ""
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    innermost = sys._current_frames().get(thread_id) if thread_id is not None else None
+    frame = _outside(innermost, _NOT_THE_USERS) or innermost
+    return _where(frame) if frame is not None else ""
+
+
+class _StepCollectives:
+    """Around the step's own collectives (``Watchdog.step``): a collective's failure inside becomes the
+    hang report, the model's own errors pass through. A class, not a generator: it runs every step."""
+
+    __slots__ = ("watchdog",)
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        report = self.watchdog.explain_step(error) if isinstance(error, RuntimeError) else None
+        if report is not None:
+            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
 
 def signature(data: Any, exact_shapes: bool) -> str:
@@ -88,6 +107,7 @@ class Watchdog:
         self._published = self.last  # the ``last`` the store holds for this rank (nothing yet: none)
         self._writing = threading.Lock()  # one writer of this rank's position at a time
         self._thread = threading.get_ident()  # the thread that runs the training loop
+        self._step = _StepCollectives(self)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if world_size > 1 and dist.is_initialized():
@@ -115,11 +135,13 @@ class Watchdog:
             self.last = text
             self._publish()
 
-    def note(self, op: str) -> None:
-        """Before the step's own collectives (the backward's gradient reduction, a sharded forward):
-        this rank is there. One attribute write; the heartbeat writes it to the store."""
+    def step(self, op: str) -> _StepCollectives:
+        """Around the step's own collectives (the backward's gradient reduction, a sharded forward,
+        clipping): this rank is there, in one attribute write that the heartbeat carries to the store;
+        their failure is explained as lockstep's own collectives' is."""
         self.count += 1
         self.last = f"{op} #{self.count}"
+        return self._step
 
     def _publish(self) -> None:
         if self.store is not None:
@@ -174,7 +196,7 @@ class Watchdog:
             raise self.explain(error) from error
 
     def explain_step(self, error: BaseException) -> CollectiveError | None:
-        """For an error raised inside the step's own collectives (noted with ``note``): the report, when
+        """For an error raised inside the step's own collectives (``step``): the report, when
         it is a collective's failure (a timeout, a lost peer), else None (the model's own error)."""
         if self.world_size == 1 or isinstance(error, CollectiveError) or not collective_failed(error):
             return None

@@ -46,7 +46,6 @@ class ItemNormalizer:
         ``loss``: looked at in the first step only, for a division by the accumulation steps."""
         if self._plain_backwards:
             raise ValueError(_MIXED)
-
         count = torch.as_tensor(num_items).detach().to(device=self.device, dtype=torch.float64)
         if count.numel() != 1:
             raise ValueError(f"num_items must be one number (this rank's items in the batch); got shape "

@@ -51,14 +51,8 @@ class WrappedModule(nn.Module):
         watchdog: Watchdog | None = self.__dict__["_watchdog"]
         if watchdog is None:
             return self._forward_rows(*args, **kwargs)
-        watchdog.note("forward")  # its all-gathers (FSDP) and tensor-parallel collectives
-        try:
+        with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
             return self._forward_rows(*args, **kwargs)
-        except RuntimeError as error:  # a collective inside failed: say where the other ranks are
-            report = watchdog.explain_step(error)
-            if report is None:
-                raise
-            raise report from None  # the report quotes the collective's error; its torch trace is noise
 
     def _forward_rows(self, *args: Any, **kwargs: Any) -> Any:
         stand_in = self.__dict__["_stand_in"]
