@@ -29,7 +29,7 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/digits.py --devices 2
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

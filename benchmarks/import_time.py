@@ -50,7 +50,8 @@ def _timed(command: list[str]) -> float:
 
 
 def _heavy_modules(statement: str) -> list[str]:
-    probe = f"{statement}\nimport sys\nprint(sorted({{m.split('.')[2] for m in sys.modules if m.startswith({HEAVY!r})}}))"
+    loaded = f"sorted({{m.split('.')[2] for m in sys.modules if m.startswith({HEAVY!r})}})"
+    probe = f"{statement}\nimport sys\nprint({loaded})"
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     return eval(out)  # noqa: S307 - our own probe's printed list
 

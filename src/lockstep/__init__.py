@@ -17,9 +17,14 @@ if TYPE_CHECKING:
     from lockstep.errors import (
         CheckpointError,
         CollectiveError,
+        ConfigError,
         EnvError,
         LockstepError,
+        MissingExtraError,
+        RendezvousError,
+        StateError,
         UnsafeCheckpointError,
+        UsageError,
         WorkerError,
     )
     from lockstep.runtime import (
@@ -54,7 +59,8 @@ if TYPE_CHECKING:
 
 _WHERE = {
     **dict.fromkeys(["DistEnv"], "lockstep.env"),
-    **dict.fromkeys(["CheckpointError", "CollectiveError", "EnvError", "LockstepError", "UnsafeCheckpointError",
+    **dict.fromkeys(["CheckpointError", "CollectiveError", "ConfigError", "EnvError", "LockstepError",
+                     "MissingExtraError", "RendezvousError", "StateError", "UnsafeCheckpointError", "UsageError",
                      "WorkerError"], "lockstep.errors"),
     **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "Runtime", "SingleDevice", "seed_everything", "unwrap"],
                     "lockstep.runtime"),
@@ -66,12 +72,12 @@ _WHERE = {
 }
 _SUBPACKAGES = ("cli", "env", "errors", "runtime", "testing", "train")
 
-__all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "CollectiveError", "DDP", "DP", "DistEnv",
-           "DistributedLoader", "EarlyStopping", "EnvError", "FSDP", "JSONLinesLogger", "LearningRateMonitor",
-           "LockstepError", "MLflowLogger", "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "Runtime",
-           "SimpleProfiler", "SingleDevice", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
-           "UnsafeCheckpointError", "WandbLogger", "WorkerError", "__version__", "launch", "seed_everything",
-           "unwrap"]
+__all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "CollectiveError", "ConfigError", "DDP",
+           "DP", "DistEnv", "DistributedLoader", "EarlyStopping", "EnvError", "FSDP", "JSONLinesLogger",
+           "LearningRateMonitor", "LockstepError", "MLflowLogger", "MissingExtraError", "ModelCheckpoint", "Module",
+           "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime", "SimpleProfiler", "SingleDevice",
+           "StateError", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "UnsafeCheckpointError", "UsageError",
+           "WandbLogger", "WorkerError", "__version__", "launch", "seed_everything", "unwrap"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep", _WHERE, globals(), _SUBPACKAGES)

@@ -14,7 +14,32 @@ class LockstepError(Exception):
     """The base of every error lockstep raises on purpose."""
 
 
-class EnvError(LockstepError, ValueError):
+class ConfigError(LockstepError, ValueError):
+    """An argument, option or setting that cannot work (an unknown strategy, degrees that do not fit
+    the world size, a batch size that does not divide, float8 on hardware without it, empty data);
+    the message says what to change."""
+
+
+class UsageError(LockstepError, TypeError):
+    """A value of the wrong kind was given (e.g. a model that did not come from ``rt.setup``); the
+    message says what to give instead."""
+
+
+class StateError(LockstepError, RuntimeError):
+    """A call came at a moment it cannot work (a module not attached to a Trainer, ``self.log``
+    outside a step, many processes asked for from an interactive session)."""
+
+
+class RendezvousError(LockstepError, RuntimeError):
+    """The ranks could not meet: the rendezvous store cannot be opened or reached, or a process group
+    of another job is in the way; the message names the address and what to check."""
+
+
+class MissingExtraError(LockstepError, ImportError):
+    """An optional integration is used without its package; the message names the extra to install."""
+
+
+class EnvError(ConfigError):
     """The launcher's environment is inconsistent; the message says what to change."""
 
 
@@ -44,9 +69,10 @@ class NoRouteError(LockstepError, OSError):
     """No network interface of this node reaches the given address; the message names those seen."""
 
 
-class PreflightError(LockstepError):
+class PreflightError(ConfigError):
     """``lockstep run`` refuses a request that cannot work; the message is one line saying what to fix."""
 
 
-__all__ = ["CheckpointError", "CollectiveError", "EnvError", "LockstepError", "NoRouteError", "PreflightError",
-           "UnsafeCheckpointError", "WorkerError"]
+__all__ = ["CheckpointError", "CollectiveError", "ConfigError", "EnvError", "LockstepError", "MissingExtraError",
+           "NoRouteError", "PreflightError", "RendezvousError", "StateError", "UnsafeCheckpointError", "UsageError",
+           "WorkerError"]

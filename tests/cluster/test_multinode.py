@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_checks as checks
+from checks import dist as checks
 from lockstep import DistEnv, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +217,7 @@ def _finish(jobs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def _assert_exact_run(folder: Path, world_sizes: list[int], final_world_size: int) -> None:
     """The run went through ``world_sizes``, took all 21 steps, and ends at the single-process weights."""
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     sizes = [int(line.split()[1]) for line in (folder / "progress").read_text().splitlines()]
     assert [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size] == world_sizes

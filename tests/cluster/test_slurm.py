@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_checks as checks
+from checks import dist as checks
 from lockstep import DistEnv, Runtime
 from lockstep.env import expand_nodelist
 

@@ -1,14 +1,11 @@
 """What the Trainer writes: logs, profiler reports, checkpoints, scheduler steps, throughput advice."""
 
 from __future__ import annotations
-import csv
-import json
-import re
+
 import pytest
 import torch
-import lockstep
-import trainer_checks as tc
 
+from checks import trainer as tc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,14 +2,12 @@
 the device move and the batch-size count; the loss weight belongs to its batch only."""
 
 from __future__ import annotations
+
 import pytest
 import torch
-import dist_checks as checks
-from lockstep import DistEnv, Runtime
-from lockstep.runtime import batch_size_of
-from lockstep.runtime.tree import flatten, to_device, unflatten
-from lockstep.testing import run_ranks
 
+from checks import dist as checks
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

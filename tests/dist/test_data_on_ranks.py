@@ -2,20 +2,14 @@
 outputs in dataset order, each against a single-process run or a hand computation."""
 
 from __future__ import annotations
-import gc
-import math
-import time
+
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-import data_checks as checks
-import trainer_checks
-from lockstep import DistEnv, Runtime
-from lockstep.runtime.data.order import RANDPERM_MAX, FeistelPermutation, Shuffled
-from lockstep.runtime.data.streams import StreamShard
-from lockstep.runtime.seed import mix_seed
-from lockstep.testing import rank_outcomes, run_ranks
 
+from checks import data as checks
+from lockstep.runtime.data.order import FeistelPermutation
+from lockstep.runtime.seed import mix_seed
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

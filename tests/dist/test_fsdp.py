@@ -1,14 +1,12 @@
 """FSDP2: the same model as one process and as DDP, built empty, evaluated exactly, in less memory."""
 
 from __future__ import annotations
-import os
-import subprocess
-import sys
+
 import pytest
 import torch
-import fsdp_checks as fc
-from lockstep.testing import run_ranks
 
+from checks import fsdp as fc
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,13 +1,13 @@
 """Real ranks over Gloo on loopback, compared with single-process and plain-PyTorch references."""
 
 from __future__ import annotations
-import time
+
 import pytest
 import torch
-import dist_checks as checks
-from lockstep import DistEnv, Runtime
-from lockstep.testing import rank_outcomes, run_ranks
 
+from checks import dist as checks
+from lockstep import DistEnv, Runtime
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,15 +1,12 @@
 """The Trainer against the runtime loop, single-process references, and its own promises."""
 
 from __future__ import annotations
-import dataclasses
-import json
-import pickle
+
 import pytest
 import torch
-import dist_checks as checks
-import trainer_checks as tc
-from lockstep.testing import run_ranks
 
+from checks import trainer as tc
+from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

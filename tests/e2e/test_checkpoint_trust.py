@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lockstep
-import trainer_checks as tc
+from checks import trainer as tc
 from lockstep.runtime.checkpoint.integrity import checksum_of
 from lockstep.train.callbacks import ModelCheckpoint
 from lockstep.train.checkpoint import CheckpointError
@@ -230,7 +230,7 @@ def test_a_failed_background_save_is_raised_at_the_next_step_and_leaves_no_parti
     rt, model, optimizer = _one_process_model()
     monkeypatch.setattr(checkpoint, "files_written_by", failing)
     rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer}, blocking=False)
-    pending = rt._checkpointer._pending
+    pending = rt._checkpoints._checkpointer._pending
     assert pending is not None
     concurrent.futures.wait([pending], timeout=30)
     with pytest.raises(OSError, match="injected failure while committing"):

@@ -167,7 +167,7 @@ def test_a_trainer_on_a_hugging_face_stream_is_killed_and_resumes_exactly_with_i
 
 
 def test_one_process_saves_in_the_background_without_a_torch_warning(tmp_path):
-    script = ("import sys; sys.path.insert(0, 'tests'); import lockstep, trainer_checks as tc\n"
+    script = ("import sys; sys.path.insert(0, 'tests'); import lockstep; from checks import trainer as tc\n"
               f"t = tc.quiet_trainer(max_epochs=2, checkpoint_dir={str(tmp_path)!r}, "
               "callbacks=[lockstep.ModelCheckpoint(async_save=True)])\n"
               "t.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=8)\n")

@@ -54,7 +54,7 @@ def test_doctor_bench_reports_bandwidth_per_size():
 def test_doctor_bench_records_the_matmul_peak_that_the_trainers_mfu_then_uses(monkeypatch, tmp_path):
     import torch
 
-    import trainer_checks as tc
+    from checks import trainer as tc
     from lockstep.train.flops import cache_file, device_name, peak_flops
 
     monkeypatch.delenv("LOCKSTEP_PEAK_FLOPS", raising=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_checks as checks
+from checks import dist as checks
 from lockstep import DistEnv, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import compile_checks
+from checks import compile as compile_checks
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(300)

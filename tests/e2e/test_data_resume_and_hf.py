@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import data_checks as checks
+from checks import data as checks
 from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import fsdp_checks as fc
+from checks import fsdp as fc
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(240)

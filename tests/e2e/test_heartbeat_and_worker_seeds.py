@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import dist_checks as checks
+from checks import dist as checks
 from lockstep import Runtime
 from lockstep.testing import rank_outcomes, run_ranks
 

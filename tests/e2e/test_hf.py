@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_checks  # noqa: E402
+from checks import hf as hf_checks  # noqa: E402
 from lockstep.testing import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-import dist_checks as checks
 import lockstep
+from checks import dist as checks
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

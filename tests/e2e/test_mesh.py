@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lockstep
-import mesh_checks as mc
+from checks import mesh as mc
 from lockstep.runtime.checkpoint.consolidate import model_weights
 from lockstep.testing import RanksFailed, run_ranks
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-import trainer_checks as tc
+from checks import trainer as tc
 
 pytestmark = pytest.mark.timeout(120)
 

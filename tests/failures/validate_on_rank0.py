@@ -3,8 +3,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
-import dist_checks as checks  # noqa: E402
-import trainer_checks as tc  # noqa: E402
+from checks import dist as checks  # noqa: E402
+from checks import trainer as tc  # noqa: E402
 
 trainer = tc.quiet_trainer(max_epochs=1)
 module = tc.Classifier()

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import dist_checks as checks
 import lockstep
-import trainer_checks
+from checks import dist as checks
+from checks import trainer as trainer_checks
 from lockstep import DistEnv, Runtime
 
 pytestmark = [
@@ -224,7 +224,7 @@ def test_nccl_all_reduce_on_two_gpus():
 def test_compile_on_the_gpu_matches_eager_without_graph_breaks():
     from torch._dynamo.utils import counters
 
-    import compile_checks
+    from checks import compile as compile_checks
 
     rt = Runtime(accelerator="cuda", devices=1, env=DistEnv(), seed=0)
     eager, _ = compile_checks.train(rt, compile_checks.Net(), compile=None)
@@ -237,7 +237,7 @@ def test_compile_on_the_gpu_matches_eager_without_graph_breaks():
 
 
 def test_num_items_under_16_mixed_matches_the_global_token_mean():
-    import hf_checks
+    from checks import hf as hf_checks
 
     skipped = []
 

@@ -9,9 +9,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
-import trainer_checks as tc  # noqa: E402
+from checks import dist as checks  # noqa: E402
+from checks import trainer as tc  # noqa: E402
 
 checkpoint_dir, out, progress = sys.argv[1:4]
 

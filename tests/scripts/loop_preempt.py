@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
+from checks import dist as checks  # noqa: E402
 
 checkpoint, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
 EPOCHS = 2

@@ -6,8 +6,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
+from checks import dist as checks  # noqa: E402
 
 print(f"started pid={os.getpid()}", flush=True)  # printed by the launching process and each worker
 rt = lockstep.Runtime(accelerator="cpu", devices=2, seed=0)

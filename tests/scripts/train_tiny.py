@@ -4,9 +4,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, for dist_checks
-import dist_checks as checks  # noqa: E402
+sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, for checks.dist
 import lockstep  # noqa: E402
+from checks import dist as checks  # noqa: E402
 
 rt = lockstep.Runtime(seed=0)
 weights = checks.train_lockstep(rt, checks.make_data(103), 16, epochs=2, shuffle=True)

@@ -7,9 +7,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
-import trainer_checks as tc  # noqa: E402
+from checks import dist as checks  # noqa: E402
+from checks import trainer as tc  # noqa: E402
 
 checkpoint_dir, out = sys.argv[1], sys.argv[2]
 kill_in_save = sys.argv[3] == "save"  # rank 1 dies inside a checkpoint save instead of at a step

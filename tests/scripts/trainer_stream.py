@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import datasets  # noqa: E402
 
 import lockstep  # noqa: E402
-import trainer_checks as tc  # noqa: E402
+from checks import trainer as tc  # noqa: E402
 
 checkpoint_dir, out, kill_at, variant = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 

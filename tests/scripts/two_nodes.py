@@ -7,8 +7,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-import dist_checks as checks  # noqa: E402
 import lockstep  # noqa: E402
+from checks import dist as checks  # noqa: E402
 
 rt = lockstep.Runtime(accelerator="cpu", seed=0)
 ranks = rt.all_gather((rt.rank, rt.node_rank, rt.local_rank))

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-import trainer_checks as tc
+from checks import trainer as tc
+from lockstep.errors import CheckpointError
+from lockstep.runtime import complete_checkpoints
 from lockstep.runtime.checkpoint.format import read_metadata
-from lockstep.train.checkpoint import CheckpointError, complete_checkpoints
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,8 +28,9 @@ def test_complete_checkpoints_reads_folder_metadata_and_ignores_partial_saves_an
     (tmp_path / "epoch=4-step=00000020.ckpt").mkdir()
     (tmp_path / "epoch=4-step=00000020.ckpt" / "lockstep.json").write_text("{not json")  # damaged metadata
     (tmp_path / "last.ckpt").symlink_to("epoch=1-step=00000009.ckpt")
-    assert complete_checkpoints(tmp_path) == [(tmp_path / "epoch=1-step=00000009.ckpt", 9),
-                                              (tmp_path / "epoch=0-step=00000005.ckpt", 5)]
+    found = complete_checkpoints(tmp_path)
+    assert [(c.path, c.step) for c in found] == [(tmp_path / "epoch=1-step=00000009.ckpt", 9),
+                                                 (tmp_path / "epoch=0-step=00000005.ckpt", 5)]
 
 
 def test_unusable_checkpoints_say_why(tmp_path):
@@ -95,7 +97,7 @@ def test_one_process_saves_in_the_background_and_commits_on_wait(tmp_path):
     rt.backward(model(torch.randn(4, 64)).square().mean())
     optimizer.step()
     rt.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 5}, blocking=False)
-    assert rt._checkpointer is not None and rt._checkpointer._pending is not None  # a background thread writes
+    assert rt._checkpoints.saving  # a background thread writes
     rt.wait_for_save()
     assert json.loads((tmp_path / "ckpt" / "lockstep.json").read_text())["format"] == 2
     fresh = rt.setup(torch.nn.Linear(64, 64))
@@ -120,7 +122,7 @@ class _StreamClassifier(tc.Classifier):
 def _ended_by_max_steps(tmp_path, stream: bool, steps: int, resume: str | None = None):
     """A fit of ``steps`` steps that ``max_steps`` ends inside an epoch (10 steps an epoch), with
     dropout (the random states must resume too) and validation data."""
-    import data_checks
+    from checks import data as data_checks
 
     module = (_StreamClassifier if stream else tc.Classifier)(dropout=0.2)
     train = data_checks.IndexedStream(160) if stream else tc.checks.make_data(160)
@@ -133,7 +135,7 @@ def _ended_by_max_steps(tmp_path, stream: bool, steps: int, resume: str | None =
 @pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
 def test_a_fit_ended_by_max_steps_inside_an_epoch_is_validated_and_saved_at_its_last_step(tmp_path, stream):
     """Map data cut in its second epoch; a stream cut within its first pass (the LLM case)."""
-    import data_checks
+    from checks import data as data_checks
 
     cut, epoch = (7, 1) if stream else (15, 2)
     trainer, module = _ended_by_max_steps(tmp_path / "cut", stream, steps=cut)
@@ -154,3 +156,56 @@ def test_a_fit_ended_by_max_steps_inside_an_epoch_is_validated_and_saved_at_its_
     _, whole = _ended_by_max_steps(tmp_path / "whole", stream, steps=25)
     assert torch.equal(tc.checks.flat_weights(resumed), tc.checks.flat_weights(whole))
     assert read_metadata(tmp_path / "cut" / "last.ckpt")["step"] == 25
+
+
+def _own_loop(folder, steps: int, resume: bool, save_every: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
+    """A loop of the user's own on the runtime API: rt.loader, rt.save every few steps, rt.resume."""
+    import lockstep
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randn(40, 1))
+    rt = lockstep.Runtime(accelerator="cpu", seed=3, env=lockstep.DistEnv())
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = rt.loader(data, batch_size=8, shuffle=True)
+    state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "torch_rng": torch.get_rng_state()}
+    found = rt.resume(folder, state) if resume else None
+    start = step = found.step if found is not None else 0
+    assert step == state["step"]
+    if found is not None:
+        torch.set_rng_state(state["torch_rng"])
+    while step < steps:
+        for x, y in loader:
+            rt.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if save_every and step % save_every == 0:
+                state.update(step=step, torch_rng=torch.get_rng_state())
+                rt.save(folder / f"step={step:04d}", state, metadata={"step": step})
+            if step == steps:
+                break
+    rt.close()
+    return start, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_the_runtime_api_resumes_from_the_newest_intact_checkpoint_of_a_folder_bitwise(tmp_path):
+    """rt.resume (what the Trainer's resume='auto' does, for a loop of one's own): the newest checkpoint
+    in the folder whose files are intact, skipping a damaged newer one; the resumed run ends bit-equal
+    to an uninterrupted one."""
+    import lockstep
+
+    _, uninterrupted = _own_loop(tmp_path / "a", steps=12, resume=False)
+    _own_loop(tmp_path / "b", steps=9, resume=False, save_every=3)  # interrupted after step 9
+    damaged = tmp_path / "b" / "step=0009"
+    shard = next(p for p in damaged.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])  # one byte flipped: its checksum no longer matches
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    assert rt.latest_checkpoint(tmp_path / "b").path.name == "step=0006"  # 9 is damaged
+    assert rt.latest_checkpoint(tmp_path / "empty") is None  # nothing there: start from scratch
+    with pytest.raises(CheckpointError, match="damaged, not resumed from"):
+        rt.latest_checkpoint(damaged)  # a checkpoint named itself is never skipped over
+    rt.close()
+    start, resumed = _own_loop(tmp_path / "b", steps=12, resume=True)
+    assert start == 6
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)

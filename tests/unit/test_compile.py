@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import compile_checks
-import trainer_checks as tc
+from checks import compile as compile_checks
+from checks import trainer as tc
 from lockstep.runtime.parallel.compiling import repeated_blocks
 
 pytestmark = pytest.mark.timeout(300)

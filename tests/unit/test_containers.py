@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dist_checks as checks
+from checks import dist as checks
 from lockstep import DistEnv, Runtime
 from lockstep.runtime import batch_size_of
 from lockstep.runtime.tree import flatten, to_device, unflatten

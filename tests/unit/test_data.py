@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import data_checks as checks
-import trainer_checks
+from checks import data as checks
+from checks import trainer as trainer_checks
 from lockstep import DistEnv, Runtime
 from lockstep.runtime.data.order import RANDPERM_MAX, FeistelPermutation, Shuffled
 from lockstep.runtime.data.streams import StreamShard
+from lockstep.runtime.parallel.mesh import Membership
 from lockstep.runtime.seed import mix_seed
 
 pytestmark = pytest.mark.timeout(180)
@@ -174,7 +175,7 @@ def test_a_seekable_stream_is_read_only_for_each_ranks_share(world, evaluation):
     """Rank by rank, a stream whose iterator can skip gives the same shares as one read whole, and
     decodes only its own items (and one item for a rank whose share of the last batch is empty)."""
     def shares(stream, rank):
-        shard = StreamShard(stream, n, 8, rank, world, drop_last=False,
+        shard = StreamShard(stream, n, 8, Membership(rank, world), drop_last=False,
                             collate_fn=lambda items: [i for i, _, _ in items], pad_empty=evaluation)
         shard.start_step, shard.skip = 2, 16  # a resumed pass: steps 0 and 1 were trained on
         return [(step, size, rows) for step, size, rows in shard]

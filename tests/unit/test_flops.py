@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
-import trainer_checks as tc
+from checks import trainer as tc
 from lockstep.runtime import FlopCount
 from lockstep.train.flops import cache_file, device_name, mfu, peak_flops, record_measured_peaks
 

@@ -72,3 +72,4 @@ def test_every_public_name_resolves_whatever_was_imported_before():
             "assert callable(lockstep.launch) and lockstep.launch.__module__ == 'lockstep.runtime.launch.spawn'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
+

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dist_checks as checks
 import lockstep
+from checks import dist as checks
 from lockstep import DistEnv, Runtime
 from lockstep.runtime.data.options import check_batch_size
 from lockstep.runtime.data.order import Arange, FixedBatches, Shuffled, split_evenly
 from lockstep.runtime.data.samplers import GlobalBatchSampler, ShardSampler
+from lockstep.runtime.parallel.mesh import Membership
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,8 +149,8 @@ def test_split_evenly_covers_every_item_once():
 
 def _stream(world: int, shuffle: bool = True) -> list[list[int]]:
     """The global batches of one epoch, re-assembled from every rank's share."""
-    samplers = [GlobalBatchSampler(FixedBatches(Shuffled(23, 0) if shuffle else Arange(23), 8, False), r, world)
-                for r in range(world)]
+    samplers = [GlobalBatchSampler(FixedBatches(Shuffled(23, 0) if shuffle else Arange(23), 8, False),
+                                   Membership(r, world)) for r in range(world)]
     for sampler in samplers:
         sampler.set_epoch(0, 0)
     shares = [list(s) for s in samplers]
@@ -279,3 +280,60 @@ def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():
     with pytest.raises(ValueError, match="num_items for some micro-batches"):
         rt.backward(model(x).sum())
 
+
+def test_every_error_lockstep_raises_on_purpose_is_a_lockstep_error_and_keeps_its_standard_base():
+    """No ``raise`` in lockstep's source names a built-in exception type: each is one of lockstep.errors,
+    so ``except lockstep.LockstepError`` catches every refusal, and ``except ValueError`` still does."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    import lockstep
+    from lockstep.runtime.parallel.mesh import MeshLayout
+    from lockstep.runtime.parallel.precision import make_precision
+    from lockstep.runtime.parallel.strategy import make_strategy
+
+    built_in = {name for name in dir(builtins) if isinstance(getattr(builtins, name), type)
+                and issubclass(getattr(builtins, name), BaseException)} - {"SystemExit", "KeyboardInterrupt"}
+    plain = []
+    for path in Path(lockstep.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            raised = node.exc if isinstance(node, ast.Raise) else None
+            target = raised.func if isinstance(raised, ast.Call) else raised
+            if isinstance(target, ast.Name) and target.id in built_in:
+                plain.append(f"{path.name}:{node.lineno} raises {target.id}")
+    # a module's __getattr__ (lazy names) must raise AttributeError: Python's protocol
+    assert [p for p in plain if not p.startswith("_lazy.py:")] == [], plain
+    for refused in (lambda: make_strategy("zero3", 2), lambda: MeshLayout.for_world(6, tp=4),
+                    lambda: make_precision("bf17", torch.device("cpu")),
+                    lambda: lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv()).loader(
+                        torch.utils.data.TensorDataset(torch.zeros(0, 1)), batch_size=2)):
+        with pytest.raises(lockstep.LockstepError) as caught:
+            refused()
+        assert isinstance(caught.value, ValueError) and isinstance(caught.value, lockstep.ConfigError)
+
+
+def test_a_change_of_membership_between_two_steps_re_splits_the_next_global_batch_over_the_new_members():
+    """Three replicas; one leaves after step 1 and comes back (with a live one's loader position) after
+    step 3: at every step the union of the live members' batches is that step's global batch (each
+    sample once), as on one process, without rebuilding a Runtime or a loader."""
+    data = torch.utils.data.TensorDataset(torch.arange(60))
+    one = Runtime(accelerator="cpu", seed=5, env=DistEnv())
+    reference = [sorted(x.tolist()) for (x,) in one.loader(data, batch_size=12, shuffle=True)]
+    one.close()
+    members = [Runtime(accelerator="cpu", seed=5, env=DistEnv()) for _ in range(3)]
+    # no workers: they draw prefetch_factor x num_workers batches ahead, under the membership of then
+    loaders = [rt.loader(data, batch_size=12, shuffle=True, num_workers=0) for rt in members]
+    batches = [iter(loader) for loader in loaders]
+    plan = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 2), (0, 1, 2)]  # the live replicas of each step
+    for step, live in enumerate(plan):
+        if step and set(live) - set(plan[step - 1]):  # back: it takes the position of a live replica
+            loaders[1].load_state_dict(loaders[0].state_dict())
+            batches[1] = iter(loaders[1])
+        for place, replica in enumerate(live):
+            members[replica].membership.change(place, len(live))
+        shares = [next(batches[replica])[0].tolist() for replica in live]
+        assert sorted(i for share in shares for i in share) == reference[step]
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # split evenly over the live ones
+    for rt in members:
+        rt.close()

@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-import dist_checks as checks
 import lockstep
-import trainer_checks as tc
+from checks import dist as checks
+from checks import trainer as tc
 
 pytestmark = pytest.mark.timeout(180)
 

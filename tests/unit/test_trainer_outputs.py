@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lockstep
-import trainer_checks as tc
+from checks import trainer as tc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch loads when a comparison runs, not for --help
     import torch
 
 from lockstep.env.settings import VERIFY_VARIABLES
+from lockstep.errors import ConfigError
 
 EXPECTED = {
     "dropout": "the model has Dropout with p > 0: each rank draws the masks of its own rows, so they depend on "
@@ -113,7 +114,7 @@ def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tens
     """The largest weight difference, its parameter, and whether some parameter is beyond the tolerance."""
     if set(reference) != set(other):
         missing = sorted(set(reference) ^ set(other))[:3]
-        raise ValueError(f"the two runs' models have different parameters ({', '.join(missing)} ...)")
+        raise ConfigError(f"the two runs' models have different parameters ({', '.join(missing)} ...)")
     largest, where, beyond = 0.0, "", False
     for name, value in reference.items():
         if not value.is_floating_point():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from lockstep.errors import ConfigError
+
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets: ``a[1,2],b`` -> ``['a[1,2]', 'b']``."""
@@ -16,14 +18,14 @@ def _split_top_level(text: str) -> list[str]:
         elif char == "]":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"unbalanced ']' in SLURM node list {text!r}")
+                raise ConfigError(f"unbalanced ']' in SLURM node list {text!r}")
         if char == "," and depth == 0:
             parts.append(current)
             current = ""
         else:
             current += char
     if depth != 0:
-        raise ValueError(f"unbalanced '[' in SLURM node list {text!r}")
+        raise ConfigError(f"unbalanced '[' in SLURM node list {text!r}")
     parts.append(current)
     return [p for p in parts if p]
 
@@ -34,7 +36,7 @@ def _expand_range(item: str, nodelist: str) -> list[str]:
         return [item]
     low, high = item.split("-", 1)
     if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
-        raise ValueError(f"bad range {item!r} in SLURM node list {nodelist!r}")
+        raise ConfigError(f"bad range {item!r} in SLURM node list {nodelist!r}")
     width = len(low)
     return [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
 
@@ -69,6 +71,6 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     for item in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if match is None:
-            raise ValueError(f"cannot read SLURM tasks-per-node value {spec!r}")
+            raise ConfigError(f"cannot read SLURM tasks-per-node value {spec!r}")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from lockstep.errors import ConfigError
+
 
 def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | None:
     """``LOCKSTEP_TIMEOUT`` in seconds, or None when unset."""
@@ -16,9 +18,9 @@ def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | No
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"LOCKSTEP_TIMEOUT={raw!r} is not a number of seconds.") from None
+        raise ConfigError(f"LOCKSTEP_TIMEOUT={raw!r} is not a number of seconds.") from None
     if value <= 0:
-        raise ValueError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive number of seconds.")
+        raise ConfigError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive number of seconds.")
     return value
 
 
@@ -79,7 +81,7 @@ def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, 
     if not folder:
         return None
     if not steps.isdigit() or int(steps) < 1:
-        raise ValueError(f"{VERIFY_VARIABLES[1]}={steps!r}: give a positive number of optimizer steps.")
+        raise ConfigError(f"{VERIFY_VARIABLES[1]}={steps!r}: give a positive number of optimizer steps.")
     return folder, int(steps)
 
 

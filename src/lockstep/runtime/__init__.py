@@ -25,6 +25,7 @@ from lockstep._lazy import lazy_attributes
 if TYPE_CHECKING:
     from lockstep.errors import CheckpointError, CollectiveError, WorkerError
     from lockstep.runtime.checkpoint.format import is_checkpoint_folder, read_metadata
+    from lockstep.runtime.checkpoint.life import Checkpoint, complete_checkpoints
     from lockstep.runtime.config import RuntimeConfig
     from lockstep.runtime.data.loader import DistributedLoader
     from lockstep.runtime.data.streams import is_stream
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "CheckpointError": "lockstep.errors", "CollectiveError": "lockstep.errors", "WorkerError": "lockstep.errors",
     "read_metadata": "lockstep.runtime.checkpoint.format", "is_checkpoint_folder": "lockstep.runtime.checkpoint.format",
+    "Checkpoint": "lockstep.runtime.checkpoint.life", "complete_checkpoints": "lockstep.runtime.checkpoint.life",
     "RuntimeConfig": "lockstep.runtime.config",
     "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
     "write_atomic": "lockstep.runtime.files", "FSDP": "lockstep.runtime.parallel.fsdp",
@@ -50,9 +52,9 @@ _WHERE = {
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }
 
-__all__ = ["CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "FlopCount", "Runtime",
-           "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "is_checkpoint_folder", "is_stream",
-           "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+__all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "FlopCount",
+           "Runtime", "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "complete_checkpoints",
+           "is_checkpoint_folder", "is_stream", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())

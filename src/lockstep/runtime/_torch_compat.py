@@ -20,10 +20,10 @@ import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
 
 # torch.utils._pytree: torch's own walker of nested containers, which torch.compile, DTensor and
 # FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
-__all__ = ["compiled_inner", "constant_divisor", "default_store", "foreach_mul_", "full_tensor", "hide_worker_info",
-           "is_dtensor", "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula",
-           "set_default_timeout",
-           "shutdown_workers", "to_local"]
+__all__ = ["DCP_METADATA_PRIVATE_NAMES", "compiled_inner", "constant_divisor", "dcp_metadata_name", "dcp_shard_pattern",
+           "default_store", "foreach_mul_", "full_tensor", "hide_worker_info", "is_dtensor", "is_plain_random_sampler",
+           "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula", "set_default_timeout", "shutdown_workers",
+           "stamp_load_id", "to_local", "use_file_system"]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -132,3 +132,41 @@ def set_default_timeout(timeout: timedelta) -> None:
     the private ``_set_pg_timeout`` is the only way."""
     public = getattr(dist, "set_timeout", None)
     (public or dist.distributed_c10d._set_pg_timeout)(timeout)
+
+
+# -- DCP's file layout and metadata (torch.distributed.checkpoint), for checksums and safe reading --
+# DCP documents its folder as opaque. lockstep checksums each rank's files and reads ``.metadata``
+# with a restricted unpickler, so it relies on these, none of them public in torch 2.13 or 2.14.
+
+def dcp_shard_pattern(rank: int) -> str:
+    """The names of the data files rank ``rank`` writes (``FileSystemWriter``: ``__{rank}_{n}.distcp``)."""
+    return f"__{rank}_*"
+
+
+def dcp_metadata_name(rank: int | None) -> str:
+    """DCP's ``.metadata`` file, or the per-rank one it reads when ``rank`` is given (``__{rank}.metadata``)."""
+    return ".metadata" if rank is None else f"__{rank}.metadata"
+
+
+# Besides DCP's metadata classes, ``.metadata`` pickles these private names (2.13, 2.14).
+DCP_METADATA_PRIVATE_NAMES = frozenset({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+})
+
+
+def use_file_system(writer: Any, file_system: Any) -> None:
+    """Make DCP's ``FileSystemWriter`` write through ``file_system`` (a ``FileSystem`` subclass): its
+    ``fs`` attribute, which no constructor argument sets."""
+    writer.fs = file_system
+
+
+def stamp_load_id(metadata: Any, load_id: Any) -> Any:
+    """What ``FileSystemReader.read_metadata`` does to the metadata it read: its ``storage_meta``
+    (made when absent) carries the reader's ``load_id``."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
+from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
 from lockstep.runtime.parallel.strategy import Strategy
@@ -36,7 +37,7 @@ class RuntimeConfig:
         chosen = runtime_choices_from_environ()
         timeout = self.timeout if self.timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
         if timeout <= 0:
-            raise ValueError(f"timeout={self.timeout}: give a positive number of seconds.")
+            raise ConfigError(f"timeout={self.timeout}: give a positive number of seconds.")
         return replace(
             self,
             accelerator=self.accelerator or chosen.get("accelerator", "auto"),

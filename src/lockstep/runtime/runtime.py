@@ -5,20 +5,20 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import functools
 import gc
 import logging
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lockstep.env import DistEnv, slurm_requeue_from_environ, verify_from_environ
-from lockstep.runtime.checkpoint_methods import CheckpointMethods
-from lockstep.runtime.collective_methods import CollectiveMethods
+from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
+from lockstep.errors import ConfigError, UsageError
+from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.comm.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -34,24 +34,25 @@ from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.launch.membership import report_membership
+from lockstep.runtime.optimizer_step import OptimizerStep
 from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.grad_norm import clip_grad_norm
+from lockstep.runtime.parallel.mesh import Membership
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
-from lockstep.runtime.parallel.wrappers import WrappedModule, patch_optimizer_step, unwrap
+from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.verify import StepRecorder
 
-if TYPE_CHECKING:  # the checkpoint machinery (DCP) loads at the first save or load, not before
-    from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+if TYPE_CHECKING:
+    from lockstep.runtime.data.loader import DistributedLoader
 
 
-class Runtime(CollectiveMethods, CheckpointMethods):
+class Runtime:
     """Processes, devices, strategy, precision, data and collectives for one training job.
 
     Every rank creates one ``Runtime`` with the same arguments. Creating it joins the process
@@ -129,22 +130,30 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
         self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend))
+        dp_rank, dp_size = self.strategy.data_parallel(self.rank, self.world_size)
+        self._tp = self.world_size // dp_size
+        # Read per step by the loaders, num_items and gather: a change re-splits the next global batch.
+        self.membership = Membership(dp_rank, dp_size)
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
-        self._items = ItemNormalizer(self.data_parallel_size, self.device, self._sum_over_data_parallel)
+        self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
-        self._checkpointer: Checkpointer | None = None  # made at the first save or load
+        self._checkpoints = Checkpoints(
+            Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
+                  self._watchdog), self.strategy.name, checksums_from_environ())
         self._loaders = self._make_loaders()
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
+        self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
+                                             self._recorder)
 
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
                  if self.world_size > 1 else None)
-        return Loaders(self.data_parallel_rank, self.data_parallel_size, self.env.local_world_size, self.device,
+        return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
                        self.print)
 
@@ -202,25 +211,21 @@ class Runtime(CollectiveMethods, CheckpointMethods):
     def world_size(self) -> int:
         return self.env.world_size
 
-    @functools.cached_property
-    def _data_parallel(self) -> tuple[int, int]:
-        return self.strategy.data_parallel(self.rank, self.world_size)  # fixed for the Runtime's life
-
     @property
     def data_parallel_rank(self) -> int:
         """This rank's place among the ranks that see different batches: ``rank``, except on a mesh with
         tensor parallelism (``FSDP(tp=...)``), whose ``tp`` peers share one data-parallel rank."""
-        return self._data_parallel[0]
+        return self.membership.rank
 
     @property
     def data_parallel_size(self) -> int:
         """How many different batches one step sees: ``world_size / tp``."""
-        return self._data_parallel[1]
+        return self.membership.size
 
     @property
     def tensor_parallel_size(self) -> int:
         """How many ranks share one batch, each computing part of every layer: ``tp`` on a mesh, else 1."""
-        return self.world_size // self._data_parallel[1]
+        return self._tp
 
     @property
     def node_rank(self) -> int:
@@ -277,13 +282,10 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         watch = self._watchdog if self.strategy.collective_forward else None  # a forward that is a collective
         wrapped = WrappedModule(forward_module, eval_module, module, self.precision, stand_in, watch)
         self._wrapped.append(weakref.ref(forward_module))
-        recorder = self._recorder
-        if recorder is not None:
-            recorder.watch(module, optimizers)
+        if self._recorder is not None:
+            self._recorder.watch(module, optimizers)
         for optimizer in optimizers:
-            self._items.watch(optimizer)
-            patch_optimizer_step(optimizer, self.precision, before_step=self._before_step,
-                                 after_step=recorder.after_step if recorder is not None else None)
+            self._optimizer_step.attach(optimizer)  # its step runs OptimizerStep.run: the order of a step
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
@@ -304,14 +306,6 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         """True when the strategy shards the model (FSDP): build big models in ``init_module(empty=True)``,
         and know that each forward is a collective that every rank must run."""
         return self.strategy.collective_forward
-
-    def _before_step(self) -> None:
-        """Before each optimizer step: a background save that failed is raised now, not at the next save."""
-        if self._checkpointer is not None:
-            self._checkpointer.raise_if_failed()
-        self._items.finish_step()
-        if self._recorder is not None:
-            self._recorder.before_step()
 
     def init_module(self, empty: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Build the model inside this block: on this rank's device, or with ``empty=True`` on the meta
@@ -358,7 +352,7 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         ``model`` is what ``rt.setup`` returned.
         """
         if not isinstance(model, WrappedModule):
-            raise TypeError(
+            raise UsageError(
                 f"rt.no_sync needs the model that rt.setup returned; got a {type(model).__name__} that did "
                 "not come from rt.setup, so its gradients would be all-reduced on every micro-step."
             )
@@ -371,10 +365,7 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
-        self._items.finish_step()
-        self.precision.unscale_(optimizer)
-        with self._watchdog.step("clip_grad_norm_"):
-            return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
+        return self._optimizer_step.clip(model, optimizer, max_norm, norm_type)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -416,6 +407,182 @@ class Runtime(CollectiveMethods, CheckpointMethods):
         """
         self._watchdog.stage = stage
 
+    # -- collectives: every rank calls them, in the same order; the watchdog names a rank that never arrives
+    def barrier(self) -> None:
+        """Block until every rank arrives here."""
+        with self._watchdog.watch("barrier"):
+            collectives.barrier(self.device)
+
+    def all_reduce(self, data: Any, op: str = "mean") -> Any:
+        """Reduce the tensors and numbers in ``data`` (``sum``, ``mean``, ``max``, ``min``) over all ranks.
+
+        Every rank gets the result.
+        """
+        with self._watchdog.watch(f"all_reduce({op})", data):
+            return collectives.all_reduce(data, op, self.device)
+
+    def all_gather(self, data: Any) -> list[Any]:
+        """Every rank's ``data`` as a list indexed by rank, on every rank. Shapes may differ by rank."""
+        with self._watchdog.watch("all_gather", data, exact_shapes=False):
+            return collectives.all_gather(data, self.device)
+
+    def gather(self, data: Any, loader: DistributedLoader | None = None, order: str = "dataset") -> Any:
+        """Outputs of all ranks as one structure with one row per sample, in dataset order, on every rank.
+
+        ``data`` holds this rank's outputs of one pass over a lockstep loader (``loader``, by default
+        the loader whose pass started last), collected batch by batch: the loader knows
+        which dataset index each row belongs to, so the rows come back sorted by it, whichever
+        loader it was (training or evaluation, shuffled or not, any sampler). Outputs that do not
+        match the samples the pass handed out on some rank raise an error naming the rank.
+        ``order="rank"``, or no loader used yet: every rank's rows concatenated in rank order.
+
+        Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
+        outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
+        namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
+        concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
+        On a mesh with tensor parallelism the ``tp`` peers hold the same rows: one copy is kept.
+        """
+        if order not in ("dataset", "rank"):
+            raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
+        source = (loader or self._current.last) if order == "dataset" else None
+        indices = source.handed_out() if source is not None else None
+        replica = self.rank != self.data_parallel_rank * self.tensor_parallel_size
+        with self._watchdog.watch("gather", data, exact_shapes=False):
+            return collectives.gather_rows(data, self.device, indices, replica=replica)
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards
+        (FSDP) are gathered, wrappers left out; buffers are rank 0's. For ``torch.save``,
+        ``save_pretrained`` or an export. Every rank must call it. ``rank0_only=True``: rank 0 gets
+        it and the other ranks an empty dict (one full copy in host memory, not one per rank).
+        """
+        module = unwrap(model)
+        if self.world_size == 1:
+            return {name: value.detach().cpu() for name, value in module.state_dict().items()}
+        from lockstep.runtime.checkpoint.parts import full_state_dict
+
+        self.sync_buffers(module)
+        with self._watchdog.watch("full_state_dict"):
+            return full_state_dict(module, rank0_only)
+
+    def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
+        """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
+
+        Each rank updates such statistics from its own share of the batch, so after training the
+        ranks hold different ones (DDP hands rank 0's to all at the start of each training forward;
+        FSDP never). Call it before evaluating, predicting or saving from every rank, so that all
+        ranks compute with, and save, the same model. ``rt.save`` and the Trainer (before
+        evaluation, prediction and checkpoints) call it for you. Every rank must call it.
+        """
+        buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
+        if buffers and self.world_size > 1:
+            with self._watchdog.watch("sync_buffers"):
+                collectives.broadcast_in_place(buffers, src)
+
+    def broadcast(self, data: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``data`` on every rank."""
+        with self._watchdog.watch(f"broadcast(src={src})"):
+            return collectives.broadcast(data, src, self.device)
+
+    def should_stop(self) -> bool:
+        """True on every rank when any rank received the preemption signal (USR1 or TERM).
+
+        Every rank must call it at the same points (e.g. each step boundary); it is one small
+        all-reduce under SLURM and free elsewhere (always False). On True: save a checkpoint, call
+        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint. A process that
+        has never called it when the signal comes has 5 seconds to do so; after that the signal
+        ends it as it would without lockstep.
+        """
+        if self.preemption is None:
+            return False
+        self.preemption.poll()
+        return bool(self.all_reduce(self.preemption.local_flag, op="max"))
+
+    def requeue(self) -> str:
+        """After ``should_stop``: rank 0 requeues the SLURM job when USR1 came and the job script
+        asked for it (``lockstep slurm --requeue``). Returns what happened."""
+        return "not under SLURM" if self.preemption is None else self.preemption.requeue(self.rank)
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
+        """Rank 0 (``local=True``: each node's local rank 0) runs the block first; the others wait.
+
+        For work such as downloading or preprocessing a dataset once. Every rank must enter it.
+        """
+        first = self.is_local_zero if local else self.is_global_zero
+        if not first:
+            self.barrier()
+        yield
+        if first:
+            self.barrier()
+
+    # -- checkpoints (the room: checkpoint/life.py) ------------------------------------------
+    def save(self, path: str | Path, state: dict[str, Any], blocking: bool = True,
+             metadata: dict[str, Any] | None = None, on_commit: Callable[[], None] | None = None) -> float:
+        """Save ``state`` as the checkpoint folder ``path``; every rank calls it. Returns the seconds
+        the call blocked.
+
+        Models (what ``rt.setup`` returned) and their optimizers are saved by parameter name, each
+        rank writing its own shards; loaders and anything else with ``state_dict()`` are saved
+        through it; other values (numbers, strings, tensors, dicts of them) as they are on rank 0.
+        The folder is committed atomically and loads on any number of processes and any strategy
+        (``rt.load``). ``blocking=False`` writes in the background while training goes on (see
+        ``wait_for_save``). ``metadata``: JSON values added to the folder's ``lockstep.json``
+        (readable without loading, e.g. the step). ``on_commit``: run on rank 0 once the folder is
+        complete (after the background write, with ``blocking=False``).
+        """
+        return self._checkpoints.save(path, state, blocking, metadata, on_commit)
+
+    def load(self, path: str | Path | Checkpoint, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
+        """Load the checkpoint folder ``path`` (or what ``latest_checkpoint`` found) into ``state``, as
+        given to ``rt.save``: models, optimizers, loaders and other objects with ``load_state_dict``
+        in place; plain values (None too) are replaced in ``state``, which is also returned. Every
+        rank calls it, with the same keys. The files are checked against their checksums first
+        (``verify=False``: already done, by ``verify_checkpoint`` or ``latest_checkpoint``); a
+        damaged checkpoint is refused, naming the file.
+        """
+        return self._checkpoints.load(path, state, verify)
+
+    def latest_checkpoint(self, path: str | Path, exact: bool = False) -> Checkpoint | None:
+        """The checkpoint to resume from, the same on every rank: ``path`` itself when it is a checkpoint
+        folder (refused if damaged), else the newest intact checkpoint in the folder ``path`` (a
+        damaged one is skipped, saying why), or None when it holds none. Ranks that see different
+        checkpoints (a folder the nodes do not share) are refused, each named. Every rank calls it.
+        ``.path``, ``.step`` and ``.metadata`` (its ``lockstep.json``) describe what was found;
+        ``rt.load(found, state, verify=False)`` loads it without reading or checking it again.
+        ``exact=True``: ``path`` must be a checkpoint folder itself (else an error says what it is).
+        """
+        return self._checkpoints.find(path, exact)
+
+    def resume(self, path: str | Path, state: dict[str, Any]) -> Checkpoint | None:
+        """``resume="auto"`` of the Trainer, for your own loop: load ``latest_checkpoint(path)`` into
+        ``state`` (as ``rt.load``) and return it, or return None when there is none (start from
+        scratch). Every rank calls it.
+
+        ``found = rt.resume("runs/exp", state)``, then ``start = found.step if found else 0``.
+        """
+        found = self._checkpoints.find(path)
+        if found is not None:
+            self._checkpoints.load(found, state, verify=False)
+        return found
+
+    def verify_checkpoint(self, path: str | Path) -> list[str]:
+        """Every problem with the files of checkpoint ``path`` (none when intact: each file matches the
+        checksum written at commit, and nothing in it would run code). Every rank calls it, reads its
+        share of the files, and gets the same list."""
+        return self._checkpoints.verify(path)
+
+    def prepare_checkpoint_folder(self, path: str | Path) -> None:
+        """Before training: remove what interrupted saves left in the folder ``path``, and check that
+        every rank can write into it, so that a read-only or missing folder fails now, naming itself
+        and the ranks, instead of at the first save. Every rank calls it."""
+        self._checkpoints.prepare_folder(path)
+
+    def wait_for_save(self) -> None:
+        """Block until a background save (``save(blocking=False)``) is written and committed; raise its
+        error if it failed. Returns at once when none is under way. Every rank calls it."""
+        self._checkpoints.wait()
+
     # -- printing and ordering ---------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only; other ranks print nothing."""
@@ -432,8 +599,7 @@ class Runtime(CollectiveMethods, CheckpointMethods):
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
-        if self._checkpointer is not None:
-            self._checkpointer.close()
+        self._checkpoints.wait()
         self._watchdog.stop()
         if self._owns_group:
             self._owns_group = False

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lockstep.errors import ConfigError
+
 
 def seed_everything(seed: int) -> int:
     """Seed python's ``random``, numpy (when installed) and torch on CPU and every CUDA device.
@@ -19,7 +21,7 @@ def seed_everything(seed: int) -> int:
     broadcasts rank 0's weights when it wraps the model, so they agree either way.
     """
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed {seed} must be in [0, 2**32).")
+        raise ConfigError(f"seed {seed} must be in [0, 2**32).")
     random.seed(seed)
     try:
         import numpy as np
@@ -35,7 +37,7 @@ def set_determinism(deterministic: bool, benchmark: bool | None) -> None:
     """``deterministic=True`` trades speed for bitwise repeatable kernels; ``benchmark`` autotunes cuDNN."""
     if deterministic:
         if benchmark:
-            raise ValueError("deterministic=True and benchmark=True contradict each other: pick one.")
+            raise ConfigError("deterministic=True and benchmark=True contradict each other: pick one.")
         # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

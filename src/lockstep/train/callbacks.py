@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.runtime import is_checkpoint_folder, read_metadata
-from lockstep.train.checkpoint import complete_checkpoints, prepare_folder
+from lockstep.errors import ConfigError
+from lockstep.runtime import complete_checkpoints, is_checkpoint_folder
 
 if TYPE_CHECKING:
     from lockstep.train.module import Module
@@ -83,7 +83,7 @@ def _better(mode: str, value: float, than: float, min_delta: float = 0.0) -> boo
 
 def _check_mode(mode: str) -> str:
     if mode not in ("min", "max"):
-        raise ValueError(f"mode={mode!r}: use 'min' or 'max'.")
+        raise ConfigError(f"mode={mode!r}: use 'min' or 'max'.")
     return mode
 
 
@@ -111,7 +111,7 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, module: Module) -> None:
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is not None:
-            prepare_folder(trainer.runtime, Path(folder))
+            trainer.runtime.prepare_checkpoint_folder(folder)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
@@ -129,7 +129,7 @@ class ModelCheckpoint(Callback):
             return
         rt = trainer.runtime
         rt.wait_for_save()
-        saved = any(step == trainer.global_step for _, step in complete_checkpoints(Path(folder)))
+        saved = any(found.step == trainer.global_step for found in complete_checkpoints(folder))
         if not rt.broadcast(saved):  # rank 0's view decides, so every rank saves or none does
             self.save(trainer)
 
@@ -137,7 +137,7 @@ class ModelCheckpoint(Callback):
         """Every rank calls it (every rank writes its shards)."""
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is None:
-            raise ValueError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
+            raise ConfigError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
         folder = Path(folder)
         # The epoch counts from 1, as in the progress lines: epoch=1 is the first epoch's.
         path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}.ckpt"
@@ -172,15 +172,16 @@ class ModelCheckpoint(Callback):
         """This callback's checkpoints in ``folder`` and their scores, read from the folder itself
         (never from restored state: a copied run folder must not delete the original's)."""
         kept = {}
-        for path, step in complete_checkpoints(folder):
-            if not _CHECKPOINT_NAME.fullmatch(path.name):
+        for found in complete_checkpoints(folder):
+            if not _CHECKPOINT_NAME.fullmatch(found.path.name):
                 continue
             if self.monitor is None:
-                kept[path] = float(step)
+                kept[found.path] = float(found.step)
                 continue
-            value = read_metadata(path).get("metrics", {}).get(self.monitor)
+            metrics = found.metadata.get("metrics", {})
+            value = metrics.get(self.monitor) if isinstance(metrics, dict) else None
             if isinstance(value, int | float) and not math.isnan(value):
-                kept[path] = float(value)
+                kept[found.path] = float(value)
         return kept
 
     def _score(self, trainer: Trainer) -> float:
@@ -188,8 +189,8 @@ class ModelCheckpoint(Callback):
             return float(trainer.global_step)
         score = trainer.callback_metrics.get(self.monitor, math.nan)
         if math.isnan(score):
-            raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
-                             f"metrics are {sorted(trainer.callback_metrics)}.")
+            raise ConfigError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
+                              f"metrics are {sorted(trainer.callback_metrics)}.")
         return score
 
 
@@ -218,8 +219,8 @@ class EarlyStopping(Callback):
 
     def _check(self, trainer: Trainer) -> None:
         if self.monitor not in trainer.callback_metrics:
-            raise ValueError(f"EarlyStopping(monitor={self.monitor!r}): no such metric; logged metrics are "
-                             f"{sorted(trainer.callback_metrics)}.")
+            raise ConfigError(f"EarlyStopping(monitor={self.monitor!r}): no such metric; logged metrics are "
+                              f"{sorted(trainer.callback_metrics)}.")
         value = trainer.callback_metrics[self.monitor]
         if self.best is None or _better(self.mode, value, self.best, self.min_delta):
             self.best, self.wait = value, 0
@@ -241,7 +242,7 @@ class LearningRateMonitor(Callback):
 
     def __init__(self, logging_interval: str = "step") -> None:
         if logging_interval not in ("step", "epoch"):
-            raise ValueError(f"logging_interval={logging_interval!r}: use 'step' or 'epoch'.")
+            raise ConfigError(f"logging_interval={logging_interval!r}: use 'step' or 'epoch'.")
         self.logging_interval = logging_interval
 
     def _rates(self, trainer: Trainer) -> dict[str, float]:

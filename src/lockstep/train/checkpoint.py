@@ -1,71 +1,22 @@
-"""The Trainer's checkpoints: its stateful parts, finding the newest intact one, and resuming.
+"""The Trainer's own part of a checkpoint: its stateful parts, what it saves, how it loads them.
 
-A checkpoint is a folder (``lockstep.runtime.checkpoint.checkpointer``): the module and optimizers as shards,
-the other parts' states from rank 0.
+Finding, agreeing on, verifying and loading a checkpoint folder are the Runtime's (``rt.save``,
+``rt.latest_checkpoint``, ``rt.load``: ``lockstep.runtime.checkpoint.life``).
 """
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import shutil
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.errors import CheckpointError
-from lockstep.runtime import Runtime, is_checkpoint_folder, read_metadata
+from lockstep.runtime import Checkpoint, Runtime
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
-
-def _step_of(path: Path) -> int:
-    match = re.search(r"step=(\d+)", path.name)
-    return int(match.group(1)) if match else -1
-
-
-def complete_checkpoints(folder: Path) -> list[tuple[Path, int]]:
-    """The complete checkpoint folders in ``folder`` and their steps, the most training steps first
-    (ties: the newest first). Judged by their metadata alone; links (``last.ckpt``) are skipped,
-    the folder they point to is listed itself."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in folder.iterdir():
-        if path.is_symlink() or not is_checkpoint_folder(path):
-            continue
-        try:
-            step = int(read_metadata(path).get("step", _step_of(path)))
-        except (CheckpointError, TypeError, ValueError):
-            continue  # e.g. damaged metadata: fall back to an older one
-        found.append((step, path.stat().st_mtime, path))
-    return [(path, step) for step, _, path in sorted(found, key=lambda c: c[:2], reverse=True)]
-
-
-def prepare_folder(rt: Runtime, folder: Path) -> None:
-    """Before training: remove what interrupted saves left (``.NAME.partial`` folders, on rank 0),
-    and check that every rank can write into ``folder``, so that a read-only or missing folder
-    fails now, naming itself, instead of at the first save. Every rank must call it."""
-    if rt.is_global_zero and folder.is_dir():
-        for leftover in folder.glob(".*.partial"):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-    problem = ""
-    probe = folder / f".lockstep-write-check-{rt.rank}-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        problem = f"rank {rt.rank} on {socket.gethostname()}: {error.strerror or error}"
-    problems = [p for p in rt.all_gather(problem) if p]
-    if problems:
-        raise CheckpointError(f"cannot write checkpoints into {folder}: " + "; ".join(problems)
-                              + ". Choose a checkpoint_dir every rank can write to.")
-
 
 def capture_rng() -> dict[str, Any]:
     """This process's random states (python, numpy, torch CPU and CUDA), in weights-only types."""
@@ -103,49 +54,6 @@ def restore_rank_rng(rt: Runtime, states: list[dict[str, Any]]) -> None:
     else:
         rt.print(f"lockstep: the checkpoint comes from {len(states)} processes, this run has "
                  f"{rt.world_size}: random states are not restored (the sample order still is).")
-
-
-def agreed_checkpoint(rt: Runtime, resume: str | Path, checkpoint_dir: Path | None) -> tuple[Path, int] | None:
-    """The checkpoint to resume from and its step, the same on every rank, or an error that says why
-    not. Every rank must call it.
-
-    ``"auto"``: the newest complete checkpoint in ``checkpoint_dir`` whose files match their
-    checksums; a damaged one is skipped, in one line saying which file and why. A path: that
-    checkpoint, refused if damaged. Each rank looks on its own file system: one that the nodes do
-    not share would otherwise resume some ranks and train the others from scratch.
-    """
-    found, problem = [], ""
-    try:
-        if str(resume) == "auto":
-            assert checkpoint_dir is not None, "TrainerConfig checks that resume='auto' has a folder"
-            found = complete_checkpoints(checkpoint_dir)
-        else:
-            path = Path(resume)
-            if not path.exists():
-                raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint.")
-            found = [(path, int(read_metadata(path).get("step", -1)))]
-    except CheckpointError as error:
-        problem = str(error)
-    mine = problem or ", ".join(f"{p.name} (step {step})" for p, step in found) or "none"
-    seen = rt.all_gather((socket.gethostname(), mine))
-    if len({what for _, what in seen}) > 1:
-        lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
-        raise CheckpointError(
-            "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
-            "Every rank writes its shards into the checkpoint folder: put checkpoint_dir (or the resume path) "
-            "on a file system that every node shares."
-        )
-    if problem:
-        raise CheckpointError(problem)
-    for path, step in found:
-        damage = rt.verify_checkpoint(path)
-        if not damage:
-            return path, step
-        if str(resume) != "auto":
-            raise CheckpointError(f"{path}: damaged, not resumed from:\n  " + "\n  ".join(damage))
-        more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
-        rt.print(f"lockstep: skipping the damaged checkpoint {path.name}: {damage[0]}{more}")
-    return None
 
 
 class _Loop:
@@ -248,16 +156,18 @@ def logger_states(loggers: list[Any]) -> list[dict[str, Any]]:
             for logger in loggers if callable(getattr(logger, "state_dict", None))]
 
 
-def resume(trainer: Trainer, path: Path) -> list[dict[str, Any]]:
-    """Load the checkpoint folder ``path`` (already verified by ``agreed_checkpoint``) into the
+def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
+    """Load the checkpoint ``found`` (already agreed and verified by ``rt.latest_checkpoint``) into the
     Trainer's parts; random states last, and only on the same number of processes. Returns the
     loggers' saved states (for ``resume_loggers``)."""
     rt = trainer.runtime
-    saved = read_metadata(path).get("objects", [])
-    state = rt.load(path, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
+    saved = found.metadata.get("objects", [])
+    if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
+        raise CheckpointError(f"{found.path}: its lockstep.json lists no objects (damaged metadata).")
+    state = rt.load(found, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
     for name, part in parts(trainer).items():
         if name not in state:
-            raise CheckpointError(f"{path}: holds no {name!r} state; it holds {sorted(state)}.")
+            raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
         part.load_state_dict(state[name])
     trainer.fire("on_load_checkpoint", state)
     restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lockstep.errors import ConfigError
 from lockstep.runtime import RuntimeConfig
 
 
@@ -34,9 +35,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("accumulate_grad_batches", "log_every_n_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
+                raise ConfigError(f"{name}={getattr(self, name)}: must be at least 1.")
         if self.resume is not None and str(self.resume) == "auto" and self.checkpoint_dir is None:
-            raise ValueError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
+            raise ConfigError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
 
     def hparams(self) -> dict[str, Any]:
         """Every setting in one flat dict, named as the Trainer's arguments (for loggers and checkpoints)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from lockstep.env import cache_dir_from_environ
+from lockstep.errors import ConfigError
 
 # Dense peak FLOP/s per device by matmul dtype (vendor data sheets, no sparsity).
 _PEAKS: dict[str, dict[str, float]] = {
@@ -49,7 +50,8 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
         try:
             value = float(given)
         except ValueError:
-            raise ValueError(f"LOCKSTEP_PEAK_FLOPS={given!r}: give one device's peak in FLOP/s, e.g. 989e12.") from None
+            raise ConfigError(
+                f"LOCKSTEP_PEAK_FLOPS={given!r}: give one device's peak in FLOP/s, e.g. 989e12.") from None
         return value if value > 0 else None
     dtype = _DTYPES.get(precision)
     if dtype is None:
@@ -102,17 +104,17 @@ def measured_peaks() -> dict[str, dict[str, float]]:
         return {}
     try:
         if len(raw) > _CACHE_LIMIT:
-            raise ValueError("larger than 1 MiB")
+            raise ConfigError("larger than 1 MiB")
         data = json.loads(raw)
         if not isinstance(data, dict):
-            raise ValueError("not an object")
+            raise ConfigError("not an object")
         peaks: dict[str, dict[str, float]] = {}
         for name, rates in data.items():
             if not isinstance(rates, dict):
-                raise ValueError(f"{name!r} holds no rates")
+                raise ConfigError(f"{name!r} holds no rates")
             for dtype, rate in rates.items():
                 if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
-                    raise ValueError(f"{name!r} {dtype!r}: {rate!r} is not a rate")
+                    raise ConfigError(f"{name!r} {dtype!r}: {rate!r} is not a rate")
             peaks[name] = {dtype: float(rate) for dtype, rate in rates.items()}
         return peaks
     except ValueError as error:  # json's errors are ValueErrors too

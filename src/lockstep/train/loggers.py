@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from lockstep.errors import ConfigError
+
 
 class Logger(Protocol):
     """What the Trainer calls on rank 0. A logger may also define:
@@ -205,7 +207,7 @@ def make_loggers(specs: Any, folder: Path) -> list[Logger]:
     for spec in specs:
         if isinstance(spec, str):
             if spec not in LOGGERS:
-                raise ValueError(f"unknown logger {spec!r}: use one of {', '.join(LOGGERS)} or a logger object.")
+                raise ConfigError(f"unknown logger {spec!r}: use one of {', '.join(LOGGERS)} or a logger object.")
             made.append(LOGGERS[spec](folder))
         else:
             default_dir = getattr(spec, "default_dir", None)

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from lockstep.errors import ConfigError
+
 
 class MetricStore:
     """Sample-weighted sums (device tensors) and sample counts per metric name.
@@ -97,7 +99,7 @@ def weighted_value(name: str, value: float | torch.Tensor, weight: float | torch
     """``value * weight`` as a float64 scalar tensor on ``device`` (no host sync for device tensors)."""
     tensor = torch.as_tensor(value).detach()
     if tensor.numel() != 1:
-        raise ValueError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(tensor.shape)}.")
+        raise ConfigError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(tensor.shape)}.")
     if isinstance(weight, torch.Tensor):
         weight = weight.detach().to(device=device, dtype=torch.float64).reshape(())
     return tensor.to(device=device, dtype=torch.float64).reshape(()) * weight

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from lockstep.errors import ConfigError, StateError, UsageError
+
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
 
@@ -55,7 +57,7 @@ class Module(nn.Module):
     def trainer(self) -> Trainer:
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if trainer is None:
-            raise RuntimeError("this module is not attached to a Trainer: call it from Trainer.fit/validate/...")
+            raise StateError("this module is not attached to a Trainer: call it from Trainer.fit/validate/...")
         return trainer
 
     @property
@@ -89,8 +91,8 @@ class StepRouter(nn.Module):
 def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], list[tuple[Any, str]]]:
     """The module's optimizers, and its schedulers with their interval (``"step"`` or ``"epoch"``)."""
     if not hasattr(module, "configure_optimizers"):
-        raise AttributeError(f"{type(module).__name__} has no configure_optimizers(): define it to return an "
-                             "optimizer (or a dict with 'optimizer' and 'lr_scheduler').")
+        raise UsageError(f"{type(module).__name__} has no configure_optimizers(): define it to return an "
+                         "optimizer (or a dict with 'optimizer' and 'lr_scheduler').")
     result = getattr(module, "configure_optimizers")()  # noqa: B009 - user-defined, not on nn.Module
     if isinstance(result, torch.optim.Optimizer):
         return [result], []
@@ -99,8 +101,8 @@ def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], l
     elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
         optimizers, schedulers = list(result[0]), list(result[1])
     else:
-        raise TypeError("configure_optimizers() must return an optimizer, a dict {'optimizer', 'lr_scheduler'} "
-                        f"or ([optimizers], [schedulers]); got {type(result).__name__}.")
+        raise UsageError("configure_optimizers() must return an optimizer, a dict {'optimizer', 'lr_scheduler'} "
+                         f"or ([optimizers], [schedulers]); got {type(result).__name__}.")
     return optimizers, [_scheduler_and_interval(scheduler) for scheduler in schedulers]
 
 
@@ -109,7 +111,7 @@ def _scheduler_and_interval(scheduler: Any) -> tuple[Any, str]:
         return scheduler, "epoch"
     interval = scheduler.get("interval", "epoch")
     if interval not in ("step", "epoch"):
-        raise ValueError(f"lr_scheduler interval {interval!r}: use 'step' or 'epoch'.")
+        raise ConfigError(f"lr_scheduler interval {interval!r}: use 'step' or 'epoch'.")
     return scheduler["scheduler"], interval
 
 
@@ -118,6 +120,6 @@ def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     the dict's ``"num_items"``: how many items (tokens) the loss is a mean over, or None."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
-        raise TypeError("training_step must return the loss tensor or a dict holding 'loss'; "
-                        f"got {type(outputs).__name__}.")
+        raise UsageError("training_step must return the loss tensor or a dict holding 'loss'; "
+                         f"got {type(outputs).__name__}.")
     return loss, outputs.get("num_items") if isinstance(outputs, Mapping) else None

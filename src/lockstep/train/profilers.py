@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.errors import ConfigError
+
 if TYPE_CHECKING:  # cProfile and pstats load with an AdvancedProfiler, not with every Trainer
     import cProfile
 
@@ -160,6 +162,6 @@ def make_profiler(spec: Any) -> SimpleProfiler:
         return NoProfiler()
     if isinstance(spec, str):
         if spec not in PROFILERS:
-            raise ValueError(f"unknown profiler {spec!r}: use one of {', '.join(PROFILERS)} or None.")
+            raise ConfigError(f"unknown profiler {spec!r}: use one of {', '.join(PROFILERS)} or None.")
         return PROFILERS[spec]()
     return spec  # type: ignore[no-any-return]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lockstep.errors import MissingExtraError
 from lockstep.train.loggers import plain_params as _plain
 
 
@@ -20,7 +21,7 @@ def _needs(package: str, extra: str) -> Any:
     try:
         return __import__(package)
     except ImportError as error:
-        raise ImportError(f"this logger needs {package}: pip install 'lockstep[{extra}]'") from error
+        raise MissingExtraError(f"this logger needs {package}: pip install 'lockstep[{extra}]'") from error
 
 
 class WandbLogger:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
+from lockstep.errors import CheckpointError, ConfigError, StateError, UsageError
 from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, is_stream, seed_everything, unwrap
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
@@ -99,7 +100,7 @@ class Trainer:
     def runtime(self) -> Runtime:
         """The Runtime that ``fit``/``validate``/``test``/``predict`` created."""
         if self._runtime is None:
-            raise RuntimeError("the Trainer has no Runtime yet: fit, validate, test and predict create it.")
+            raise StateError("the Trainer has no Runtime yet: fit, validate, test and predict create it.")
         return self._runtime
 
     @property
@@ -120,7 +121,7 @@ class Trainer:
     def module(self) -> Module:
         """The module that ``fit``/``validate``/``test``/``predict`` set up."""
         if self._module is None:
-            raise RuntimeError("no module is set up: call fit, validate, test or predict first.")
+            raise StateError("no module is set up: call fit, validate, test or predict first.")
         return self._module
 
     @property
@@ -150,8 +151,8 @@ class Trainer:
         ``loader_options`` go to every DataLoader built here (``collate_fn``, ``num_workers``,
         ``pin_memory``, ...); with a DataLoader they override its own."""
         if self.config.max_epochs is None and self.config.max_steps is None:
-            raise ValueError("fit needs a stopping rule: give the Trainer max_epochs or max_steps (or both). "
-                             "validate, test and predict need neither.")
+            raise ConfigError("fit needs a stopping rule: give the Trainer max_epochs or max_steps (or both). "
+                              "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
         options = self._loader_options(loader_options)
         self._make_train_loader(train_data, batch_size, options)
@@ -194,8 +195,8 @@ class Trainer:
             self.steps_per_epoch = len(self.train_loader)
         except TypeError:  # a stream without __len__: an epoch is one pass, however long
             if self.config.max_steps is None:
-                raise ValueError("the training data is a stream without __len__, whose epochs have no known "
-                                 "length: give the Trainer max_steps.") from None
+                raise ConfigError("the training data is a stream without __len__, whose epochs have no known "
+                                  "length: give the Trainer max_steps.") from None
             self.steps_per_epoch = None
 
     def validate(self, module: Module, data: Any, batch_size: int | None = None,
@@ -239,10 +240,10 @@ class Trainer:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
         loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums."""
         if not self._stores:  # between stages the sums are already reduced: the value would vanish
-            raise RuntimeError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
-                               "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
-                               "would ever reduce it: log from a step, or pass reduced values to "
-                               "trainer.log_metrics({...}).")
+            raise StateError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
+                             "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
+                             "would ever reduce it: log from a step, or pass reduced values to "
+                             "trainer.log_metrics({...}).")
         weight = batch_size if batch_size is not None else self._batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
@@ -274,15 +275,15 @@ class Trainer:
         inner = unwrap(module)  # also torch.compile's wrapper: its module is compiled as compile= says
         compile = self.config.compile if self.config.compile is not None else inner is not module
         if not isinstance(inner, Module):
-            raise TypeError(f"the Trainer runs a lockstep.Module; got {type(inner).__name__}: subclass "
-                            "lockstep.Module and write training_step / configure_optimizers.")
+            raise UsageError(f"the Trainer runs a lockstep.Module; got {type(inner).__name__}: subclass "
+                             "lockstep.Module and write training_step / configure_optimizers.")
         module = inner
         if self._runtime is None:
             self._runtime = Runtime.from_config(self.config.runtime)
             wanted = self.config.num_nodes
             if wanted is not None and self._runtime.num_nodes != wanted:
-                raise ValueError(f"Trainer(num_nodes={wanted}) but the launcher started "
-                                 f"{self._runtime.num_nodes} node(s): make them agree.")
+                raise ConfigError(f"Trainer(num_nodes={wanted}) but the launcher started "
+                                  f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
             module.attach(self)
             self._configure_model(module, self._runtime)
@@ -313,9 +314,9 @@ class Trainer:
         options = {} if workers is None else {"num_workers": workers}
         for reserved in ("batch_size", "sampler", "batch_sampler"):
             if given and reserved in given:
-                raise ValueError(f"loader_options cannot set {reserved!r}: pass batch_size= (the global batch); to "
-                                 "choose the samples, give fit a DataLoader built with your sampler or batch_sampler "
-                                 "(lockstep draws its order the same on every rank and splits each global batch).")
+                raise ConfigError(f"loader_options cannot set {reserved!r}: pass batch_size= (the global batch); to "
+                                  "choose the samples, give fit a DataLoader built with your sampler or batch_sampler "
+                                  "(lockstep draws its order the same on every rank and splits each global batch).")
         return {**options, **(given or {})}
 
     def _restore(self) -> list[dict[str, Any]] | None:
@@ -323,14 +324,22 @@ class Trainer:
         if self.config.resume is None:
             return None
         rt = self.runtime
-        found = ckpt.agreed_checkpoint(rt, self.config.resume, self.config.checkpoint_dir)
+        auto = str(self.config.resume) == "auto"
+        source = self.config.checkpoint_dir if auto else self.config.resume
+        assert source is not None, "TrainerConfig checks that resume='auto' has a checkpoint_dir"
+        try:
+            found = rt.latest_checkpoint(source, exact=not auto)
+        except CheckpointError as error:  # a missing one is said of the argument given: resume='...'
+            if auto or str(error) != f"{source}: no such checkpoint.":
+                raise
+            raise CheckpointError(f"resume={str(source)!r}: no such checkpoint.") from None
         if found is None:
             rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
             return None
-        saved_loggers = ckpt.resume(self, found[0])
+        saved_loggers = ckpt.resume(self, found)
         done, epoch = self.batches_done_in_epoch, self.current_epoch + 1  # epochs count from 1, as in the names
         where = f"at the start of epoch {epoch}" if done == 0 else f"in epoch {epoch} after its batch {done}"
-        rt.print(f"lockstep: resumed from {found[0]} {where}, after step {self.global_step}.")
+        rt.print(f"lockstep: resumed from {found.path} {where}, after step {self.global_step}.")
         return saved_loggers
 
     # -- the training loop, in reading order ------------------------------------------------------
@@ -352,8 +361,8 @@ class Trainer:
                 stopped = True
                 break
         if start == 0 and self.batches_done_in_epoch == 0:  # else a stream that is empty would loop forever
-            raise ValueError(f"the training data yielded no batch in epoch {self.current_epoch + 1}: an empty "
-                             "stream trains nothing. Check the stream's source, filter or split.")
+            raise ConfigError(f"the training data yielded no batch in epoch {self.current_epoch + 1}: an empty "
+                              "stream trains nothing. Check the stream's source, filter or split.")
         if not stopped or self.batches_done_in_epoch == self.steps_per_epoch:  # the epoch's data is done
             self._end_epoch()
 
@@ -484,7 +493,7 @@ class Trainer:
                        loader_options: dict[str, Any] | None) -> dict[str, float]:
         self._start(module, with_optimizers=False)
         if not hasattr(module, step):
-            raise AttributeError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
+            raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
         loader = self._eval_loader(data, batch_size, self._loader_options(loader_options), step.removesuffix("_step"))
         return self._run_eval(loader, step)
 
@@ -532,8 +541,8 @@ def _check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None
     except TypeError:  # a stream without __len__: known once read
         empty = yielded is False
     if empty:
-        raise ValueError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
-                         "cover nothing. Check the dataset's path, filter or split, or pass no data.")
+        raise ConfigError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
+                          "cover nothing. Check the dataset's path, filter or split, or pass no data.")
 
 
 def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,

@@ -112,15 +112,16 @@ class Checkpointer:
             self._pending = _then(written, commit, final, partial if self.rank == 0 else None)  # type: ignore[arg-type]
         return time.perf_counter() - start
 
-    def load(self, path: Path | str, sharded: dict[str, Any], verify_files: bool = True) -> dict[str, Any]:
+    def load(self, path: Path | str, sharded: dict[str, Any], metadata: dict[str, Any],
+             verify_files: bool = True) -> dict[str, Any]:
         """Load the sharded parts in place (resharded to this job) and return the saved objects.
 
+        ``metadata`` is the folder's, already read (a missing or foreign folder was refused then).
         The files are checked against the checksums written at commit first (each rank checks its
         share), unless ``verify_files`` is False; a damaged checkpoint is refused, naming the file."""
         path = Path(path)
-        read_metadata(path)  # no such folder, not a checkpoint: said as such, not as damage
         if verify_files:
-            problems = self.verify(path)
+            problems = self.verify(path, metadata)
             if problems:
                 raise CheckpointError(f"{path}: damaged, not loaded:\n  " + "\n  ".join(problems))
         try:
@@ -131,17 +132,24 @@ class Checkpointer:
             raise _load_error(path, error) from None
         return read_objects(path)
 
-    def verify(self, path: Path | str) -> list[str]:
+    def verify(self, path: Path | str, metadata: dict[str, Any] | None = None) -> list[str]:
         """Every problem with the files of checkpoint ``path`` (none when intact); the same list on
-        every rank, each rank having read its share of the files."""
+        every rank, each rank having read its share of the files. ``metadata``: the folder's, when
+        already read."""
         path = Path(path)
         try:
-            recorded = read_metadata(path).get("files") if self.checksums else None
+            metadata = metadata if metadata is not None else read_metadata(path)
+            recorded = metadata.get("files") if self.checksums else None
             mine = verify(path, recorded, (self.rank, self.world_size))
         except CheckpointError as error:
             mine = [str(error)]
         found = self._gather({str(i): problem for i, problem in enumerate(mine)}, everyone=True)
         return sorted(set(found.values()))
+
+    @property
+    def pending(self) -> bool:
+        """True while a background save is under way (or done, not yet waited for)."""
+        return self._pending is not None
 
     def raise_if_failed(self) -> None:
         """Raise the error of a background save that has failed; return at once otherwise."""

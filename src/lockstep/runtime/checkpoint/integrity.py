@@ -32,8 +32,15 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
 from lockstep.errors import UnsafeCheckpointError
+from lockstep.runtime._torch_compat import (
+    DCP_METADATA_PRIVATE_NAMES,
+    dcp_metadata_name,
+    dcp_shard_pattern,
+    stamp_load_id,
+    use_file_system,
+)
 
-DCP_METADATA = ".metadata"
+DCP_METADATA = dcp_metadata_name(None)
 _CHUNK = 8 << 20
 
 
@@ -105,8 +112,8 @@ class ChecksummingFileSystem(FileSystem):
 
 def checksummed_writer(folder: Path) -> tuple[FileSystemWriter, ChecksummingFileSystem]:
     """A DCP writer into ``folder`` that checksums the shards as it writes them."""
-    writer = FileSystemWriter(str(folder))
-    writer.fs = files = ChecksummingFileSystem()
+    writer, files = FileSystemWriter(str(folder)), ChecksummingFileSystem()
+    use_file_system(writer, files)
     return writer, files
 
 
@@ -116,7 +123,7 @@ def files_written_by(
     """Size and checksum of the DCP shards rank ``rank`` wrote into ``folder`` (``__RANK_*``), and of
     ``extra`` names (rank 0: DCP's ``.metadata``, lockstep's objects): taken from ``known`` (summed
     while written) where it has them, else read back."""
-    names = sorted(p.name for p in folder.glob(f"__{rank}_*") if p.is_file())
+    names = sorted(p.name for p in folder.glob(dcp_shard_pattern(rank)) if p.is_file())
     names += [name for name in extra if (folder / name).is_file()]
     found = {}
     for name in names:
@@ -158,10 +165,8 @@ def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int]
 # -- reading without running code -------------------------------------------------------------
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+_ALLOWED = DCP_METADATA_PRIVATE_NAMES | {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
@@ -200,15 +205,8 @@ class SafeReader(FileSystemReader):
     read weights-only by DCP)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-        metadata = read_dcp_metadata(Path(os.fspath(self.path)), name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        metadata = read_dcp_metadata(Path(os.fspath(self.path)), dcp_metadata_name(kwargs.get("rank")))
+        return stamp_load_id(metadata, self.load_id)
 
 
 class SafePlanner(DefaultLoadPlanner):

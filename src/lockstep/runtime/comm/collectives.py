@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.tree import Spec, flatten, map_tensors, unflatten
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -42,7 +43,7 @@ def all_reduce(data: Any, op: str, device: torch.device) -> Any:
     ``mean`` of integers gives floats. Other leaves (strings, None, ...) are kept as they are.
     """
     if op not in REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}: use one of {', '.join(REDUCE_OPS)}.")
+        raise ConfigError(f"unknown reduce op {op!r}: use one of {', '.join(REDUCE_OPS)}.")
     if not active():
         return data
     dist_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
@@ -127,7 +128,7 @@ def all_gather(data: Any, device: torch.device) -> list[Any]:
     everyone = [_slot_leaves(s) for s in _all_gather_object(unflatten(_skeleton(leaves), spec))]
     slots = [[i for i, leaf in enumerate(rank_leaves) if isinstance(leaf, _TensorSlot)] for rank_leaves, _ in everyone]
     if len({len(s) for s in slots}) != 1:
-        raise ValueError(
+        raise ConfigError(
             "all_gather needs the same structure on every rank, but the ranks passed "
             + ", ".join(f"rank {r}: {len(s)} tensor(s)" for r, s in enumerate(slots))
         )
@@ -150,7 +151,7 @@ def _gather_tensor(
 ) -> list[torch.Tensor]:
     dtypes = {s.dtype for s in slots}
     if len(dtypes) != 1:
-        raise ValueError(
+        raise ConfigError(
             "tensors gathered together must share a dtype; the ranks passed "
             + ", ".join(f"rank {r}: {s.dtype}" for r, s in enumerate(slots))
         )
@@ -208,17 +209,17 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
     if active():  # every rank must take the same path: all in dataset order, or none
         reports = _all_gather_object((indices is not None, problem))
         if len({ordered for ordered, _ in reports}) > 1:
-            raise ValueError("rt.gather: some ranks have a loader pass to order the rows by and others not ("
-                             + ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, (o, _) in enumerate(reports))
-                             + "). Every rank must iterate the same loaders; or pass order='rank'.")
+            raise ConfigError("rt.gather: some ranks have a loader pass to order the rows by and others not ("
+                              + ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, (o, _) in enumerate(reports))
+                              + "). Every rank must iterate the same loaders; or pass order='rank'.")
         problems = [p for _, p in reports]
     else:
         problems = [problem]
     if any(problems):
-        raise ValueError("rt.gather cannot put these outputs in dataset order: "
-                         + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-                         + ". Collect one output row per sample of one loader pass, batch by batch, or "
-                         "pass order='rank' for data that does not come from a loader.")
+        raise ConfigError("rt.gather cannot put these outputs in dataset order: "
+                          + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                          + ". Collect one output row per sample of one loader pass, batch by batch, or "
+                          "pass order='rank' for data that does not come from a loader.")
     result = _gather_leaves(leaves, spec, device) if active() else unflatten(leaves, spec)
     if indices is None:
         return result

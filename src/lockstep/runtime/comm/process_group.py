@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import DistEnv
+from lockstep.errors import ConfigError, RendezvousError
 from lockstep.runtime._torch_compat import set_default_timeout
 from lockstep.runtime.comm.network import NoRouteError, host_store, socket_interface_variables, store_listen_address
 
@@ -23,16 +24,16 @@ def choose_backend(accelerator: str, backend: str | None) -> str:
     if backend is None:
         return "nccl" if accelerator == "cuda" else "gloo"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
+        raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
     available = {
         "gloo": dist.is_gloo_available(),
         "nccl": dist.is_nccl_available(),
         "mpi": dist.is_mpi_available(),
     }
     if not available[backend]:
-        raise ValueError(f"backend {backend!r} is not built into this torch; use 'gloo' or 'nccl'.")
+        raise ConfigError(f"backend {backend!r} is not built into this torch; use 'gloo' or 'nccl'.")
     if backend == "nccl" and accelerator != "cuda":
-        raise ValueError("backend 'nccl' needs CUDA tensors: use backend='gloo' on the CPU.")
+        raise ConfigError("backend 'nccl' needs CUDA tensors: use backend='gloo' on the CPU.")
     return backend
 
 
@@ -52,7 +53,7 @@ def init_process_group(
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
-            raise RuntimeError(
+            raise RendezvousError(
                 f"a process group already exists with rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
                 f"{env.world_size}: create the Runtime before calling init_process_group yourself, "
@@ -100,7 +101,7 @@ def choose_socket_interface(env: DistEnv) -> None:
     try:
         variables, line = socket_interface_variables(env.master_addr, os.environ)
     except NoRouteError as error:
-        raise RuntimeError(
+        raise RendezvousError(
             f"rank {env.rank}: {error}. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface "
             "between the nodes, or check MASTER_ADDR."
         ) from None
@@ -133,17 +134,17 @@ def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     except (RuntimeError, OSError) as error:
         text = str(error).lower()
         if is_master and ("address already in use" in text or "errno 98" in text):
-            raise RuntimeError(
+            raise RendezvousError(
                 f"rank 0 cannot open the rendezvous store on port {env.master_port}: another "
                 "program is using it. Set MASTER_PORT to a free port (or let `lockstep run` pick "
                 "one)."
             ) from error
         if is_master:
-            raise RuntimeError(
+            raise RendezvousError(
                 f"rank 0 cannot open the rendezvous store at {address}: {error}. Check that "
                 "MASTER_ADDR is an address of this node."
             ) from error
-        raise RuntimeError(
+        raise RendezvousError(
             f"rank {env.rank} could not reach the rendezvous store at {address} within "
             f"{timeout.total_seconds():.0f}s: check that MASTER_ADDR/MASTER_PORT name the node "
             "of rank 0, that rank 0 started, and that no firewall blocks the port."

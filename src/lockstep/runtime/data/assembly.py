@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.data.loader import BatchObserver, DistributedLoader
 from lockstep.runtime.data.options import dataset_length, resolve_loader_options
 from lockstep.runtime.data.order import (
@@ -22,16 +23,18 @@ from lockstep.runtime.data.order import (
 )
 from lockstep.runtime.data.samplers import GlobalBatchSampler, ShardSampler
 from lockstep.runtime.data.streams import StreamBatches, is_stream, stream_length
+from lockstep.runtime.parallel.mesh import Membership
 
 
 @dataclass(frozen=True)
 class Loaders:
-    """Makes the loaders of one job's rank. ``count_ranks`` sums a flag over the ranks (None on one
-    process); ``say`` prints once for the job; ``equal_steps``: every rank gets as many evaluation
-    batches as the rank with the most (a forward that is a collective, FSDP's)."""
+    """Makes the loaders of one job's rank. ``membership``: this rank's place among the data-parallel
+    replicas, read per batch by training loaders (evaluation loaders take it at creation);
+    ``count_ranks`` sums a flag over the ranks (None on one process); ``say`` prints once for the
+    job; ``equal_steps``: every rank gets as many evaluation batches as the rank with the most (a
+    forward that is a collective, FSDP's)."""
 
-    rank: int
-    world_size: int
+    membership: Membership
     local_world_size: int
     device: torch.device
     seed: int
@@ -43,44 +46,44 @@ class Loaders:
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
-        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.local_world_size,
-                                              self.device)
+        dataset, opts = resolve_loader_options(data, batch_size, options, self.membership.size,
+                                              self.local_world_size, self.device)
         shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
         if isinstance(batches, FixedBatches):
             self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
-        return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=True)
+        return self._loader(dataset, GlobalBatchSampler(batches, self.membership), opts, training=True)
 
     def evaluation(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.eval_loader``: rank ``r`` takes the ``r``-th contiguous shard (a stream: global batches in
         stream order, split over the ranks)."""
-        dataset, opts = resolve_loader_options(data, batch_size, options, self.world_size, self.local_world_size,
+        rank, world_size = self.membership.rank, self.membership.size
+        dataset, opts = resolve_loader_options(data, batch_size, options, world_size, self.local_world_size,
                                               self.device, evaluation=True)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
         if is_stream(dataset):
             batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
-            return self._loader(dataset, GlobalBatchSampler(batches, self.rank, self.world_size), opts, training=False)
-        per_rank = opts.pop("batch_size") // self.world_size
-        sampler = ShardSampler(dataset_length(dataset), per_rank, self.rank, self.world_size,
-                               equal_steps=self.equal_steps)
+            return self._loader(dataset, GlobalBatchSampler(batches, self.membership), opts, training=False)
+        per_rank = opts.pop("batch_size") // world_size
+        sampler = ShardSampler(dataset_length(dataset), per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
 
     def _check_size(self, samples: int, batch_size: int, drop_last: bool, name: str) -> None:
         """No epoch of a training loader may be empty; one shorter than a batch is said once."""
         if samples == 0:
-            raise ValueError(f"the training data ({name}) holds no samples: an epoch would train nothing. Check "
-                             "the dataset's path, filter or split.")
+            raise ConfigError(f"the training data ({name}) holds no samples: an epoch would train nothing. Check "
+                              "the dataset's path, filter or split.")
         if batch_size > samples and drop_last:
-            raise ValueError(f"batch_size={batch_size} is larger than the training data ({samples} samples) and "
-                             "drop_last=True drops the only batch: lower batch_size, or pass drop_last=False.")
+            raise ConfigError(f"batch_size={batch_size} is larger than the training data ({samples} samples) and "
+                              "drop_last=True drops the only batch: lower batch_size, or pass drop_last=False.")
         if batch_size > samples:
             self.say(f"lockstep: batch_size={batch_size} is larger than the training data ({samples} samples): "
                      f"each epoch is one step of {samples} samples.")
 
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
-        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.rank, self.observer,
+        return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.membership.rank, self.observer,
                                  per_sample_rng=self.per_sample_rng, count_ranks=self.count_ranks, training=training)
 
 
@@ -90,7 +93,7 @@ def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last:
     batch_size = opts.pop("batch_size", None)
     if is_stream(dataset):
         if shuffle or sampler is not None or batch_sampler is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(dataset).__name__} is a stream (an IterableDataset): lockstep reads it in order and "
                 "cuts it into global batches, so it takes no shuffle=True, sampler= or batch_sampler=. Shuffle "
                 "inside the stream (a shuffle buffer seeded the same on every rank, e.g. datasets' "

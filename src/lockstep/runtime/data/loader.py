@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
+from lockstep.errors import CollectiveError, ConfigError
 from lockstep.runtime._torch_compat import shutdown_workers
 from lockstep.runtime.data.samplers import GlobalBatchSampler, Indices, ShardSampler
 from lockstep.runtime.data.streams import StreamBatches, StreamShard, restores_its_position
@@ -164,7 +165,7 @@ class DistributedLoader:
             assert isinstance(sampler, GlobalBatchSampler)
             collate = options.pop("collate_fn", None) or default_collate
             self._stream_batches = batches
-            self._stream = stream = StreamShard(dataset, batches.length, batches.batch_size, rank, sampler.world_size,
+            self._stream = stream = StreamShard(dataset, batches.length, batches.batch_size, sampler.membership,
                                                 batches.drop_last, collate, pad_empty=not training)
             self._stream_loader = lambda: DataLoader(stream, batch_size=None, collate_fn=_as_is,
                                                      generator=generator, **options)
@@ -265,9 +266,9 @@ class DistributedLoader:
         """This rank's batch out of the stream's ``(step, global size, batch)``; every rank agrees the stream ended."""
         assert self._stream is not None
         if self._count_ranks is not None:
-            world, having = self._stream.world_size, self._count_ranks(item is not _END)
+            world, having = self._stream.membership.size, self._count_ranks(item is not _END)
             if having not in (0, world):
-                raise RuntimeError(
+                raise CollectiveError(
                     f"the stream ended at step {step} on {world - having} of {world} ranks, not on the others: "
                     "every rank must read the same stream (lockstep splits it). A stream that splits itself "
                     "by rank or yields a different number of items on each rank cannot be split again.")
@@ -276,8 +277,9 @@ class DistributedLoader:
         got, size, batch = item
         assert got == step, f"stream batch {got} arrived at step {step}"
         if batch is None:  # every rank sees the same size, so every rank raises here
-            raise ValueError(f"the stream's last global batch (step {step}) holds {size} items for "
-                             f"{self._stream.world_size} ranks: every rank needs one to train on. Pass drop_last=True.")
+            raise ConfigError(f"the stream's last global batch (step {step}) holds {size} items for "
+                              f"{self._stream.membership.size} ranks: every rank needs one to train on. "
+                              "Pass drop_last=True.")
         if size < self._stream_batches.batch_size:
             self._stream_batches.ended[step] = size
         return batch
@@ -307,7 +309,7 @@ class DistributedLoader:
         if isinstance(self.sampler, GlobalBatchSampler):
             saved = state.get("batch_size")
             if saved not in (None, self.sampler.batch_size):
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint was written with global batch_size={saved}, this loader has "
                     f"{self.sampler.batch_size}: resume with the same global batch size."
                 )
@@ -315,7 +317,7 @@ class DistributedLoader:
             now = self.sampler.batches.kind
             order = state.get("order", "randperm" if now == "feistel-1" else None)
             if order is not None and order != now:
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint's data order is {order!r}, this loader's is {now!r}: its position would "
                     "point at other samples. Resume with the same dataset length, shuffle and sampler "
                     "(docs/data.md, 'Checkpoint format')."

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
 
+from lockstep.errors import ConfigError
 from lockstep.runtime._torch_compat import is_plain_random_sampler
 from lockstep.runtime.faults.lifetime import DieWithParent
 
@@ -59,11 +60,11 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
 
 def check_batch_size(batch_size: int, world_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r}: give the global batch size, a positive integer.")
+        raise ConfigError(f"batch_size={batch_size!r}: give the global batch size, a positive integer.")
     if batch_size % world_size:
         lower = batch_size - batch_size % world_size
         suggestion = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
-        raise ValueError(
+        raise ConfigError(
             f"global batch_size={batch_size} is not divisible by the world size {world_size} (the ranks that "
             f"take different batches: world_size / tp on a mesh): each takes batch_size/{world_size} samples per "
             f"step. Use a multiple of "
@@ -86,8 +87,8 @@ def resolve_loader_options(
     if evaluation:
         for chooser in ("sampler", "batch_sampler"):
             if options.get(chooser) is not None:
-                raise ValueError(f"an evaluation loader takes every sample once, in dataset order: it has no "
-                                 f"{chooser}=. Give a Subset of the dataset to evaluate part of it.")
+                raise ConfigError(f"an evaluation loader takes every sample once, in dataset order: it has no "
+                                  f"{chooser}=. Give a Subset of the dataset to evaluate part of it.")
             opts.pop(chooser, None)
     if "batch_sampler" in options or "sampler" in options:  # the caller's choice replaces the DataLoader's
         for chosen in ("batch_sampler", "sampler", "shuffle"):
@@ -100,13 +101,13 @@ def resolve_loader_options(
     if opts.get("batch_sampler") is not None:
         clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
         if clashes:
-            raise ValueError(f"batch_sampler= chooses the global batches itself: drop {', '.join(clashes)}=.")
+            raise ConfigError(f"batch_sampler= chooses the global batches itself: drop {', '.join(clashes)}=.")
     elif opts.get("batch_size") is None:
-        raise ValueError("give batch_size (the global batch size) with a dataset, or a batch_sampler=.")
+        raise ConfigError("give batch_size (the global batch size) with a dataset, or a batch_sampler=.")
     else:
         check_batch_size(opts["batch_size"], world_size)
     if opts.get("sampler") is not None and opts.get("shuffle"):
-        raise ValueError("sampler= and shuffle=True contradict each other: the sampler chooses the order.")
+        raise ConfigError("sampler= and shuffle=True contradict each other: the sampler chooses the order.")
     if "num_workers" not in opts:
         opts["num_workers"] = default_num_workers(local_world_size)
     opts.setdefault("pin_memory", device.type == "cuda")
@@ -122,7 +123,7 @@ def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
     try:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(
+        raise ConfigError(
             f"{type(dataset).__name__} has no __len__: give a map-style dataset (with __len__ and "
             "__getitem__) or a stream (a torch IterableDataset)."
         ) from None

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.seed import forked_generators, mix_seed
 
 RANDPERM_MAX = 2**24  # the largest n shuffled with randperm (format "randperm"); above: "feistel-1"
@@ -47,7 +48,7 @@ class FeistelPermutation:
 
     def __init__(self, n: int, seed: int) -> None:
         if n < 1:
-            raise ValueError(f"a permutation of [0, {n}) is empty")
+            raise ConfigError(f"a permutation of [0, {n}) is empty")
         bits = max(2, (n - 1).bit_length())
         self.n, self.half = n, (bits + 1) // 2
         self.mask = (1 << self.half) - 1
@@ -159,7 +160,7 @@ def _check_index(index: Any, what: str) -> int:
     if isinstance(index, torch.Tensor) and index.numel() == 1:
         index = index.item()
     if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"the {what} yielded {index!r}: lockstep expects dataset indices (ints).")
+        raise UsageError(f"the {what} yielded {index!r}: lockstep expects dataset indices (ints).")
     return index
 
 
@@ -239,7 +240,7 @@ class SamplerBatches:
         with seeded(self.batch_sampler, mix_seed(self.seed, epoch), epoch):
             self._batches = [[_check_index(i, "batch_sampler") for i in batch] for batch in self.batch_sampler]
         if any(not batch for batch in self._batches):
-            raise ValueError("the batch_sampler yielded an empty batch: every global batch needs samples.")
+            raise ConfigError("the batch_sampler yielded an empty batch: every global batch needs samples.")
         self._epoch = epoch
 
     def __len__(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from torch.utils.data import Sampler
 
 from lockstep.runtime.data.order import Batches, split_evenly
+from lockstep.runtime.parallel.mesh import Membership
 
 
 class Indices(list[int]):
@@ -20,12 +21,22 @@ class Indices(list[int]):
 
 
 class GlobalBatchSampler(Sampler[Indices]):
-    """Yields this rank's share of each global batch of ``batches`` (see the module docstring)."""
+    """Yields this rank's share of each global batch of ``batches`` (see the module docstring). The
+    share follows ``membership`` as it is when each batch is drawn: a change between two steps
+    re-splits the next global batch over the new members."""
 
-    def __init__(self, batches: Batches, rank: int, world_size: int) -> None:
-        self.batches, self.rank, self.world_size = batches, rank, world_size
+    def __init__(self, batches: Batches, membership: Membership) -> None:
+        self.batches, self.membership = batches, membership
         self.epoch, self.start_step = 0, 0
-        self._last_share: tuple[int, tuple[int, int]] = (-1, (0, 0))
+        self._last_share: tuple[tuple[int, int, int], tuple[int, int]] = ((-1, 0, 0), (0, 0))
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.size
 
     @property
     def batch_size(self) -> int | None:
@@ -35,7 +46,7 @@ class GlobalBatchSampler(Sampler[Indices]):
     def set_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
         self.batches.set_epoch(epoch)
-        self._last_share = (-1, (0, 0))  # a batch sampler's sizes change with the epoch
+        self._last_share = ((-1, 0, 0), (0, 0))  # a batch sampler's sizes change with the epoch
 
     def steps_per_epoch(self) -> int:
         return len(self.batches)
@@ -47,8 +58,10 @@ class GlobalBatchSampler(Sampler[Indices]):
         return self.batches.size(step)
 
     def _share(self, step: int) -> tuple[int, int]:
-        if self._last_share[0] != step:  # asked several times per batch: remember the latest
-            self._last_share = (step, split_evenly(self.global_size(step), self.world_size, self.rank))
+        member = self.membership
+        key = (step, member.rank, member.size)
+        if self._last_share[0] != key:  # asked several times per batch: remember the latest
+            self._last_share = (key, split_evenly(self.global_size(step), member.size, member.rank))
         return self._last_share[1]
 
     def local_size(self, step: int) -> int:

@@ -22,8 +22,10 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime._torch_compat import hide_worker_info
 from lockstep.runtime.data.order import split_evenly
+from lockstep.runtime.parallel.mesh import Membership
 
 
 def is_stream(dataset: Any) -> bool:
@@ -73,8 +75,8 @@ class StreamBatches:
 
     def __len__(self) -> int:
         if self.length is None:
-            raise TypeError("a stream without __len__ has no number of steps per epoch: give the Trainer "
-                            "max_steps, or loop over the loader until it ends.")
+            raise UsageError("a stream without __len__ has no number of steps per epoch: give the Trainer "
+                             "max_steps, or loop over the loader until it ends.")
         full, rest = divmod(self.length, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
@@ -130,10 +132,10 @@ class StreamShard(IterableDataset[Any]):
     empty still gets a batch, of zero rows; in training that is an error (such a rank has no
     loss), raised by the loader."""
 
-    def __init__(self, stream: Any, length: int | None, batch_size: int, rank: int, world_size: int,
+    def __init__(self, stream: Any, length: int | None, batch_size: int, membership: Membership,
                  drop_last: bool, collate_fn: Callable[[list[Any]], Any], pad_empty: bool) -> None:
         self.stream, self.length, self.batch_size = stream, length, batch_size
-        self.rank, self.world_size = rank, world_size
+        self.membership = membership  # read per batch: in DataLoader workers, as it was when the pass began
         self.drop_last, self.collate_fn, self.pad_empty = drop_last, collate_fn, pad_empty
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
 
@@ -164,7 +166,7 @@ class StreamShard(IterableDataset[Any]):
             if not items or (self.drop_last and len(items) < self.batch_size):
                 return
             if step % workers == worker:
-                start, stop = split_evenly(len(items), self.world_size, self.rank)
+                start, stop = split_evenly(len(items), self.membership.size, self.membership.rank)
                 yield step, len(items), self._collate(items[start:stop] or items[:1], empty=start == stop)
             if len(items) < self.batch_size:
                 return
@@ -181,7 +183,7 @@ class StreamShard(IterableDataset[Any]):
                 if reader.drop(size) < size:
                     raise self._ended_early(step)
                 continue
-            start, stop = split_evenly(size, self.world_size, self.rank)
+            start, stop = split_evenly(size, self.membership.size, self.membership.rank)
             # An empty share reads the batch's first item, to give its zero rows their shape.
             at, wanted = (start, stop - start) if start < stop else (0, int(self.pad_empty))
             before, items = reader.drop(at), reader.take(wanted)
@@ -190,5 +192,5 @@ class StreamShard(IterableDataset[Any]):
             yield step, size, self._collate(items, empty=start == stop)
 
     def _ended_early(self, step: int) -> ValueError:
-        return ValueError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
-                          f"{self.length} items its __len__ promises.")
+        return ConfigError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
+                           f"{self.length} items its __len__ promises.")

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Any, NoReturn
 
+from lockstep.errors import StateError
 from lockstep.runtime.comm.network import host_store
 from lockstep.runtime.faults.root_cause import lost_a_peer
 from lockstep.runtime.launch.node_watch import NodeWatch
@@ -222,7 +223,7 @@ def self_launch(nproc: int) -> NoReturn:
     elif main is not None and isinstance(getattr(main, "__file__", None), str):
         target = [os.path.abspath(str(main.__file__))]
     else:
-        raise RuntimeError(
+        raise StateError(
             f"asked for {nproc} processes from an interactive session: use "
             f"lockstep.launch(fn, nprocs={nproc}), which works in notebooks."
         )

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
-from lockstep.errors import WorkerError
+from lockstep.errors import ConfigError, WorkerError
 from lockstep.runtime.comm.network import free_port
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 from lockstep.runtime.faults.lifetime import die_with, exit_now
@@ -213,7 +213,7 @@ def spawn(
     or ``timeout`` seconds pass (then all are stopped). Never leaves a process running.
     """
     if nprocs < 1:
-        raise ValueError(f"nprocs={nprocs}: start at least one process.")
+        raise ConfigError(f"nprocs={nprocs}: start at least one process.")
     if backend == "auto":
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.parallel.compiling import repeated_blocks
 
 Policy = str | Callable[[str, nn.Module], bool]
@@ -40,11 +41,11 @@ def checkpoint_activations(module: nn.Module, policy: Policy | None) -> list[str
         return []
     if isinstance(policy, str):
         if policy not in ("full", "selective"):
-            raise ValueError(f"activation_checkpointing={policy!r}: use 'full', 'selective', a function "
-                             "(name, module) -> bool, or None.")
+            raise ConfigError(f"activation_checkpointing={policy!r}: use 'full', 'selective', a function "
+                              "(name, module) -> bool, or None.")
         chosen = repeated_blocks(module)
         if not chosen:
-            raise ValueError(
+            raise ConfigError(
                 f"activation_checkpointing={policy!r} found no repeated blocks in {type(module).__name__} (the "
                 "children of a ModuleList or Sequential that share a class of your own): pass a function "
                 "(name, module) -> bool that picks the modules to checkpoint.")
@@ -54,8 +55,8 @@ def checkpoint_activations(module: nn.Module, policy: Policy | None) -> list[str
         chosen = [(name, m) for name, m in chosen if not any(name.startswith(f"{o}.") for o, _ in chosen)]
         context = None
     else:
-        raise TypeError("activation_checkpointing takes 'full', 'selective' or a function; got "
-                        f"{type(policy).__name__}.")
+        raise UsageError("activation_checkpointing takes 'full', 'selective' or a function; got "
+                         f"{type(policy).__name__}.")
     selective = context is not None
     for _, block in chosen:
         if hasattr(block, "gradient_checkpointing"):  # a Hugging Face layer: its own switch, which drops the KV cache

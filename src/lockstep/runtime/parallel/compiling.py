@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from lockstep.errors import UsageError
 from lockstep.runtime._torch_compat import compiled_inner
 
 
@@ -33,8 +34,8 @@ def compile_options(value: bool | dict[str, Any] | None) -> dict[str, Any] | Non
         return {}
     if isinstance(value, dict):
         return dict(value)
-    raise TypeError(f"compile= takes True, False or a dict of torch.compile options (mode=, fullgraph=, "
-                    f"dynamic=, backend=, regional=); got {type(value).__name__}.")
+    raise UsageError(f"compile= takes True, False or a dict of torch.compile options (mode=, fullgraph=, "
+                     f"dynamic=, backend=, regional=); got {type(value).__name__}.")
 
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from lockstep.env import DistEnv
+from lockstep.errors import ConfigError
 
 Devices = int | str | Sequence[int]
 
@@ -33,14 +34,14 @@ def resolve_accelerator(accelerator: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
+            raise ConfigError(
                 "accelerator='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is "
                 "False): use accelerator='cpu', or a machine and torch build with CUDA."
             )
         return name
     if name == "cpu":
         return name
-    raise ValueError(f"unknown accelerator {accelerator!r}: use 'auto', 'cpu' or 'cuda'.")
+    raise ConfigError(f"unknown accelerator {accelerator!r}: use 'auto', 'cpu' or 'cuda'.")
 
 
 def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
@@ -55,26 +56,26 @@ def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
             try:
                 devices = [int(part) for part in text.split(",") if part.strip()]
             except ValueError:
-                raise ValueError(
+                raise ConfigError(
                     f"devices={devices!r}: give a count (4), 'auto', or GPU indices ('0,2' or [0, 2])."
                 ) from None
     if isinstance(devices, bool):
-        raise ValueError(f"devices={devices!r}: give a count, 'auto' or a list of GPU indices.")
+        raise ConfigError(f"devices={devices!r}: give a count, 'auto' or a list of GPU indices.")
     if isinstance(devices, int):
         if devices < 1:
-            raise ValueError(f"devices={devices}: ask for at least one device.")
+            raise ConfigError(f"devices={devices}: ask for at least one device.")
         return devices
     ids = tuple(int(i) for i in devices)
     if not ids:
-        raise ValueError("devices=[]: list at least one GPU index, or give a count.")
+        raise ConfigError("devices=[]: list at least one GPU index, or give a count.")
     if len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ValueError(f"devices={list(ids)}: GPU indices must be distinct and non-negative.")
+        raise ConfigError(f"devices={list(ids)}: GPU indices must be distinct and non-negative.")
     return ids
 
 
 def _refuse_gpu_indices_on_cpu(wanted: int | str | tuple[int, ...]) -> None:
     if isinstance(wanted, tuple):
-        raise ValueError(
+        raise ConfigError(
             f"devices={list(wanted)} lists GPU indices but the accelerator is the CPU: give a "
             "process count instead (devices=2), or use accelerator='cuda'."
         )
@@ -109,7 +110,7 @@ def _gpu_ids(wanted: int | str | tuple[int, ...], env: DistEnv, one_process_many
         ids = tuple(range(env.local_world_size))
     missing = [i for i in ids if i >= available]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"devices asks for GPU(s) {missing} but only {available} are visible "
             f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
         )
@@ -136,13 +137,13 @@ def resolve_placement(
         count = len(ids)
     if one_process_many_devices:
         if env.world_size > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"strategy 'dp' runs in one process but the launcher started {env.world_size}: "
                 "start the script with plain `python`, or use strategy='ddp'."
             )
         return Placement(kind, torch.device(kind, ids[0]) if ids else torch.device(kind), ids)
     if count != env.local_world_size:
-        raise ValueError(_process_count_message(count, env))
+        raise ConfigError(_process_count_message(count, env))
     if kind == "cuda":
         index = ids[env.local_rank]
         return Placement(kind, torch.device("cuda", index), (index,))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.errors import StateError
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.mesh import MeshLayout
 from lockstep.runtime.parallel.meta_init import is_empty, materialize
@@ -64,7 +65,7 @@ class FSDP:
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if not dist.is_initialized():  # pragma: no cover - the Runtime makes a group of one for a lone FSDP
-            raise RuntimeError("FSDP needs a process group: launch several processes.")
+            raise StateError("FSDP needs a process group: launch several processes.")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         layout = self.layout(dist.get_world_size())

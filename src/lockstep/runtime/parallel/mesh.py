@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.errors import ConfigError
+
 DIMENSIONS = ("replicate", "shard", "tp")
 
 
@@ -27,9 +29,9 @@ class MeshLayout:
         """The layout with the given replicate and tensor-parallel degrees; the sharded degree is the rest."""
         for name, degree in (("replicate", replicate), ("tp", tp)):
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-                raise ValueError(f"FSDP({name}={degree!r}): a degree is a whole number of at least 1.")
+                raise ConfigError(f"FSDP({name}={degree!r}): a degree is a whole number of at least 1.")
         if world_size % (replicate * tp):
-            raise ValueError(
+            raise ConfigError(
                 f"FSDP(replicate={replicate}, tp={tp}) needs a world size divisible by {replicate * tp}, but the "
                 f"job has {world_size} process(es): launch a multiple of {replicate * tp}, or change the degrees "
                 "(the sharded data-parallel degree is the world size divided by replicate × tp).")
@@ -52,3 +54,31 @@ class MeshLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMENSIONS)
+
+
+class Membership:
+    """The data-parallel membership: this rank's place among the replicas that see different batches
+    (``rank``), and their count (``size``). One object for a Runtime's life, read at every step by
+    the training loaders, the item normaliser (``num_items``) and the gather, so that ``change``
+    between two steps (a replica left or joined) re-splits the next global batch over the new
+    members without rebuilding the Runtime or its loaders. The global batch of a step never changes:
+    only who holds which share of it.
+    """
+
+    __slots__ = ("rank", "size")
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = 0, 1
+        self.change(rank, size)
+
+    def change(self, rank: int, size: int) -> None:
+        """This rank is now member ``rank`` of ``size``; takes effect at the next batch drawn. DataLoader
+        workers draw ``prefetch_factor × num_workers`` batches ahead: re-position such a loader
+        (``load_state_dict`` of its position, then a new pass) to apply a change at once."""
+        if not (isinstance(size, int) and isinstance(rank, int) and size >= 1 and 0 <= rank < size):
+            raise ConfigError(f"data-parallel membership rank={rank!r}, size={size!r}: the rank is a whole number "
+                              "from 0 to size - 1, and size is at least 1.")
+        self.rank, self.size = rank, size
+
+    def __repr__(self) -> str:
+        return f"Membership(rank={self.rank}, size={self.size})"

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.seed import mix_seed
 
 _INIT_STREAM = 11  # the seed stream of meta-device initialisation on devices without DTensor RNG
@@ -31,7 +32,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
     without_init = [name or type(module).__name__ for name, m in module.named_modules()
                     if _owns_tensors(m) and not hasattr(m, "reset_parameters")]
     if without_init:
-        raise ValueError(
+        raise ConfigError(
             f"rt.init_module(empty=True) builds the model without memory, and {without_init[:3]} hold parameters "
             "or buffers but define no reset_parameters() to initialise them: add reset_parameters(), or build "
             "the model without empty=True."
@@ -67,14 +68,14 @@ def repoint_optimizers(
         return  # nothing was replaced (DDP, one device)
     for optimizer in optimizers:
         if optimizer.state:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(optimizer).__name__} has already taken steps, and setup replaced the model's parameters "
                 "(FSDP shards them): build the optimizer after rt.setup, from the model it returns."
             )
         for group in optimizer.param_groups:
             stray = [p for p in group["params"] if id(p) not in by_id]
             if stray:
-                raise ValueError(
+                raise ConfigError(
                     f"{type(optimizer).__name__} holds {len(stray)} tensor(s) that are not parameters of the model "
                     "given to rt.setup, so they cannot follow the model into its shards: build the optimizer "
                     "after rt.setup, from the model it returns."

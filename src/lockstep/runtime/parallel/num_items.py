@@ -20,14 +20,17 @@ from typing import Any
 
 import torch
 
+from lockstep.errors import ConfigError
 from lockstep.runtime._torch_compat import constant_divisor, foreach_mul_, to_local
+from lockstep.runtime.parallel.mesh import Membership
 
 
 class ItemNormalizer:
     """The item counts of the current optimizer step, and the gradient correction they give."""
 
-    def __init__(self, world_size: int, device: torch.device, all_reduce_sum: Callable[[torch.Tensor], Any]) -> None:
-        self.world_size, self.device = world_size, device
+    def __init__(self, membership: Membership, device: torch.device,
+                 all_reduce_sum: Callable[[torch.Tensor], Any]) -> None:
+        self.membership, self.device = membership, device
         self._all_reduce_sum = all_reduce_sum
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._pending: torch.Tensor | None = None  # this rank's items since the last step (float64)
@@ -45,15 +48,15 @@ class ItemNormalizer:
         """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, float32.
         ``loss``: looked at in the first step only, for a division by the accumulation steps."""
         if self._plain_backwards:
-            raise ValueError(_MIXED)
+            raise ConfigError(_MIXED)
         count = torch.as_tensor(num_items).detach().to(device=self.device, dtype=torch.float64)
         if count.numel() != 1:
-            raise ValueError(f"num_items must be one number (this rank's items in the batch); got shape "
-                             f"{tuple(count.shape)}.")
+            raise ConfigError(f"num_items must be one number (this rank's items in the batch); got shape "
+                              f"{tuple(count.shape)}.")
         count = count.reshape(())
         if not self._calibrated:  # once per run: a c of 1 would inflate the first backward n-fold (fp16 overflow)
             self._calibrated = True
-            self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self.world_size)
+            self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self.membership.size)
         self._pending = count if self._pending is None else self._pending + count
         if self._first_divisors is not None and loss is not None:
             self._first_divisors.append((constant_divisor(loss), count))
@@ -61,7 +64,7 @@ class ItemNormalizer:
 
     def plain_backward(self) -> None:
         if self._pending is not None:
-            raise ValueError(_MIXED)
+            raise ConfigError(_MIXED)
         self._plain_backwards += 1
 
     def finish_step(self) -> None:
@@ -75,14 +78,14 @@ class ItemNormalizer:
         first, self._first_divisors = self._first_divisors, None
         if first is not None and _divided_by_accumulation(first):
             k = len(first)
-            raise ValueError(
+            raise ConfigError(
                 f"every loss of the first optimizer step was divided by {k:g}, its number of micro-batches, and "
                 f"given to rt.backward with num_items: that shrinks the gradient {k:g} times. With num_items the "
                 "gradient is already the mean over every item of every micro-batch of the step: remove the "
                 "division by the accumulation steps (docs/models.md, 'Token-averaged losses').")
         pending, self._pending = self._pending, None
         total = self._sum_over_ranks(pending)
-        factor = (self.world_size * self.scale) / total.clamp(min=1.0)
+        factor = (self.membership.size * self.scale) / total.clamp(min=1.0)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for ref in self._optimizers:
@@ -98,7 +101,7 @@ class ItemNormalizer:
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
                 foreach_mul_(same, factor.to(device=device, dtype=dtype))
-        self.scale = _power_of_two_at_most(total / self.world_size)
+        self.scale = _power_of_two_at_most(total / self.membership.size)
 
     def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
         return self._all_reduce_sum(count.clone())  # the Runtime's all_reduce: the identity on one process

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.tree import map_tensors
 
 if TYPE_CHECKING:  # FSDP's types load with FSDP, when a model is sharded
@@ -200,17 +201,17 @@ def _check_float8(device: torch.device) -> None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise ValueError("precision 'float8' runs through torchao, which is not installed: pip install torchao."
-                         ) from None
+        raise ConfigError("precision 'float8' runs through torchao, which is not installed: pip install torchao."
+                          ) from None
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"precision 'float8' needs compute capability 8.9 or newer (Ada, Hopper); "
-                             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
-                             "use 'bf16-mixed'.")
+            raise ConfigError(f"precision 'float8' needs compute capability 8.9 or newer (Ada, Hopper); "
+                              f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
+                              "use 'bf16-mixed'.")
     elif not _float8_matmul_runs(device):
-        raise ValueError(f"precision 'float8' needs float8 matrix products, which torch {torch.__version__} "
-                         f"does not run on {device.type}: use 'bf16-mixed' (or a GPU of compute capability 8.9+).")
+        raise ConfigError(f"precision 'float8' needs float8 matrix products, which torch {torch.__version__} "
+                          f"does not run on {device.type}: use 'bf16-mixed' (or a GPU of compute capability 8.9+).")
 
 
 def _float8_matmul_runs(device: torch.device) -> bool:
@@ -242,7 +243,7 @@ def make_precision(name: str | int, device: torch.device, sharded: bool = False)
     ``sharded``: for FSDP, whose mixed precision casts the parameters instead of autocast."""
     key = _ALIASES.get(str(name), str(name))
     if key not in PRECISIONS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)} "
             f"(or the aliases {', '.join(_ALIASES)})."
         )
@@ -254,7 +255,7 @@ def make_precision(name: str | int, device: torch.device, sharded: bool = False)
         _check_float8(device)
         return Float8Mixed(key, torch.bfloat16, device.type, sharded)
     if device.type == "cuda" and key.startswith("bf16") and not torch.cuda.is_bf16_supported():
-        raise ValueError(
+        raise ConfigError(
             f"precision {key!r} needs a GPU with bfloat16 support (Ampere or newer); "
             f"{torch.cuda.get_device_name(device)} has none: use '16-mixed' or '32-true'."
         )
@@ -262,5 +263,5 @@ def make_precision(name: str | int, device: torch.device, sharded: bool = False)
         return TruePrecision(key, torch.bfloat16)
     dtype = torch.float16 if key == "16-mixed" else torch.bfloat16
     if not torch.amp.is_autocast_available(device.type):
-        raise ValueError(f"precision {key!r} needs autocast, which torch lacks on {device.type}.")
+        raise ConfigError(f"precision {key!r} needs autocast, which torch lacks on {device.type}.")
     return MixedPrecision(key, dtype, device.type, sharded)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.fsdp import FSDP
 from lockstep.runtime.parallel.meta_init import materialize
@@ -83,7 +84,7 @@ class DDP(_Replicated):
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if self.sync_batchnorm:
             if placement.accelerator != "cuda":
-                raise ValueError(
+                raise ConfigError(
                     "sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm runs on GPUs only); "
                     "on the CPU leave it off."
                 )
@@ -121,7 +122,7 @@ class DP(_Replicated):
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
         if placement.accelerator != "cuda":
-            raise ValueError("strategy 'dp' needs CUDA GPUs; on the CPU use 'ddp' or 'single'.")
+            raise ConfigError("strategy 'dp' needs CUDA GPUs; on the CPU use 'ddp' or 'single'.")
         warnings.warn(
             "strategy 'dp' (DataParallel) runs one Python process for all GPUs and copies the "
             "model to each of them every step; 'ddp' is faster, even on one machine.",
@@ -165,14 +166,14 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
         return strategy
     name = strategy.lower()
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
+        raise ConfigError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
     if name == "dp":
         return DP()
     if name == "fsdp":
         return FSDP() if world_size > 1 else SingleDevice()
     if name == "single":
         if world_size > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"strategy 'single' runs one process, but the launcher started {world_size}: use "
                 "strategy='ddp' (or 'auto')."
             )

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.errors import ConfigError, UsageError
+
 Plan = Mapping[str, Any] | Callable[[nn.Module, Any], Any]
 
 _STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise", "sequence_parallel")
@@ -51,7 +53,7 @@ def plan_of(module: nn.Module, plan: Plan | None) -> Plan:
         shipped.update({f"{name}.{pattern}" if name else pattern: style for pattern, style in own.items()})
     if shipped:
         return shipped
-    raise ValueError(
+    raise ConfigError(
         f"FSDP(tp=...) needs a tensor-parallel plan, and {type(module).__name__} ships none: pass "
         "FSDP(tp=2, tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}) or a function "
         "parallelize(model, tp_mesh).")
@@ -76,20 +78,20 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[st
     matched_by: dict[str, str] = {}
     for pattern, style in plan.items():
         if isinstance(style, str) and style not in _STYLE_NAMES:
-            raise ValueError(f"tensor-parallel plan: {pattern!r} asks for style {style!r}, which lockstep does not "
-                             f"know; use one of {', '.join(_STYLE_NAMES)}, or a ParallelStyle object.")
+            raise ConfigError(f"tensor-parallel plan: {pattern!r} asks for style {style!r}, which lockstep does not "
+                              f"know; use one of {', '.join(_STYLE_NAMES)}, or a ParallelStyle object.")
         if not isinstance(style, (str, ParallelStyle)):
-            raise TypeError(f"tensor-parallel plan: {pattern!r} maps to a {type(style).__name__}; give a style name "
-                            "or a ParallelStyle object.")
+            raise UsageError(f"tensor-parallel plan: {pattern!r} maps to a {type(style).__name__}; give a style name "
+                             "or a ParallelStyle object.")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
         names = [name for name in named if name and regex.fullmatch(name)]
         if not names:
-            raise ValueError(f"tensor-parallel plan: {pattern!r} matches no module of {type(module).__name__} "
-                             f"(its modules include {_some_names(named)}).")
+            raise ConfigError(f"tensor-parallel plan: {pattern!r} matches no module of {type(module).__name__} "
+                              f"(its modules include {_some_names(named)}).")
         for name in names:
             if name in matched_by:
-                raise ValueError(f"tensor-parallel plan: module {name!r} is matched by both {matched_by[name]!r} "
-                                 f"and {pattern!r}; give each module one style.")
+                raise ConfigError(f"tensor-parallel plan: module {name!r} is matched by both {matched_by[name]!r} "
+                                  f"and {pattern!r}; give each module one style.")
             matched_by[name] = pattern
             obj = _style(style) if isinstance(style, str) else style
             _check_fits(name, named[name], obj, tp)
@@ -110,11 +112,11 @@ def _check_fits(name: str, module: nn.Module, style: Any, tp: int) -> None:
         size, what = ((module.embedding_dim, "embedding_dim") if kind == "colwise"
                       else (module.num_embeddings, "num_embeddings"))
     else:
-        raise ValueError(f"tensor-parallel plan: {name!r} is a {type(module).__name__}; {kind} splits only "
-                         "nn.Linear and nn.Embedding. Give it another style, or leave it out of the plan.")
+        raise ConfigError(f"tensor-parallel plan: {name!r} is a {type(module).__name__}; {kind} splits only "
+                          "nn.Linear and nn.Embedding. Give it another style, or leave it out of the plan.")
     if size % tp:
-        raise ValueError(f"tensor-parallel plan: {name!r} ({type(module).__name__}) has {what}={size}, which "
-                         f"{kind} cannot split into tp={tp} equal parts: choose a tp that divides {size}.")
+        raise ConfigError(f"tensor-parallel plan: {name!r} ({type(module).__name__}) has {what}={size}, which "
+                          f"{kind} cannot split into tp={tp} equal parts: choose a tp that divides {size}.")
 
 
 def _check_heads(module: nn.Module, tp: int) -> None:
@@ -123,8 +125,8 @@ def _check_heads(module: nn.Module, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % tp:
-            raise ValueError(f"tensor parallel: the model's {field}={heads} does not divide by tp={tp}, so a head "
-                             f"would be split between ranks: choose a tp that divides {heads}.")
+            raise ConfigError(f"tensor parallel: the model's {field}={heads} does not divide by tp={tp}, so a head "
+                              f"would be split between ranks: choose a tp that divides {heads}.")
 
 
 def _some_names(named: dict[str, nn.Module]) -> str:

@@ -1,15 +1,15 @@
-"""What ``Runtime.setup`` hands back: the model behind a thin wrapper, the optimizer patched in place."""
+"""What ``Runtime.setup`` hands back: the model behind a thin wrapper (the optimizer's patched step is
+``optimizer_step.py``'s)."""
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lockstep.runtime._torch_compat import compiled_inner, mark_wrapped_by_lr_scheduler
+from lockstep.runtime._torch_compat import compiled_inner
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.tree import empty_rows, map_tensors
@@ -92,37 +92,3 @@ def unwrap(module: nn.Module) -> nn.Module:
         return module.__dict__.get("module", module)
     inner = compiled_inner(module)
     return inner if isinstance(inner, nn.Module) else module
-
-
-def patch_optimizer_step(optimizer: torch.optim.Optimizer, precision: Precision,
-                         before_step: Callable[[], None], after_step: Callable[[], None] | None = None) -> None:
-    """Make ``optimizer.step()`` call ``before_step`` (the item normalisation), then step through the
-    precision (GradScaler for ``16-mixed``), then call ``after_step`` if given.
-
-    The optimizer stays the same object, so LR schedulers and ``isinstance`` checks keep working.
-    GradScaler calls ``optimizer.step()`` itself, so a re-entrant call runs the original step.
-    """
-    if getattr(optimizer.step, "_lockstep_patched", False):
-        return
-    original = optimizer.step
-    inside = False
-
-    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
-        nonlocal inside
-        if inside:
-            return original() if closure is None else original(closure)
-        inside = True
-        try:
-            before_step()
-            result = precision.optimizer_step(
-                self, lambda: original() if closure is None else original(closure)
-            )
-        finally:
-            inside = False
-        if after_step is not None:
-            after_step()
-        return result
-
-    step._lockstep_patched = True  # type: ignore[attr-defined]
-    mark_wrapped_by_lr_scheduler(original, step)  # a scheduler made before setup wrapped step(): ours calls that
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import dist_checks as checks
 import lockstep
+from checks import dist as checks
 
 
 class Block(nn.Module):
@@ -236,7 +236,7 @@ def resume_from(strategy, folder: str) -> dict:
 
 def trainer_run(strategy) -> dict:
     """The Trainer: fit 2 epochs, then validate and predict over 1,001 samples (uneven per rank)."""
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     trainer = tc.quiet_trainer(max_epochs=2, strategy=strategy)
     module = tc.Classifier()
@@ -259,7 +259,7 @@ class BuiltInConfigureModel(lockstep.Module):
 
 
 def trainer_configure_model() -> dict:
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     trainer = tc.quiet_trainer(max_steps=3, strategy="fsdp")
     module = BuiltInConfigureModel()

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import hf_checks as hc
 import lockstep
+from checks import hf as hc
 
 VOCAB = 64
 
@@ -180,14 +180,14 @@ class LlamaModule(lockstep.Module):
 
 def trainer_predictions(strategy) -> torch.Tensor:
     """The Trainer's predictions over 13 rows (uneven over the data-parallel ranks), untrained."""
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     return tc.quiet_trainer(strategy=strategy).predict(LlamaModule(), Rows(13), batch_size=4,
                                                         loader_options={"collate_fn": collate})
 
 
 def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     module = LlamaModule()
     trainer = tc.quiet_trainer(max_steps=5, strategy=strategy, gradient_clip_val=0.5,
@@ -198,7 +198,7 @@ def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
 
 def stack_grads(strategy, checkpointing=None, compile: bool = False) -> torch.Tensor:
     """One backward of ``fsdp_checks.Stack`` (blocks of our own, not Hugging Face layers): its whole gradients."""
-    import fsdp_checks as fc
+    from checks import fsdp as fc
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
     model = rt.setup(fc.make_stack(), activation_checkpointing=checkpointing, compile=compile)
@@ -225,7 +225,7 @@ def flops_of_one_step(strategy) -> int:
 
 def built_empty_on_the_mesh() -> dict:
     """``fsdp_checks.Stack`` built on the meta device, then tensor parallel × FSDP: what each rank holds."""
-    import fsdp_checks as fc
+    from checks import fsdp as fc
     from lockstep.runtime._torch_compat import to_local
 
     plan = {"blocks.*.linear": "colwise_gather_output"}
@@ -275,7 +275,7 @@ class GatedNet(nn.Module):
 
 def gated_weights(strategy, compile: bool = False) -> dict:
     """Two epochs of ``GatedNet`` with AdamW and clipping, optionally compiled: its whole weights."""
-    import dist_checks as checks
+    from checks import dist as checks
     from lockstep.runtime._torch_compat import full_tensor
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
@@ -292,7 +292,7 @@ def gated_weights(strategy, compile: bool = False) -> dict:
 
 def trainer_checkpoint(strategy, folder: str) -> torch.Tensor:
     """Fit 3 steps with checkpoints in ``folder``; the trained model's logits on ``probe()``."""
-    import trainer_checks as tc
+    from checks import trainer as tc
 
     module = LlamaModule()
     trainer = tc.quiet_trainer(max_steps=3, strategy=strategy, checkpoint_dir=folder)

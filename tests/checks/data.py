@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
-import dist_checks
 import lockstep
+from checks import dist as dist_checks
 
 
 def features(i: int) -> tuple[torch.Tensor, torch.Tensor]:

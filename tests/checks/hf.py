@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import fsdp_checks
 import lockstep
+from checks import fsdp as fsdp_checks
 
 IGNORE = -100
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dist_checks as checks  # noqa: F401 - re-exported for tests
 import lockstep
+from checks import dist as checks  # noqa: F401 - re-exported for tests
 
 
 class Classifier(lockstep.Module):

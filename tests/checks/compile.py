@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fsdp_checks
 import lockstep
+from checks import fsdp as fsdp_checks
 
 
 class Block(nn.Module):

@@ -1,0 +1,227 @@
+"""A checkpoint's whole life for one Runtime: saving, finding the newest, the ranks' agreement on
+it, verifying, loading. ``rt.save``, ``rt.load``, ``rt.verify_checkpoint``, ``rt.latest_checkpoint``
+and ``rt.resume`` each delegate to one method here; the Trainer uses the same ones.
+
+The order of a resume, in one place (``Checkpoints.find``): list the folder's complete
+checkpoints from their metadata (each ``lockstep.json`` read once), the newest first; check that
+every rank sees the same list; verify each one's files in turn until one is intact; hand back its
+path with that metadata, which ``load`` then uses instead of reading it again. DCP loads at the
+first save or load (``checkpointer``), not at import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lockstep.errors import CheckpointError
+from lockstep.runtime.checkpoint.format import is_checkpoint_folder, read_metadata
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+    from lockstep.runtime.faults.watchdog import Watchdog
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint folder and its metadata (``lockstep.json``), as read once."""
+
+    path: Path
+    metadata: dict[str, Any] = field(repr=False)
+
+    @property
+    def step(self) -> int:
+        """The training step it was saved at (-1 when its metadata holds none and its name neither)."""
+        try:
+            return int(self.metadata.get("step", _step_in_name(self.path)))
+        except (TypeError, ValueError):
+            return -1
+
+    @classmethod
+    def read(cls, path: Path | str) -> Checkpoint:
+        """The checkpoint at ``path``; an error that says why when it is none."""
+        return cls(Path(path), read_metadata(path))
+
+
+def _step_in_name(path: Path) -> int:
+    match = re.search(r"step=(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def complete_checkpoints(folder: Path | str) -> list[Checkpoint]:
+    """The complete checkpoint folders in ``folder``, the most training steps first (ties: the newest
+    first). Judged by their metadata alone, each read once; links (``last.ckpt``) are skipped, the
+    folder they point to is listed itself; a folder with damaged metadata is left out."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        if path.is_symlink() or not is_checkpoint_folder(path):
+            continue
+        try:
+            checkpoint = Checkpoint.read(path)
+            found.append((checkpoint.step, path.stat().st_mtime, checkpoint))
+        except (CheckpointError, OSError):
+            continue  # e.g. damaged metadata: fall back to an older one
+    return [checkpoint for *_, checkpoint in sorted(found, key=lambda c: c[:2], reverse=True)]
+
+
+@dataclass
+class Ranks:
+    """What the checkpoint room needs of the job: where this rank sits, and the Runtime's watched
+    collectives (a rank that never arrives is named, not waited for)."""
+
+    rank: int
+    world_size: int
+    barrier: Callable[[], None]
+    all_gather: Callable[[Any], list[Any]]
+    sync_buffers: Callable[[nn.Module], None]
+    say: Callable[[str], None]
+    watchdog: Watchdog
+
+
+class Checkpoints:
+    """Saves, finds, verifies and loads checkpoint folders; every rank calls every method."""
+
+    def __init__(self, ranks: Ranks, strategy_name: str, checksums: bool) -> None:
+        self.ranks, self.strategy_name, self.checksums = ranks, strategy_name, checksums
+        self._checkpointer: Checkpointer | None = None  # made at the first save or load (it imports DCP)
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(self, path: Path | str, state: dict[str, Any], blocking: bool, metadata: dict[str, Any] | None,
+             on_commit: Callable[[], None] | None) -> float:
+        from lockstep.runtime.checkpoint.hf_export import describe
+        from lockstep.runtime.checkpoint.parts import split_state
+
+        sharded, objects, optimizer_of = split_state(state)
+        for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
+            self.ranks.sync_buffers(part.model)
+        hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
+        info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
+                "optimizers": optimizer_of, **({"hf_models": hf_models} if hf_models else {})}
+        with self.ranks.watchdog.watch("checkpoint save"):
+            return self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
+
+    def prepare_folder(self, folder: Path | str) -> None:
+        """Before training: remove what interrupted saves left (``.NAME.partial`` folders, on rank 0),
+        and check that every rank can write into ``folder``, so that a read-only or missing folder
+        fails now, naming itself, instead of at the first save."""
+        folder, rank = Path(folder), self.ranks.rank
+        if rank == 0 and folder.is_dir():
+            for leftover in folder.glob(".*.partial"):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover, ignore_errors=True)
+        problem = ""
+        probe = folder / f".lockstep-write-check-{rank}-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            problem = f"rank {rank} on {socket.gethostname()}: {error.strerror or error}"
+        problems = [p for p in self.ranks.all_gather(problem) if p]
+        if problems:
+            raise CheckpointError(f"cannot write checkpoints into {folder}: " + "; ".join(problems)
+                                  + ". Choose a checkpoint folder every rank can write to.")
+
+    # -- finding and agreeing ---------------------------------------------------------------------
+    def find(self, source: Path | str, exact: bool = False) -> Checkpoint | None:
+        """The checkpoint to resume from, the same on every rank, or an error that says why not.
+
+        ``source`` is a checkpoint folder (that one, refused if damaged) or a folder of them (the
+        newest complete one whose files match their checksums; a damaged one is skipped, in one line
+        saying which file and why; None when there is none). Each rank looks on its own file system:
+        one that the nodes do not share would otherwise resume some ranks and train the others anew.
+        """
+        source = Path(source)
+        one = exact or is_checkpoint_folder(source) or (source / "lockstep.json").exists()
+        found: list[Checkpoint] = []
+        problem = ""
+        try:
+            if exact and not source.exists():
+                raise CheckpointError(f"{source}: no such checkpoint.")
+            if one:
+                found = [Checkpoint.read(source)]
+            elif source.exists() and not source.is_dir():
+                raise CheckpointError(f"{source}: a file, not a checkpoint folder or a folder of checkpoints.")
+            else:
+                found = complete_checkpoints(source)
+        except CheckpointError as error:
+            problem = str(error)
+        self._agree(problem or ", ".join(f"{c.path.name} (step {c.step})" for c in found) or "none")
+        if problem:
+            raise CheckpointError(problem)
+        for checkpoint in found:
+            damage = self.verify(checkpoint.path, checkpoint.metadata)
+            if not damage:
+                return checkpoint
+            if one:
+                raise CheckpointError(f"{checkpoint.path}: damaged, not resumed from:\n  " + "\n  ".join(damage))
+            more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
+            self.ranks.say(f"lockstep: skipping the damaged checkpoint {checkpoint.path.name}: {damage[0]}{more}")
+        return None
+
+    def _agree(self, mine: str) -> None:
+        """Every rank must have found the same checkpoints: else an error naming what each saw."""
+        seen = self.ranks.all_gather((socket.gethostname(), mine))
+        if len({what for _, what in seen}) > 1:
+            lines = [f"  rank {r} on {host}: {what}" for r, (host, what) in enumerate(seen)]
+            raise CheckpointError(
+                "the ranks cannot resume from the same checkpoint:\n" + "\n".join(lines) + "\n"
+                "Every rank writes its shards into the checkpoint folder: put the checkpoint folder (or the "
+                "resume path) on a file system that every node shares."
+            )
+
+    # -- verifying and loading ----------------------------------------------------------------------
+    def verify(self, path: Path | str, metadata: dict[str, Any] | None = None) -> list[str]:
+        with self.ranks.watchdog.watch("checkpoint verify"):
+            return self._files().verify(path, metadata)
+
+    def load(self, source: Path | str | Checkpoint, state: dict[str, Any], verify: bool) -> dict[str, Any]:
+        from lockstep.runtime.checkpoint.parts import is_stateful, split_state
+
+        checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.read(source)
+        sharded, _, optimizer_of = split_state(state)
+        with self.ranks.watchdog.watch("checkpoint load"):
+            objects = self._files().load(checkpoint.path, sharded, checkpoint.metadata, verify_files=verify)
+        for name, value in state.items():
+            if name in sharded or name in optimizer_of:
+                continue
+            if name not in objects:
+                raise CheckpointError(f"{checkpoint.path}: holds no {name!r}; it holds {sorted(objects)}.")
+            if is_stateful(value):
+                value.load_state_dict(objects[name])
+            else:
+                state[name] = objects[name]
+        return state
+
+    # -- background saves ---------------------------------------------------------------------------
+    def wait(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def raise_if_failed(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.raise_if_failed()
+
+    @property
+    def saving(self) -> bool:
+        """True while a background save is being written."""
+        return self._checkpointer is not None and self._checkpointer.pending
+
+    def _files(self) -> Checkpointer:
+        if self._checkpointer is None:
+            from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+
+            ranks = self.ranks
+            self._checkpointer = Checkpointer(ranks.rank, ranks.world_size, ranks.barrier, self.checksums)
+        return self._checkpointer

@@ -1,0 +1,88 @@
+"""The order of an optimizer step, written once: what ``optimizer.step()`` runs after ``rt.setup``
+patched it, and what ``rt.clip_grad_norm_`` runs between the backward and the step.
+
+A step of an optimizer set up by ``rt.setup``, top to bottom:
+
+1. a background save that failed is raised now, not at the next save (``checkpoint/``);
+2. the item count (``rt.backward(num_items=...)``): one all-reduce of the step's item counts,
+   the gradients rescaled in place to those of the mean over every item (``parallel/num_items``);
+3. unscaling (``16-mixed``), when ``rt.clip_grad_norm_`` has not already done it, then clipping
+   there (``parallel/grad_norm``): both in ``clip`` below, which the user calls between 2 and 4;
+4. ``lockstep verify``'s checks of the gradients (``verify``);
+5. the step through the precision: the GradScaler's step (skipped on inf/NaN) and update, or the
+   optimizer's own step (``parallel/precision``);
+6. ``lockstep verify``'s record of the weights after it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lockstep.runtime._torch_compat import mark_wrapped_by_lr_scheduler
+from lockstep.runtime.parallel.grad_norm import clip_grad_norm
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lockstep.runtime.checkpoint.life import Checkpoints
+    from lockstep.runtime.faults.watchdog import Watchdog
+    from lockstep.runtime.parallel.num_items import ItemNormalizer
+    from lockstep.runtime.parallel.precision import Precision
+    from lockstep.runtime.verify import StepRecorder
+
+
+class OptimizerStep:
+    """Owns the order of the optimizer step for one Runtime (see the module docstring)."""
+
+    def __init__(self, precision: Precision, items: ItemNormalizer, checkpoints: Checkpoints,
+                 watchdog: Watchdog, recorder: StepRecorder | None) -> None:
+        self.precision, self.items, self.checkpoints = precision, items, checkpoints
+        self.watchdog, self.recorder = watchdog, recorder
+
+    def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
+        """One optimizer step; ``step`` is the optimizer's own (unpatched) step."""
+        self.checkpoints.raise_if_failed()                      # 1
+        self.items.finish_step()                                # 2
+        if self.recorder is not None:
+            self.recorder.before_step()                         # 4
+        result = self.precision.optimizer_step(optimizer, step)  # 3 (unscale, if not done) and 5
+        if self.recorder is not None:
+            self.recorder.after_step()                          # 6
+        return result
+
+    def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+             norm_type: float) -> torch.Tensor:
+        """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
+        self.items.finish_step()
+        self.precision.unscale_(optimizer)
+        with self.watchdog.step("clip_grad_norm_"):
+            return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Route ``optimizer.step()`` through ``run``. The optimizer stays the same object, so LR
+        schedulers and ``isinstance`` checks keep working. GradScaler calls ``optimizer.step()``
+        itself, so a re-entrant call runs the original step."""
+        if getattr(optimizer.step, "_lockstep_patched", False):
+            return
+        self.items.watch(optimizer)
+        original = optimizer.step
+        inside = False
+        run = self.run
+
+        def patched(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+            nonlocal inside
+            if inside:
+                return original() if closure is None else original(closure)
+            inside = True
+            try:
+                return run(self, lambda: original() if closure is None else original(closure))
+            finally:
+                inside = False
+
+        patched._lockstep_patched = True  # type: ignore[attr-defined]
+        mark_wrapped_by_lr_scheduler(original, patched)  # a scheduler made before setup wrapped step(): ours calls it
+        optimizer.step = types.MethodType(patched, optimizer)  # type: ignore[method-assign]
