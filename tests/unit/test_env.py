@@ -188,3 +188,24 @@ def test_several_nodes_get_the_interface_that_reaches_the_master_unless_the_user
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     choose_socket_interface(DistEnv(rank=0, world_size=2, local_world_size=2, master_port=29500, launcher="torchrun"))
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # one node: nothing to choose
+
+
+def test_behaviour_follows_the_launchers_capabilities_never_its_name():
+    """Each route DistEnv can name declares what it can do, and the runtime asks that, not the name."""
+    import re
+    from pathlib import Path
+
+    import lockstep
+    from lockstep.env.launchers import ROUTES, Capabilities
+
+    named = set(re.findall(r'launcher(?:=| = )"([^"]+)"', Path(lockstep.env.distenv.__file__).read_text()))
+    named |= {"torchrun", "lockstep.launch", "env"}  # read from TORCHELASTIC_RUN_ID, LOCKSTEP_LAUNCHER
+    assert named <= set(ROUTES), named - set(ROUTES)
+    assert DistEnv().capabilities.started_alone and not DistEnv(launcher="torchrun").capabilities.started_alone
+    assert DistEnv(launcher="torchrun").capabilities.agent_watches
+    assert DistEnv(launcher="slurm").capabilities.preempts_with_grace
+    assert DistEnv(launcher="a-new-route").capabilities == Capabilities()  # unknown: no capability assumed
+    runtime = Path(lockstep.__file__).parent / "runtime"
+    keyed = [f"{p.name}:{n}" for p in runtime.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"launcher\s*(==|!=|in\b)", line)]
+    assert keyed == [], keyed

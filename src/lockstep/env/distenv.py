@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lockstep.env.launchers import Capabilities, capabilities_of
 from lockstep.env.nodelist import expand_nodelist, expand_tasks_per_node
 from lockstep.errors import EnvError
 
@@ -47,6 +48,11 @@ class DistEnv:
     agent_store: bool = False
     restart_count: int = 0
     elastic_store: str = ""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the launcher that started this process can do (``lockstep.env.launchers``)."""
+        return capabilities_of(self.launcher)
 
     def __post_init__(self) -> None:
         source = f"(launcher: {self.launcher})"

@@ -117,7 +117,7 @@ class Runtime:
             init_method=init_method, debug=debug, per_sample_rng=per_sample_rng,
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
-        if self.env.launcher == "torchrun":
+        if self.env.capabilities.agent_watches:
             as_elastic_worker()
         launch_workers_if_asked(config, self.env)
         self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
@@ -139,7 +139,8 @@ class Runtime:
         self._current = CurrentBatch(self._watchdog)
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
-        self.preemption = Preemption(slurm_requeue_from_environ(), self.rank) if self.env.launcher == "slurm" else None
+        self.preemption = (Preemption(slurm_requeue_from_environ(), self.rank)
+                           if self.env.capabilities.preempts_with_grace else None)
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self._checkpoints = Checkpoints(
             Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
@@ -625,7 +626,7 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
     exits with their status, never returning. Under a launcher, or for one device, it does nothing.
     """
     one_per_device = config.strategy in ("auto", "ddp", "fsdp") or isinstance(config.strategy, (DDP, FSDP))
-    if env.launcher == "none" and one_per_device:
+    if env.capabilities.started_alone and one_per_device:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:
             from lockstep.runtime.launch.elastic import self_launch  # the agent's code: only where it runs

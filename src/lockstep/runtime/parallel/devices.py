@@ -104,7 +104,7 @@ def _gpu_ids(wanted: int | str | tuple[int, ...], env: DistEnv, one_process_many
         ids = wanted
     elif isinstance(wanted, int):
         ids = tuple(range(wanted))
-    elif one_process_many_devices or env.launcher == "none":  # "auto": every visible GPU
+    elif one_process_many_devices or env.capabilities.started_alone:  # "auto": every visible GPU
         ids = tuple(range(available))
     else:  # "auto" under a launcher: one GPU per process it started
         ids = tuple(range(env.local_world_size))
@@ -151,14 +151,15 @@ def resolve_placement(
 
 
 def _process_count_message(count: int, env: DistEnv) -> str:
-    if env.launcher == "slurm":
+    setting, scheduler = env.capabilities.processes_per_node_setting, env.capabilities.scheduler
+    if scheduler:
         return (
-            f"devices={count} asks for {count} processes per node, but this SLURM job runs "
-            f"{env.local_world_size} task(s) on this node: change `#SBATCH --ntasks-per-node="
-            f"{env.local_world_size}` to `#SBATCH --ntasks-per-node={count}` (one task per device; "
+            f"devices={count} asks for {count} processes per node, but this {scheduler} job runs "
+            f"{env.local_world_size} task(s) on this node: change `{setting}="
+            f"{env.local_world_size}` to `{setting}={count}` (one task per device; "
             "`lockstep slurm --devices N` writes it), or set devices to match."
         )
-    if env.launcher == "none":
+    if env.capabilities.started_alone:
         return (
             f"devices={count} asks for {count} processes, but this process was started alone. "
             f"Start it with `lockstep run --devices {count} SCRIPT`, `torchrun --nproc-per-node "
@@ -168,5 +169,6 @@ def _process_count_message(count: int, env: DistEnv) -> str:
     return (
         f"devices={count} asks for {count} processes per node, but the launcher "
         f"({env.launcher}) started {env.local_world_size} on this node: make the two agree "
-        f"(launch {count} per node, or set devices={env.local_world_size} or devices='auto')."
+        f"(launch {count} per node{f' with {setting}' if setting else ''}, or set devices={env.local_world_size} "
+        "or devices='auto')."
     )

@@ -1,0 +1,48 @@
+"""What each way of starting a job can do, declared once: the runtime asks these capabilities,
+never a launcher's name.
+
+A route is the launcher named by ``DistEnv.launcher``. A new route (Ray, Kubernetes, a
+fault-tolerant replica group) declares its row here, and every behaviour that depends on what
+started the process follows from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the route that started this process does for it."""
+
+    #: Nothing started it (``python train.py``): asking for N devices makes the script their launcher,
+    #: and ``devices="auto"`` means every visible GPU rather than one per started process.
+    started_alone: bool = False
+    #: A torch elastic agent watches the workers: a worker ends with its agent, and its excepthook
+    #: hands the agent the failure report (the agent restarts the group if asked, ``--max-restarts``).
+    agent_watches: bool = False
+    #: The scheduler announces preemption with a signal and a grace period (SLURM: USR1 before the time
+    #: limit, TERM at preemption), and the job can requeue itself: ``rt.should_stop``/``rt.requeue``.
+    preempts_with_grace: bool = False
+    #: The setting that says how many processes a node runs, to name in a mismatch ('' when none).
+    processes_per_node_setting: str = ""
+    #: The batch scheduler that allotted the tasks (its job script holds the setting above); '' for none.
+    scheduler: str = ""
+
+
+ROUTES: dict[str, Capabilities] = {
+    "none": Capabilities(started_alone=True),
+    "torchrun": Capabilities(agent_watches=True,
+                             processes_per_node_setting="--nproc-per-node (lockstep run: --devices)"),
+    "torch.distributed.launch": Capabilities(processes_per_node_setting="--nproc-per-node"),
+    "lockstep.launch": Capabilities(processes_per_node_setting="lockstep.launch(fn, nprocs=...)"),
+    "slurm": Capabilities(preempts_with_grace=True, processes_per_node_setting="#SBATCH --ntasks-per-node",
+                          scheduler="SLURM"),
+    "mpi": Capabilities(processes_per_node_setting="mpirun's processes per node (--npernode)"),
+    "env": Capabilities(processes_per_node_setting="LOCAL_WORLD_SIZE"),
+}
+
+
+def capabilities_of(launcher: str) -> Capabilities:
+    """The capabilities of the route named ``launcher`` (an unknown name: none of them)."""
+    return ROUTES.get(launcher, Capabilities())
