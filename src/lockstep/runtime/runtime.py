@@ -59,7 +59,8 @@ class Runtime:
     group (blocking until every rank has arrived, at most ``timeout`` seconds); a single process
     creates no group and every collective is then the identity. A script started with plain
     ``python`` that asks for several devices first becomes their launcher (see
-    ``launch_workers_if_asked``). ``rt.config`` holds the arguments, resolved.
+    ``launch_workers_if_asked``). ``rt.config`` holds the arguments, resolved. ``rt.membership`` is
+    this rank's place among the data-parallel replicas, read at every step (docs/parallelism.md).
 
     Process-wide effects, each where a job needs it (docs/architecture.md says why and how to avoid
     each): under a torch elastic agent, ``sys.excepthook`` is wrapped and a thread ends the worker
