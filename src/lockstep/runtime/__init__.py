@@ -30,9 +30,11 @@ if TYPE_CHECKING:
     from lockstep.runtime.data.loader import DistributedLoader
     from lockstep.runtime.data.streams import is_stream
     from lockstep.runtime.files import write_atomic
+    from lockstep.runtime.parallel.activation_checkpointing import Policy
+    from lockstep.runtime.parallel.devices import Devices
     from lockstep.runtime.parallel.flop_count import FlopCount
     from lockstep.runtime.parallel.fsdp import FSDP
-    from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice
+    from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice, Strategy
     from lockstep.runtime.parallel.wrappers import unwrap
     from lockstep.runtime.runtime import Runtime
     from lockstep.runtime.seed import seed_everything
@@ -45,16 +47,18 @@ _WHERE = {
     "RuntimeConfig": "lockstep.runtime.config",
     "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
     "write_atomic": "lockstep.runtime.files", "FSDP": "lockstep.runtime.parallel.fsdp",
-    "FlopCount": "lockstep.runtime.parallel.flop_count",
+    "FlopCount": "lockstep.runtime.parallel.flop_count", "Devices": "lockstep.runtime.parallel.devices",
+    "Policy": "lockstep.runtime.parallel.activation_checkpointing", "Strategy": "lockstep.runtime.parallel.strategy",
     "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
     "SingleDevice": "lockstep.runtime.parallel.strategy",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }
 
-__all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "DistributedLoader", "FSDP", "FlopCount",
-           "Runtime", "RuntimeConfig", "SingleDevice", "WorkerError", "batch_size_of", "complete_checkpoints",
-           "is_checkpoint_folder", "is_stream", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+__all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "Devices", "DistributedLoader", "FSDP",
+           "FlopCount", "Policy", "Runtime", "RuntimeConfig", "SingleDevice", "Strategy", "WorkerError",
+           "batch_size_of", "complete_checkpoints", "is_checkpoint_folder", "is_stream", "read_metadata",
+           "seed_everything", "unwrap", "write_atomic"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lockstep.runtime import Policy
 
 from lockstep.errors import ConfigError
 from lockstep.runtime import RuntimeConfig
@@ -29,7 +32,7 @@ class TrainerConfig:
     log_dir: Path | None = None
     num_workers: int | None = None
     compile: bool | dict[str, Any] | None = None
-    activation_checkpointing: Any = None
+    activation_checkpointing: Policy | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:

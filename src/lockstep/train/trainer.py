@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -24,7 +24,10 @@ from lockstep.train.config import TrainerConfig
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
 from lockstep.train.module import Module, StepRouter, configure_optimizers, loss_of
-from lockstep.train.profilers import make_profiler
+from lockstep.train.profilers import SimpleProfiler, make_profiler
+
+if TYPE_CHECKING:
+    from lockstep.runtime import Devices, Policy, Strategy
 from lockstep.train.progress import ProgressBar, ThroughputMonitor
 
 
@@ -49,15 +52,17 @@ class Trainer:
     """
 
     def __init__(
-        self, *, max_epochs: int | None = None, max_steps: int | None = None, devices: Any = "auto",
-        num_nodes: int | None = None, accelerator: str | None = None, strategy: Any = None, precision: Any = None,
+        self, *, max_epochs: int | None = None, max_steps: int | None = None, devices: Devices = "auto",
+        num_nodes: int | None = None, accelerator: str | None = None, strategy: str | Strategy | None = None,
+        precision: str | int | None = None,
         accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
         val_check_interval: int | None = None, log_every_n_steps: int = 50, seed: int = 0,
         deterministic: bool = False, checkpoint_dir: str | Path | None = None, resume: str | Path | None = None,
         callbacks: Sequence[Callback] = (), loggers: Sequence[Any] = ("csv",), log_dir: str | Path | None = None,
-        profiler: Any = None, enable_progress_bar: bool = True, enable_throughput_monitor: bool = True,
+        profiler: str | SimpleProfiler | None = None, enable_progress_bar: bool = True,
+        enable_throughput_monitor: bool = True,
         num_workers: int | None = None, timeout: float | None = None, compile: bool | dict[str, Any] | None = None,
-        per_sample_rng: bool = False, activation_checkpointing: Any = None,
+        per_sample_rng: bool = False, activation_checkpointing: Policy | None = None,
     ) -> None:
         runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
                                 seed=seed, deterministic=deterministic, timeout=timeout, per_sample_rng=per_sample_rng)
