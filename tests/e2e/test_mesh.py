@@ -53,6 +53,28 @@ def test_tensor_parallel_only_and_hsdp_with_tp_reach_the_same_weights():
             assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0), strategy
 
 
+def test_ddp_with_tensor_parallel_reaches_the_one_process_weights_and_its_checkpoint_reshards(tmp_path):
+    """DDP(tp=2) on 4 processes (data parallel 2 by replication, tensor parallel 2 inside): the one-process
+    weights, with accumulation and clipping; its checkpoint resumes under FSDP on 2 and on one process."""
+    reference = mc.reference_weights(clip=0.5, rows=39)
+    for rank, result in enumerate(run_ranks(mc.mesh_weights, 4, lockstep.DDP(tp=2), 2, 0.5, None, 5, 8, 1e-3, 39)):
+        assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
+        assert (result["data_rank"], result["data_size"], result["tp_size"]) == (rank // 2, 2, 2)
+    folder = str(tmp_path / "step-8")
+    whole = run_ranks(mc.save_mid_epoch, 4, lockstep.DDP(tp=2), folder)[0]
+    for strategy, world in (("fsdp", 2), ("single", 1)):
+        resumed = run_ranks(mc.resume_from, world, strategy, folder)[0]
+        assert resumed["consumed"] == whole["consumed"][8:], strategy
+        assert torch.allclose(resumed["weights"], whole["weights"], atol=TOLERANCE, rtol=0), strategy
+
+
+def test_ddp_with_tensor_parallel_that_does_not_fit_or_takes_ddp_only_options_is_refused():
+    with pytest.raises(RanksFailed, match=r"DDP\(replicate=1, tp=4\) needs a world size divisible by 4"):
+        run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=4))
+    with pytest.raises(RanksFailed, match=r"DDP\(tp=2\) takes none of find_unused_parameters"):
+        run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=2, find_unused_parameters=True))
+
+
 @pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(tp=2), 4), ("fsdp", 2)])
 def test_evaluation_on_the_mesh_gathers_each_row_once_in_dataset_order(strategy, world):
     # 13 rows over 2 data-parallel ranks in batches of 2: the last rank runs a padding batch,

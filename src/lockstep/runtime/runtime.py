@@ -39,11 +39,12 @@ from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoin
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.mesh import Membership
+from lockstep.runtime.parallel.mesh import Mesh
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
+from lockstep.runtime.parallel.tensor_parallel import apply_plan, plan_of
 from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
 from lockstep.runtime.seed import seed_everything, set_determinism
 from lockstep.runtime.verify import StepRecorder
@@ -131,10 +132,10 @@ class Runtime:
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
         self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend))
-        dp_rank, dp_size = self.strategy.data_parallel(self.rank, self.world_size)
-        self._tp = self.world_size // dp_size
-        # Read per step by the loaders, num_items and gather: a change re-splits the next global batch.
-        self.membership = Membership(dp_rank, dp_size)
+        # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
+        # membership, read per step by the loaders, num_items and gather.
+        self.mesh = Mesh(self.strategy.layout(self.world_size), self.rank, self.device.type)
+        self.membership = self.mesh.membership
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
@@ -227,7 +228,7 @@ class Runtime:
     @property
     def tensor_parallel_size(self) -> int:
         """How many ranks share one batch, each computing part of every layer: ``tp`` on a mesh, else 1."""
-        return self._tp
+        return self.mesh.tp
 
     @property
     def node_rank(self) -> int:
@@ -272,12 +273,15 @@ class Runtime:
         before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
         if is_empty(module) and not self.shards_model:
-            self.strategy.materialize(module, self.placement, self.seed)
+            self.strategy.materialize(module, self.placement, self.seed, self.mesh)
         checkpoint_activations(module, activation_checkpointing)
         self.compile(module, compile if compile is not None else was_compiled)
-        forward_module = self.strategy.wrap(module, self.placement, self.precision)
+        if self.mesh.tp > 1:  # tensor parallel: each weight of the plan split over the tp peers
+            plan = plan_of(module, self.strategy.tp_plan)  # refused before any group or weight is made
+            apply_plan(module, self.mesh.tp_mesh(), plan)
+        forward_module = self.strategy.wrap(module, self.placement, self.precision, self.mesh)  # data parallel
         if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
-            self.strategy.materialize(module, self.placement, self.seed)
+            self.strategy.materialize(module, self.placement, self.seed, self.mesh)
         repoint_optimizers(before, module, optimizers)
         eval_module = self.strategy.eval_module(forward_module)
         stand_in = (lambda: self._current.stand_in) if self.shards_model else None

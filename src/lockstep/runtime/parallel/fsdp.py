@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +20,10 @@ from torch import nn
 
 from lockstep.errors import StateError
 from lockstep.runtime.parallel.devices import Placement
-from lockstep.runtime.parallel.mesh import MeshLayout
+from lockstep.runtime.parallel.mesh import Mesh, MeshLayout
 from lockstep.runtime.parallel.meta_init import is_empty, materialize
 from lockstep.runtime.parallel.precision import Precision
-from lockstep.runtime.parallel.tensor_parallel import Plan, apply_plan, plan_of, sync_replicas
+from lockstep.runtime.parallel.tensor_parallel import Plan, sync_replicas
 
 _MMAP_THRESHOLD = 2**20  # glibc's M_MMAP_THRESHOLD, fixed: blocks from 1 MiB up are mapped and unmapped
 
@@ -53,29 +53,19 @@ class FSDP:
     tp_plan: Plan | None = None
     name: str = "fsdp"
     one_process_many_devices: bool = False
-    _tp_mesh: list[Any] = field(default_factory=list, init=False, compare=False, repr=False)  # set by wrap
 
     def layout(self, world_size: int) -> MeshLayout:
-        return MeshLayout.for_world(world_size, self.replicate, self.tp)
+        return MeshLayout.for_world(world_size, self.replicate, self.tp, owner=self.name.upper())
 
-    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
-        """This rank's place among the ranks that see different batches, and their number."""
-        layout = self.layout(world_size)
-        return layout.data_parallel_rank(rank), layout.data_parallel_size
-
-    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
+        """Shard ``module`` over the mesh's data-parallel dimensions (tensor parallel, if any, is
+        already applied: a step of ``Runtime.setup``)."""
         if not dist.is_initialized():  # pragma: no cover - the Runtime makes a group of one for a lone FSDP
             raise StateError("FSDP needs a process group: launch several processes.")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        layout = self.layout(dist.get_world_size())
-        if layout.tp > 1:
-            plan = plan_of(module, self.tp_plan)  # refused before any group or weight is made
-        mesh = self._data_mesh(layout, placement.device.type)
-        if layout.tp > 1:
-            apply_plan(module, self._tp_mesh[0], plan)
         options: dict[str, Any] = {
-            "mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
+            "mesh": mesh.data_mesh(), "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": precision.fsdp_policy() or MixedPrecisionPolicy(),
             # pinned host memory needs an accelerator: on a CPU-only job the shards stay unpinned
             "offload_policy": (CPUOffloadPolicy(pin_memory=placement.device.type != "cpu") if self.cpu_offload
@@ -90,21 +80,11 @@ class FSDP:
         fully_shard(module, **options)
         return module
 
-    def _data_mesh(self, layout: MeshLayout, device_type: str) -> Any:
-        """The mesh FSDP shards over (2-D with ``replicate``); the tensor-parallel mesh is kept for ``materialize``."""
-        if layout.tp == 1 and layout.replicate == 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            return init_device_mesh(device_type, (layout.world_size,))
-        mesh = layout.build(device_type)
-        self._tp_mesh[:] = [mesh["tp"]]
-        return mesh["replicate", "shard"] if layout.replicate > 1 else mesh["shard"]
-
-    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None:
+    def materialize(self, module: nn.Module, placement: Placement, seed: int, mesh: Mesh) -> None:
         """Allocate and initialise a model built on the meta device: each rank its shards only."""
         materialize(module, torch.device("cpu") if self.cpu_offload else placement.device, seed)
-        if self._tp_mesh and self._tp_mesh[0].size() > 1:
-            sync_replicas(module, self._tp_mesh[0])
+        if mesh.tp > 1:
+            sync_replicas(module, mesh.tp_mesh())
 
     def blocks(self, module: nn.Module) -> list[nn.Module]:
         """The submodules that become their own shard groups, outermost first, root excluded."""

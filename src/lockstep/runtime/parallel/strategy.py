@@ -14,8 +14,10 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from lockstep.errors import ConfigError
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.fsdp import FSDP
+from lockstep.runtime.parallel.mesh import Mesh, MeshLayout
 from lockstep.runtime.parallel.meta_init import materialize
 from lockstep.runtime.parallel.precision import Precision
+from lockstep.runtime.parallel.tensor_parallel import Plan
 
 
 class Strategy(Protocol):
@@ -26,9 +28,12 @@ class Strategy(Protocol):
     @property
     def collective_forward(self) -> bool: ...  # True: every rank must run every forward (FSDP)
 
-    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module: ...
-    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None: ...
-    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]: ...
+    @property
+    def tp_plan(self) -> Plan | None: ...  # how tensor parallel splits the model (when the layout has tp > 1)
+
+    def layout(self, world_size: int) -> MeshLayout: ...  # the degrees (data parallel, tp) on this world size
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module: ...
+    def materialize(self, module: nn.Module, placement: Placement, seed: int, mesh: Mesh) -> None: ...
     def eval_module(self, wrapped: nn.Module) -> nn.Module: ...
     def release(self, wrapped: nn.Module) -> None: ...
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]: ...
@@ -38,12 +43,13 @@ class _Replicated:
     """What the strategies that keep a whole model on each device share."""
 
     collective_forward = False
+    tp_plan: Plan | None = None
 
-    def materialize(self, module: nn.Module, placement: Placement, seed: int) -> None:
+    def materialize(self, module: nn.Module, placement: Placement, seed: int, mesh: Mesh) -> None:
         materialize(module, placement.device, seed)
 
-    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
-        return rank, world_size  # every rank sees batches of its own
+    def layout(self, world_size: int) -> MeshLayout:
+        return MeshLayout(1, world_size, 1)  # every rank sees batches of its own
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class SingleDevice(_Replicated):
     name: str = "single"
     one_process_many_devices: bool = False
 
-    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
         return module.to(placement.device)
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
@@ -72,16 +78,26 @@ class DDP(_Replicated):
 
     ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm so statistics cover the
     global batch; the other options are DistributedDataParallel's own.
+
+    ``tp=k``: tensor parallel inside groups of ``k`` consecutive ranks (``tp_plan`` as for FSDP),
+    every group holding the whole (tensor-parallel) model and gradients all-reduced across the
+    groups: data parallel ``world_size / k``. Built as FSDP2's ``fully_shard`` over a
+    ``(replicate = world_size / k, shard = 1)`` mesh, which all-reduces without sharding, because
+    ``DistributedDataParallel``'s own route to tensor parallel swaps the parameters for local tensors
+    outside the forward (torch's ``_pre_dp_module_transform``) and its state_dict then holds no
+    DTensors; this way checkpoints reshard like FSDP's (docs/parallelism.md).
     """
 
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     sync_batchnorm: bool = False
+    tp: int = 1
+    tp_plan: Plan | None = None
     name: str = "ddp"
     one_process_many_devices: bool = False
 
-    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
         if self.sync_batchnorm:
             if placement.accelerator != "cuda":
                 raise ConfigError(
@@ -120,7 +136,7 @@ class DP(_Replicated):
     name: str = "dp"
     one_process_many_devices: bool = True
 
-    def wrap(self, module: nn.Module, placement: Placement, precision: Precision) -> nn.Module:
+    def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
         if placement.accelerator != "cuda":
             raise ConfigError("strategy 'dp' needs CUDA GPUs; on the CPU use 'ddp' or 'single'.")
         warnings.warn(
@@ -143,6 +159,19 @@ class DP(_Replicated):
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 
 
+def _replicated_on_a_mesh(ddp: DDP, world_size: int) -> FSDP:
+    """``DDP(tp=k)``: FSDP2 over a ``(replicate = world / k, shard = 1)`` mesh with tensor parallel
+    inside: gradients all-reduced across the groups, nothing sharded (see ``DDP``)."""
+    unsupported = [name for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+                                     "sync_batchnorm") if getattr(ddp, name)]
+    if unsupported:
+        raise ConfigError(f"DDP(tp={ddp.tp}) takes none of {', '.join(unsupported)} (options of "
+                          "DistributedDataParallel, which tensor parallel does not use): leave them out.")
+    MeshLayout.for_world(world_size, 1, ddp.tp, owner="DDP")  # tp that does not divide the world is refused
+    return FSDP(replicate=world_size // ddp.tp, tp=ddp.tp, tp_plan=ddp.tp_plan, reshard_after_forward=False,
+                name="ddp")
+
+
 def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     """``auto`` is DDP with several processes and a single device otherwise.
 
@@ -152,12 +181,16 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     trained, so it stays FSDP, over a group of one process.
     """
     if not isinstance(strategy, str):
+        if world_size == 1 and (getattr(strategy, "tp", 1) > 1 or getattr(strategy, "replicate", 1) > 1):
+            # the same script on one process as on the mesh: `lockstep verify`'s reference, a debug run
+            degrees = ", ".join(f"{k}={getattr(strategy, k)}" for k in ("tp", "replicate") if hasattr(strategy, k))
+            print(f"lockstep: {type(strategy).__name__}({degrees}) on one process: the model runs unsplit, as the "
+                  "one-process reference of the mesh.", flush=True)
+            one: dict[str, int] = {"tp": 1, **({"replicate": 1} if isinstance(strategy, FSDP) else {})}
+            strategy = dataclasses.replace(strategy, **one)  # type: ignore[type-var]
+        if isinstance(strategy, DDP) and strategy.tp != 1:
+            strategy = _replicated_on_a_mesh(strategy, world_size)
         if isinstance(strategy, FSDP):
-            if world_size == 1 and (strategy.tp > 1 or strategy.replicate > 1):
-                # the same script on one process as on the mesh: `lockstep verify`'s reference, a debug run
-                print(f"lockstep: {strategy.name.upper()}(tp={strategy.tp}, replicate={strategy.replicate}) on one "
-                      "process: the model runs unsplit, as the one-process reference of the mesh.", flush=True)
-                strategy = dataclasses.replace(strategy, tp=1, replicate=1)
             strategy.layout(world_size)  # degrees that do not fit the world size are refused here
             if strategy.cpu_offload:
                 return strategy

@@ -1,0 +1,160 @@
+"""``lockstep run``'s plan: every check of a request that can fail before a process starts (the
+script, the nodes, the rendezvous, the network between the nodes), and what the torch elastic
+agent will then start on this node. ``cli/run.py`` parses the command line and runs the plan."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.errors import PreflightError
+from lockstep.runtime.comm.network import (
+    NoRouteError,
+    host_store,
+    interface_towards,
+    interfaces,
+    socket_interface_variables,
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the agent will start on this node."""
+
+    nproc: int
+    visible_devices: str | None
+    master_addr: str
+    master_port: int | None
+    torchrun_args: list[str]
+    store: object | None  # the rendezvous store hosted here (node 0), bound to master_addr only
+    elastic: bool  # nodes MIN:MAX or a c10d endpoint: membership may change between restarts
+    nodes: tuple[int, int]  # (min, max)
+    environment: dict[str, str]  # set for the workers: the network interface between the nodes
+    notes: list[str]  # what the launcher chose, one line each
+    local_address: str  # this node's address towards the master (several nodes)
+    hosts_store: bool  # the rendezvous store lives in this process (static node 0, or the c10d endpoint)
+
+
+def _split_host_port(value: str, option: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PreflightError(f"{option} {value!r}: give HOST:PORT, e.g. 10.0.0.1:29500.")
+    return host, int(port)
+
+
+def _parse_nodes(value: str) -> tuple[int, int]:
+    low, _, high = value.partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise PreflightError(f"--nodes {value}: give a count N or a range MIN:MAX with 1 <= MIN <= MAX.")
+    return nodes
+
+
+def _resolve(host: str) -> str:
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
+    except OSError:
+        raise PreflightError(f"{host} does not resolve: give an address or a name this node knows.") from None
+
+
+def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
+    """For several nodes: the socket interface variables for the workers, the line saying so, and
+    this node's address towards ``host``."""
+    if nodes < 2:
+        return {}, [], ""
+    try:
+        variables, line = socket_interface_variables(host, os.environ)
+        source = interface_towards(host)[1]
+    except NoRouteError as error:
+        raise PreflightError(f"{error}. Check --master/--rdzv-endpoint, or set GLOO_SOCKET_IFNAME and "
+                             "NCCL_SOCKET_IFNAME to the interface between the nodes.") from None
+    return variables, [line] if line else [], source
+
+
+def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, bool, list[str]]:
+    """(host, port, whether this node hosts it, torchrun options) of a c10d rendezvous on
+    ``--rdzv-endpoint`` or ``--master``."""
+    endpoint = args.rdzv_endpoint or args.master
+    if not endpoint:
+        raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
+    host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
+    # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
+    # test compares with the address of the host name, a loopback address on many images.
+    address = _resolve(host)
+    hosting = not address.startswith("127.") and address in interfaces().values()
+    conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
+    options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
+    return host, port, hosting, options + (["--rdzv-conf", conf] if conf else [])
+
+
+def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, object | None, list[str]]:
+    """(host, port, store hosted here, torchrun options) of a static rendezvous on node 0."""
+    if args.master:
+        host, port = _split_host_port(args.master, "--master")
+    elif nodes > 1:
+        raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
+    else:
+        host, port = "127.0.0.1", 0  # single node: loopback only, a free port
+    store = None
+    if args.node_rank == 0:
+        try:
+            store, port = host_store(host, port)
+        except OSError as error:
+            raise PreflightError(
+                f"port {port} on {host} is in use by another program or not an address of this "
+                f"node ({error.strerror}): pick a free --master port, or leave --master out on a "
+                "single node."
+            ) from None
+    options = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
+               "--node-rank", str(args.node_rank)]
+    return host, port, store, options
+
+
+def plan(args: argparse.Namespace, check_names: Callable[[], None],
+         resolve_devices: Callable[[], tuple[int, str | None]]) -> Plan:
+    """Every check that can fail before a process starts, in the order a user fixes them; raises
+    PreflightError. ``args``: ``lockstep run``'s options. The checks that need the training side
+    (the names of strategies and precisions, the devices) are the caller's: ``check_names`` and
+    ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set)."""
+    if args.module:
+        if importlib.util.find_spec(args.script) is None:
+            raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
+    elif not Path(args.script).is_file():
+        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    check_names()
+    nodes = _parse_nodes(str(args.nodes))
+    elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
+    if not elastic and not 0 <= args.node_rank < nodes[0]:
+        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
+    restarts = args.max_restarts if args.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
+    if restarts < 0:
+        raise PreflightError("--max-restarts must be 0 or more.")
+    nproc, visible = resolve_devices()
+    options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
+               "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
+    if elastic:
+        host, port, hosting, rendezvous = _elastic_rendezvous(args)
+        store = None
+    else:
+        host, port, store, rendezvous = _static_rendezvous(args, nodes[0])
+        hosting = store is not None
+    environment, notes, local_address = _network(host, nodes[1])
+    if elastic:
+        if local_address:  # the address this node's workers get if it becomes the group's rank 0
+            rendezvous += ["--local-addr", local_address]
+        environment["LOCKSTEP_ELASTIC_STORE"] = f"{host}:{port}"  # membership reports (runtime/launch/membership.py)
+        # torch's agents share their rendezvous store with the workers unless told not to; a node that
+        # joins a later round then waits forever for the store address, which rank 0 published only in
+        # the round it created the store. Without sharing, every round publishes it again.
+        environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    target = (["-m"] if args.module else []) + [args.script, *args.script_args]
+    return Plan(nproc, visible, host, port, options + rendezvous + target, store, elastic, nodes, environment, notes,
+                local_address, hosting)
