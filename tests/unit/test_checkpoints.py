@@ -209,3 +209,23 @@ def test_the_runtime_api_resumes_from_the_newest_intact_checkpoint_of_a_folder_b
     start, resumed = _own_loop(tmp_path / "b", steps=12, resume=True)
     assert start == 6
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def _epochs(folder, epochs: int, resume: str | None = None):
+    """A fit of whole epochs (4 steps each) whose only checkpoint is the one fit saves at its end."""
+    module = tc.Classifier(dropout=0.2)
+    saver = tc.lockstep.ModelCheckpoint(every_n_epochs=5)  # never by the epoch rule within these fits
+    trainer = tc.quiet_trainer(max_epochs=epochs, checkpoint_dir=folder, resume=resume, callbacks=[saver])
+    trainer.fit(module, tc.checks.make_data(64), batch_size=16)
+    return trainer, module
+
+
+def test_a_fit_saved_after_its_last_epoch_ended_resumes_at_the_next_epoch_not_one_later(tmp_path):
+    """The final checkpoint of a fit that ends with an epoch is written after that epoch's end ran (and
+    its counter moved on): the resumed fit starts the next epoch, and ends at the uninterrupted weights."""
+    _epochs(tmp_path / "cut", epochs=2)
+    assert read_metadata(tmp_path / "cut" / "last.ckpt")["step"] == 8
+    trainer, resumed = _epochs(tmp_path / "cut", epochs=4, resume="auto")
+    _, whole = _epochs(tmp_path / "whole", epochs=4)
+    assert trainer.global_step == 16 and trainer.current_epoch == 4
+    assert torch.equal(tc.checks.flat_weights(resumed), tc.checks.flat_weights(whole))

@@ -57,27 +57,37 @@ def restore_rank_rng(rt: Runtime, states: list[dict[str, Any]]) -> None:
 
 
 class _Loop:
-    """The loop counters; loading them also says where the resumed epoch continues."""
+    """The loop's own counters: steps, samples, and whether the current epoch's end has run. Where the
+    data stands (epoch, batches done) is stored once, in the training loader's state; ``place`` sets
+    the Trainer's epoch and batch from it when a checkpoint is loaded."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {"epoch": t.current_epoch, "global_step": t.global_step, "epoch_ended": t.epoch_ended,
-                "batches_done_in_epoch": t.batches_done_in_epoch, "samples_seen": t.samples_seen}
+        return {"global_step": t.global_step, "epoch_ended": t.epoch_ended, "samples_seen": t.samples_seen}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         t = self.trainer
-        t.current_epoch, t.global_step = int(loop["epoch"]), int(loop["global_step"])
-        t.samples_seen, batches_done = int(loop["samples_seen"]), int(loop["batches_done_in_epoch"])
-        # Saved once the epoch's end ran (its scheduler step, validation): the next epoch starts. Saved
-        # at its last batch before that: the resumed epoch has no batch left, only its end to run.
-        # (Checkpoints without the flag were written at the end of an epoch of known length.)
-        ended = loop.get("epoch_ended", t.steps_per_epoch is not None and batches_done >= t.steps_per_epoch)
-        if ended:
-            t.current_epoch, batches_done = t.current_epoch + 1, 0
-        t.resume_at(batches_done)
+        t.global_step, t.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
+
+
+def place(trainer: Trainer, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
+    """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in
+    checkpoints written before the loader held it alone: the loop's own copy). Saved once the epoch's
+    end ran (its scheduler step, validation): the next epoch starts. Saved at its last batch before
+    that: the resumed epoch has no batch left, only its end to run. (Checkpoints without the flag were
+    written at the end of an epoch of known length.)"""
+    if position is not None and "epoch" in position:
+        epoch, done = int(position["epoch"]), int(position["batches_done"])
+    else:
+        epoch, done = int(loop["epoch"]), int(loop["batches_done_in_epoch"])
+    steps = trainer.steps_per_epoch
+    if loop.get("epoch_ended", steps is not None and done >= steps):
+        epoch, done = epoch + 1, 0
+    trainer.current_epoch = epoch
+    trainer.resume_at(done)
 
 
 class _Each:
@@ -165,6 +175,8 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
     if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
         raise CheckpointError(f"{found.path}: its lockstep.json lists no objects (damaged metadata).")
     state = rt.load(found, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
+    if isinstance(state.get("loop"), dict):  # before the parts: the metrics ask whether mid-epoch
+        place(trainer, state["loop"], state.get("loader"))
     for name, part in parts(trainer).items():
         if name not in state:
             raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
