@@ -221,3 +221,25 @@ def fit_logging(tmp_path, module: lockstep.Module | None = None, max_steps: int 
     trainer.fit(module if module is not None else Regressor(), data, batch_size=16)
     monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
     return trainer, [m for m in logged if "samples_per_s" in m], monitor
+
+
+def reduced_metrics(same_names: bool) -> list[dict[str, float]]:
+    """``self.log`` sums reduced over the ranks, three times: every rank logs ``loss`` (rank r the
+    value r + 1, weight 2); with ``same_names=False`` each rank then also logs a name of its own (value
+    r + 1, weight 3) before the second reduce, and only rank 0 logs anything before the third."""
+    from lockstep.train.metrics import MetricStore
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    store = MetricStore()
+    value = float(rt.rank + 1)
+    store.add("loss", torch.tensor(value * 2, dtype=torch.float64), 2.0)
+    reduced = [store.reduce(rt)]
+    if not same_names:
+        store.add(f"only_on_{rt.rank}", torch.tensor(value * 3, dtype=torch.float64), 3.0)
+    reduced.append(store.reduce(rt))
+    store.reset()
+    if rt.rank == 0:
+        store.add("loss", torch.tensor(4.0, dtype=torch.float64), 1.0)
+    reduced.append(store.reduce(rt))
+    rt.close()
+    return reduced

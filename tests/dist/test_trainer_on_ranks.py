@@ -69,3 +69,14 @@ def test_a_two_process_fit_raises_no_warning(tmp_path):
     for rank_warnings in run_ranks(tc.warnings_of_a_fit, 2, str(tmp_path)):
         assert rank_warnings == []
 
+
+
+def test_logged_values_reduce_to_sample_weighted_means_whether_or_not_the_ranks_logged_the_same_names():
+    """The names are gathered at the first reduce, and again when a rank logs a new one; otherwise one
+    all-reduce covers the values. Each result is the hand-computed weighted mean over the ranks that
+    logged the name (a rank that logged nothing adds nothing)."""
+    alike = [{"loss": 1.5}, {"loss": 1.5}, {"loss": 4.0}]
+    assert run_ranks(tc.reduced_metrics, 2, True) == [alike] * 2
+    differing = [{"loss": 1.5}, {"loss": 1.5, "only_on_0": 1.0, "only_on_1": 2.0}, {"loss": 4.0}]
+    assert run_ranks(tc.reduced_metrics, 2, False) == [differing] * 2
+    assert run_ranks(tc.reduced_metrics, 3, True) == [[{"loss": 2.0}, {"loss": 2.0}, {"loss": 4.0}]] * 3

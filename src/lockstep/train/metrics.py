@@ -19,6 +19,7 @@ class MetricStore:
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, float | torch.Tensor] = {}
+        self._agreed: list[str] | None = None  # the names of every rank at the last reduce (the same on all)
 
     def add(self, name: str, weighted: torch.Tensor, weight: float | torch.Tensor) -> None:
         """Add ``weighted`` (a float64 scalar tensor: value times ``weight``) to ``name``."""
@@ -41,18 +42,35 @@ class MetricStore:
         return True
 
     def reduce(self, runtime: Any) -> dict[str, float]:
-        """Every rank's sums and counts added up: one object gather for the names, one all-reduce.
+        """Every rank's sums and counts added up, in one all-reduce.
 
+        The all-reduce covers the names the ranks agreed on at an earlier reduce, and a flag that a
+        rank raises when it logged a name outside them; then (at the first reduce, and whenever a new
+        name appears) the names of every rank are gathered and the sums reduced again over their union.
         Every rank must call it; a rank that logged nothing (no batches) still takes part.
         """
-        names = sorted({n for rank_names in runtime.all_gather(sorted(self._sums)) for n in rank_names})
-        if not names:
-            return {}
-        zero = torch.zeros((), dtype=torch.float64, device=runtime.device)
-        sums = torch.stack([self._sums.get(n, zero) for n in names])
-        counts = torch.stack([torch.as_tensor(self._counts.get(n, 0.0), dtype=torch.float64, device=runtime.device)
-                              for n in names])
-        total_sums, total_counts = runtime.all_reduce(torch.stack([sums, counts]), op="sum").tolist()
+        mine = set(self._sums)
+        if self._agreed is not None:
+            reduced = self._summed(runtime, self._agreed, new_names=not mine <= set(self._agreed))
+            if reduced is not None:
+                return reduced
+        self._agreed = sorted({n for rank_names in runtime.all_gather(sorted(mine)) for n in rank_names})
+        reduced = self._summed(runtime, self._agreed, new_names=False)
+        assert reduced is not None, "no rank logs a name outside the union of every rank's names"
+        return reduced
+
+    def _summed(self, runtime: Any, names: list[str], new_names: bool) -> dict[str, float] | None:
+        """The sums and counts of ``names`` over every rank, by name; None when some rank flagged a name
+        outside ``names`` (every rank then gets None: the flag is summed with the values)."""
+        device = runtime.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = [self._sums.get(n, zero) for n in names]
+        counts = [torch.as_tensor(self._counts.get(n, 0.0), dtype=torch.float64, device=device) for n in names]
+        flag = torch.tensor(float(new_names), dtype=torch.float64, device=device)
+        *totals, flagged = runtime.all_reduce(torch.stack([*sums, *counts, flag]), op="sum").tolist()
+        if flagged:
+            return None
+        total_sums, total_counts = totals[:len(names)], totals[len(names):]
         return {n: s / c for n, s, c in zip(names, total_sums, total_counts, strict=True) if c > 0}
 
     def reset(self) -> None:
