@@ -4,7 +4,10 @@ The same tiny MLP (32 -> 64 -> 64 -> 10), batch 32 per process, 500 steps, 1 thr
 2 CPU processes (Gloo). The three loops alternate in rounds (the order rotates each round); the
 report gives the median steps/s of each and the ratios to the hand-written loop.
 
-    python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2]
+    python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2] [--variants]
+
+``--variants`` adds two Trainer loops that show where its time goes: without the throughput
+monitor, and without it and without logging (``log_every_n_steps`` beyond the run).
 """
 
 from __future__ import annotations
@@ -91,26 +94,37 @@ class Clock(lockstep.Callback):
         self.seconds = time.perf_counter() - self.start
 
 
-def trainer_loop(data: TensorDataset, steps: int) -> float:
+def trainer_loop(data: TensorDataset, steps: int, **options: object) -> float:
     clock = Clock()
     trainer = lockstep.Trainer(max_steps=steps, accelerator="cpu", loggers=(), enable_progress_bar=False,
-                               num_workers=0, callbacks=[clock])
+                               num_workers=0, callbacks=[clock], **options)
     trainer.fit(Classifier(), data, batch_size=PER_PROCESS_BATCH * dist.get_world_size())
     return steps / clock.seconds
 
 
+def trainer_without_monitor(data: TensorDataset, steps: int) -> float:
+    return trainer_loop(data, steps, enable_throughput_monitor=False)
+
+
+def trainer_without_monitor_or_logging(data: TensorDataset, steps: int) -> float:
+    return trainer_loop(data, steps, enable_throughput_monitor=False, log_every_n_steps=steps + 1)
+
+
 LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api, "lockstep Trainer": trainer_loop}
+VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
+            "Trainer, no monitor/log": trainer_without_monitor_or_logging}
 
 
-def measure(rounds: int, steps: int) -> dict[str, list[float]]:
+def measure(rounds: int, steps: int, variants: bool = False) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     data = make_data(PER_PROCESS_BATCH * dist.get_world_size() * steps)
-    names = list(LOOPS)
+    loops = {**LOOPS, **(VARIANTS if variants else {})}
+    names = list(loops)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted
         order = names[round_index % len(names):] + names[: round_index % len(names)]
         for name in order:
-            rate = LOOPS[name](data, steps)
+            rate = loops[name](data, steps)
             if round_index:
                 rates[name].append(rate)
     return rates
@@ -121,15 +135,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--variants", action="store_true", help="also the Trainer without monitor, without logging")
     args = parser.parse_args()
-    rates = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps))
+    rates = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps, args.variants))
     base = statistics.median(rates["hand-written DDP"])
     print(f"{args.processes} CPU processes, 1 thread each, batch {PER_PROCESS_BATCH} per process, "
           f"{args.steps} steps, {args.rounds} rounds")
-    print(f"{'loop':<20}{'median steps/s':>16}{'ratio':>8}   all rounds")
+    print(f"{'loop':<26}{'median steps/s':>16}{'ratio':>8}   all rounds")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"{name:<20}{median:>16.1f}{median / base:>8.3f}   " + " ".join(f"{v:.0f}" for v in values))
+        print(f"{name:<26}{median:>16.1f}{median / base:>8.3f}   " + " ".join(f"{v:.0f}" for v in values))
 
 
 if __name__ == "__main__":
