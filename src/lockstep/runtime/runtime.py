@@ -39,7 +39,7 @@ from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoin
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.mesh import Mesh
+from lockstep.runtime.parallel.mesh import Membership, Mesh
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
@@ -135,7 +135,6 @@ class Runtime:
         # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
         # membership, read per step by the loaders, num_items and gather.
         self.mesh = Mesh(self.strategy.layout(self.world_size), self.rank, self.device.type)
-        self.membership = self.mesh.membership
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
@@ -144,14 +143,18 @@ class Runtime:
         self.preemption = (Preemption(slurm_requeue_from_environ(), self.rank)
                            if self.env.capabilities.preempts_with_grace else None)
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
-        self._checkpoints = Checkpoints(
-            Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
-                  self._watchdog), self.strategy.name, checksums_from_environ())
+        self._checkpoints = self._make_checkpoints()
         self._loaders = self._make_loaders()
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
                                              self._recorder)
+
+    def _make_checkpoints(self) -> Checkpoints:
+        """The checkpoint room, over this Runtime's watched collectives (DCP loads at its first use)."""
+        ranks = Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
+                      self._watchdog)
+        return Checkpoints(ranks, self.strategy.name, checksums_from_environ())
 
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
@@ -213,6 +216,12 @@ class Runtime:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def membership(self) -> Membership:
+        """This rank's place among the data-parallel replicas (``.rank``, ``.size``), read at every step by
+        the loaders, ``num_items`` and ``gather``: ``change`` re-splits the next global batch."""
+        return self.mesh.membership
 
     @property
     def data_parallel_rank(self) -> int:
@@ -277,7 +286,7 @@ class Runtime:
         checkpoint_activations(module, activation_checkpointing)
         self.compile(module, compile if compile is not None else was_compiled)
         if self.mesh.tp > 1:  # tensor parallel: each weight of the plan split over the tp peers
-            plan = plan_of(module, self.strategy.tp_plan)  # refused before any group or weight is made
+            plan = plan_of(module, self.strategy.tp_plan, self.strategy.name.upper())  # before any group or weight
             apply_plan(module, self.mesh.tp_mesh(), plan)
         forward_module = self.strategy.wrap(module, self.placement, self.precision, self.mesh)  # data parallel
         if is_empty(module):  # sharded first: each rank allocates and initialises its shards only

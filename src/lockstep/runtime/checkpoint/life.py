@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import CheckpointError
-from lockstep.runtime.checkpoint.format import is_checkpoint_folder, read_metadata
+from lockstep.runtime.checkpoint.format import METADATA, is_checkpoint_folder, read_metadata
 
 if TYPE_CHECKING:
     from torch import nn
@@ -143,7 +143,7 @@ class Checkpoints:
         one that the nodes do not share would otherwise resume some ranks and train the others anew.
         """
         source = Path(source)
-        one = exact or is_checkpoint_folder(source) or (source / "lockstep.json").exists()
+        one = exact or is_checkpoint_folder(source) or (source / METADATA).exists()
         found: list[Checkpoint] = []
         problem = ""
         try:

@@ -38,9 +38,10 @@ def _style(name: str) -> Any:
     return SequenceParallel()
 
 
-def plan_of(module: nn.Module, plan: Plan | None) -> Plan:
+def plan_of(module: nn.Module, plan: Plan | None, owner: str = "FSDP") -> Plan:
     """The plan given, else the ones the model's Hugging Face ``PreTrainedModel``s ship (``_tp_plan``),
-    wherever they sit in it, their patterns prefixed with their place."""
+    wherever they sit in it, their patterns prefixed with their place. ``owner``: the strategy that
+    asked for tensor parallel, as the error names it."""
     if plan is not None:
         return plan
     shipped: dict[str, Any] = {}
@@ -54,9 +55,9 @@ def plan_of(module: nn.Module, plan: Plan | None) -> Plan:
     if shipped:
         return shipped
     raise ConfigError(
-        f"FSDP(tp=...) needs a tensor-parallel plan, and {type(module).__name__} ships none: pass "
-        "FSDP(tp=2, tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}) or a function "
-        "parallelize(model, tp_mesh).")
+        f"{owner}(tp=...) needs a tensor-parallel plan, and {type(module).__name__} ships none: pass "
+        f"{owner}(tp=2, tp_plan={{'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}}) or a "
+        "function parallelize(model, tp_mesh).")
 
 
 def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan) -> None:
