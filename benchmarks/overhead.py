@@ -1,8 +1,16 @@
 """Overhead of lockstep against a hand-written PyTorch DDP loop, measured as ratios in one run.
 
 The same tiny MLP (32 -> 64 -> 64 -> 10), batch 32 per process, 500 steps, 1 thread per process,
-2 CPU processes (Gloo). The three loops alternate in rounds (the order rotates each round); the
-report gives the median steps/s of each and the ratios to the hand-written loop.
+2 CPU processes (Gloo), each process bound to a core of its own where there are enough. The loops
+alternate in rounds (the order rotates each round). The report gives, for each loop, the median
+steps/s, and its ratio to the hand-written loop of the same round: the median of those paired
+ratios, with their quartiles (half of the rounds fall between them). Pairing within a round
+cancels the machine's slow and fast spells, which on a shared 2-core machine move a whole loop by
+10-20 %; the median of many rounds is what a claim should rest on.
+
+The Trainer logs the mean training loss every 50 steps (its default), an all-reduce that the plain
+hand-written loop does not do; "hand-written, logging" is that loop with the same logging done by
+hand (a running sum, all-reduced every 50 steps), the fair reference for a Trainer that logs.
 
     python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2] [--variants]
 
@@ -13,6 +21,7 @@ monitor, and without it and without logging (``log_every_n_steps`` beyond the ru
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -38,19 +47,33 @@ def make_data(samples: int) -> TensorDataset:
                                                                                        generator=generator))
 
 
-def hand_written(data: TensorDataset, steps: int) -> float:
+def hand_written(data: TensorDataset, steps: int, log_every: int = 0) -> float:
     model = nn.parallel.DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(data, batch_size=PER_PROCESS_BATCH, sampler=DistributedSampler(data, shuffle=True))
+    window = torch.zeros((), dtype=torch.float64)
     dist.barrier()
     start = time.perf_counter()
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader, 1):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if log_every:
+            window += loss.detach()
+            if step % log_every == 0:
+                dist.all_reduce(window)
+                LOGGED.append(window.item() / (log_every * dist.get_world_size()))
+                window.zero_()
     dist.barrier()
     return steps / (time.perf_counter() - start)
+
+
+LOGGED: list[float] = []  # what the logging hand-written loop "logs"
+
+
+def hand_written_logging(data: TensorDataset, steps: int) -> float:
+    return hand_written(data, steps, log_every=50)
 
 
 def runtime_api(data: TensorDataset, steps: int) -> float:
@@ -110,13 +133,16 @@ def trainer_without_monitor_or_logging(data: TensorDataset, steps: int) -> float
     return trainer_loop(data, steps, enable_throughput_monitor=False, log_every_n_steps=steps + 1)
 
 
-LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api, "lockstep Trainer": trainer_loop}
+LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api,
+         "hand-written, logging": hand_written_logging, "lockstep Trainer": trainer_loop}
 VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
             "Trainer, no monitor/log": trainer_without_monitor_or_logging}
 
 
 def measure(rounds: int, steps: int, variants: bool = False) -> dict[str, list[float]]:
     torch.set_num_threads(1)
+    if dist.get_world_size() <= len(os.sched_getaffinity(0)):  # a core each: no migrations between cores
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[dist.get_rank()]})
     data = make_data(PER_PROCESS_BATCH * dist.get_world_size() * steps)
     loops = {**LOOPS, **(VARIANTS if variants else {})}
     names = list(loops)
@@ -138,14 +164,24 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="also the Trainer without monitor, without logging")
     args = parser.parse_args()
     rates = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps, args.variants))
-    base = statistics.median(rates["hand-written DDP"])
+    base = rates["hand-written DDP"]
     print(f"{args.processes} CPU processes, 1 thread each, batch {PER_PROCESS_BATCH} per process, "
           f"{args.steps} steps, {args.rounds} rounds")
-    print(f"{'loop':<26}{'median steps/s':>16}{'ratio':>8}   all rounds")
+    print(f"{'loop':<26}{'steps/s':>9}{'ratio to hand-written (paired)':>33}   all rounds (steps/s)")
     for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"{name:<26}{median:>16.1f}{median / base:>8.3f}   " + " ".join(f"{v:.0f}" for v in values))
+        print(f"{name:<26}{statistics.median(values):>9.1f}{_paired(values, base):>33}   "
+              + " ".join(f"{v:.0f}" for v in values))
+    logging = rates["hand-written, logging"]
+    print(f"{'Trainer / hand-written, logging':<35}{_paired(rates['lockstep Trainer'], logging):>33}")
 
+
+def _paired(values: list[float], reference: list[float]) -> str:
+    """The median of the per-round ratios, with their quartiles."""
+    ratios = [v / r for v, r in zip(values, reference, strict=True)]
+    if len(ratios) < 2:
+        return f"{ratios[0]:.3f}"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]"
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,10 @@ class CheckpointError(LockstepError, ValueError):
     """A checkpoint cannot be saved or used; the message says why and what to do."""
 
 
+class NoSuchCheckpointError(CheckpointError):
+    """The checkpoint folder named (``rt.latest_checkpoint(path, exact=True)``) does not exist."""
+
+
 class UnsafeCheckpointError(LockstepError, pickle.UnpicklingError):
     """A checkpoint file names something other than the data a checkpoint holds (it would run code)."""
 

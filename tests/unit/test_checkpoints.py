@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checks import trainer as tc
-from lockstep.errors import CheckpointError
+from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime import complete_checkpoints
 from lockstep.runtime.checkpoint.format import read_metadata
 
@@ -45,9 +45,11 @@ def test_unusable_checkpoints_say_why(tmp_path):
     with pytest.raises(CheckpointError, match="not a complete lockstep checkpoint"):
         read_metadata(tmp_path / "interrupted")
     trainer = tc.quiet_trainer(max_steps=2, resume=tmp_path / "missing")
-    with pytest.raises(CheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
+    with pytest.raises(NoSuchCheckpointError, match=r"resume='.*missing': no such checkpoint\.$"):
         trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=16)
     rt = trainer.runtime
+    with pytest.raises(NoSuchCheckpointError, match=r"missing: no such checkpoint\.$"):
+        rt.latest_checkpoint(tmp_path / "missing", exact=True)
     for verify in (True, False):  # a path that is not there is missing, not "damaged"
         with pytest.raises(CheckpointError, match=r"missing: no such file or folder\. A lockstep checkpoint is a"):
             rt.load(tmp_path / "missing", {"model": rt.setup(torch.nn.Linear(2, 2))}, verify=verify)

@@ -209,3 +209,26 @@ def test_behaviour_follows_the_launchers_capabilities_never_its_name():
     keyed = [f"{p.name}:{n}" for p in runtime.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"launcher\s*(==|!=|in\b)", line)]
     assert keyed == [], keyed
+
+
+def test_a_route_that_preempts_with_grace_but_cannot_requeue_stops_without_requeueing(monkeypatch):
+    """Preemption (a signal, a grace period) and requeueing are separate capabilities: a route with
+    the first only (a container orchestrator that restarts the job itself) gets the agreed stop, and
+    rt.requeue asks no scheduler, even where a SLURM job's requeue settings are in the environment."""
+    import signal
+
+    import lockstep
+    from lockstep.env.launchers import ROUTES, Capabilities
+
+    monkeypatch.setitem(ROUTES, "an-orchestrator", Capabilities(preempts_with_grace=True))
+    monkeypatch.setenv("LOCKSTEP_REQUEUE", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        for route, job in (("an-orchestrator", None), ("slurm", "4242")):
+            rt = lockstep.Runtime(accelerator="cpu", env=DistEnv(launcher=route))
+            assert rt.preemption is not None and rt.preemption.requeue_job == job, route
+            rt.close()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)

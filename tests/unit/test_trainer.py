@@ -146,3 +146,19 @@ def test_early_stopping_on_train_loss_with_epochs_shorter_than_the_logging_inter
     assert trainer.callback_metrics["train_loss"] == trainer.callback_metrics["train_loss_epoch"]
     assert trainer.current_epoch == 3 and stopper.stopped_at_step == 6
 
+
+
+def test_a_store_keeps_step_values_and_sums_them_exactly_in_float64():
+    """Per-step values are only kept (no tensor operation per step) and summed in float64 on reading,
+    also past the fold every FOLD_EVERY values and with two weights: against a hand sum in float64."""
+    from lockstep.train.metrics import MetricStore
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    store, generator = MetricStore(), torch.Generator().manual_seed(0)
+    values = torch.randn(2 * MetricStore.FOLD_EVERY + 7, generator=generator) * 1e4 + 1.0
+    weights = [32 if i % 5 else 7 for i in range(len(values))]
+    for value, weight in zip(values, weights, strict=True):
+        store.add_scalar("loss", value.float(), weight)
+    expected = sum(float(v) * w for v, w in zip(values.double(), weights, strict=True)) / sum(weights)
+    assert store.reduce(rt)["loss"] == pytest.approx(expected, rel=1e-15)
+    rt.close()

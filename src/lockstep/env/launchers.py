@@ -22,8 +22,11 @@ class Capabilities:
     #: hands the agent the failure report (the agent restarts the group if asked, ``--max-restarts``).
     agent_watches: bool = False
     #: The scheduler announces preemption with a signal and a grace period (SLURM: USR1 before the time
-    #: limit, TERM at preemption), and the job can requeue itself: ``rt.should_stop``/``rt.requeue``.
+    #: limit, TERM at preemption): ``rt.should_stop`` turns it into a stop every rank agrees on.
     preempts_with_grace: bool = False
+    #: The job can put itself back in the scheduler's queue (SLURM's ``scontrol requeue``, when the job
+    #: script asked for it): ``rt.requeue`` after a preemption stop.
+    requeues: bool = False
     #: The setting that says how many processes a node runs, to name in a mismatch ('' when none).
     processes_per_node_setting: str = ""
     #: The batch scheduler that allotted the tasks (its job script holds the setting above); '' for none.
@@ -36,8 +39,8 @@ ROUTES: dict[str, Capabilities] = {
                              processes_per_node_setting="--nproc-per-node (lockstep run: --devices)"),
     "torch.distributed.launch": Capabilities(processes_per_node_setting="--nproc-per-node"),
     "lockstep.launch": Capabilities(processes_per_node_setting="lockstep.launch(fn, nprocs=...)"),
-    "slurm": Capabilities(preempts_with_grace=True, processes_per_node_setting="#SBATCH --ntasks-per-node",
-                          scheduler="SLURM"),
+    "slurm": Capabilities(preempts_with_grace=True, requeues=True,
+                          processes_per_node_setting="#SBATCH --ntasks-per-node", scheduler="SLURM"),
     "mpi": Capabilities(processes_per_node_setting="mpirun's processes per node (--npernode)"),
     "env": Capabilities(processes_per_node_setting="LOCAL_WORLD_SIZE"),
 }

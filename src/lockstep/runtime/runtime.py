@@ -140,8 +140,9 @@ class Runtime:
         self._current = CurrentBatch(self._watchdog)
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
-        self.preemption = (Preemption(slurm_requeue_from_environ(), self.rank)
-                           if self.env.capabilities.preempts_with_grace else None)
+        can = self.env.capabilities
+        self.preemption = (Preemption(slurm_requeue_from_environ() if can.requeues else None, self.rank)
+                           if can.preempts_with_grace else None)
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self._checkpoints = self._make_checkpoints()
         self._loaders = self._make_loaders()

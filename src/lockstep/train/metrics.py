@@ -13,12 +13,16 @@ class MetricStore:
     """Sample-weighted sums (device tensors) and sample counts per metric name.
 
     Adding never syncs: counts are batch sizes the host already knows, or device tensors (counts
-    of tokens a module passed as ``batch_size``).
+    of tokens a module passed as ``batch_size``). A step's scalar (``add_scalar``) is only kept: the
+    kept values are summed in float64 in a few operations when read, or every ``FOLD_EVERY`` values.
     """
+
+    FOLD_EVERY = 256  # kept values per name before they are summed (bounds what a long epoch keeps)
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, float | torch.Tensor] = {}
+        self._kept: dict[str, dict[float, list[torch.Tensor]]] = {}  # name -> weight -> scalar tensors
         self._agreed: list[str] | None = None  # the names of every rank at the last reduce (the same on all)
 
     def add(self, name: str, weighted: torch.Tensor, weight: float | torch.Tensor) -> None:
@@ -31,15 +35,29 @@ class MetricStore:
             tensor = weight.detach().to(torch.float64) if isinstance(weight, torch.Tensor) else None
             self._counts[name] = tensor if tensor is not None else float(weight)
 
-    def add_scalar(self, name: str, value: torch.Tensor, weight: float) -> bool:
-        """The per-step fast path: ``value * weight`` added in place, in one operation, to a sum that
-        exists already on ``value``'s device. False when it cannot (then call ``add``)."""
-        total = self._sums.get(name)
-        if total is None or total.device != value.device or value.numel() != 1:
-            return False
-        total.add_(value.detach().reshape(()), alpha=weight)  # computed in the sum's float64
-        self._counts[name] += weight
-        return True
+    def add_scalar(self, name: str, value: torch.Tensor, weight: float) -> None:
+        """The per-step path: keep ``value`` (a detached 0-dim floating tensor) with its ``weight``.
+
+        An in-place float64 add costs a tensor operation per step and name; keeping costs two list
+        operations, and the sum of 256 kept values costs about what 30 adds would.
+        """
+        by_weight = self._kept.setdefault(name, {})
+        kept = by_weight.setdefault(weight, [])
+        kept.append(value)
+        if len(kept) >= self.FOLD_EVERY:
+            self._fold(name)
+
+    def _fold(self, name: str) -> None:
+        """Sum ``name``'s kept values into its float64 sum: per weight, one stack and one sum."""
+        for weight, values in self._kept.pop(name, {}).items():
+            devices = {v.device for v in values}
+            for device in devices:
+                same = values if len(devices) == 1 else [v for v in values if v.device == device]
+                self.add(name, torch.stack(same).to(torch.float64).sum() * weight, weight * len(same))
+
+    def _fold_all(self) -> None:
+        for name in list(self._kept):
+            self._fold(name)
 
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up, in one all-reduce.
@@ -49,6 +67,7 @@ class MetricStore:
         name appears) the names of every rank are gathered and the sums reduced again over their union.
         Every rank must call it; a rank that logged nothing (no batches) still takes part.
         """
+        self._fold_all()
         mine = set(self._sums)
         if self._agreed is not None:
             reduced = self._summed(runtime, self._agreed, new_names=not mine <= set(self._agreed))
@@ -76,8 +95,10 @@ class MetricStore:
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+        self._kept.clear()
 
     def state_dict(self) -> dict[str, Any]:
+        self._fold_all()
         return {"sums": {n: t.detach().cpu() for n, t in self._sums.items()},
                 "counts": {n: float(c) for n, c in self._counts.items()}}
 

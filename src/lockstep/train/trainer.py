@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
-from lockstep.errors import CheckpointError, ConfigError, StateError, UsageError
+from lockstep.errors import ConfigError, NoSuchCheckpointError, StateError, UsageError
 from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, is_stream, seed_everything, unwrap
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
@@ -252,13 +252,13 @@ class Trainer:
         weight = batch_size if batch_size is not None else self._batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
-        if isinstance(weight, int) and isinstance(value, torch.Tensor):  # the per-step case: one op per store
-            missing = [store for store in self._stores if not store.add_scalar(name, value, weight)]
+        if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0:  # the per-step case
+            value = value.detach()
+            for store in self._stores:
+                store.add_scalar(name, value, weight)
         else:
-            missing = self._stores
-        if missing:
             weighted = weighted_value(name, value, weight, self.runtime.device)
-            for store in missing:
+            for store in self._stores:
                 store.add(name, weighted, weight)
         if prog_bar:
             self.progress_bar_metrics.add(name)
@@ -334,10 +334,8 @@ class Trainer:
         assert source is not None, "TrainerConfig checks that resume='auto' has a checkpoint_dir"
         try:
             found = rt.latest_checkpoint(source, exact=not auto)
-        except CheckpointError as error:  # a missing one is said of the argument given: resume='...'
-            if auto or str(error) != f"{source}: no such checkpoint.":
-                raise
-            raise CheckpointError(f"resume={str(source)!r}: no such checkpoint.") from None
+        except NoSuchCheckpointError:  # said of the argument given: resume='...'
+            raise NoSuchCheckpointError(f"resume={str(source)!r}: no such checkpoint.") from None
         if found is None:
             rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
             return None

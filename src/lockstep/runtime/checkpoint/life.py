@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.errors import CheckpointError
+from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime.checkpoint.format import METADATA, is_checkpoint_folder, read_metadata
 
 if TYPE_CHECKING:
@@ -145,10 +145,10 @@ class Checkpoints:
         source = Path(source)
         one = exact or is_checkpoint_folder(source) or (source / METADATA).exists()
         found: list[Checkpoint] = []
-        problem = ""
+        failure: CheckpointError | None = None
         try:
             if exact and not source.exists():
-                raise CheckpointError(f"{source}: no such checkpoint.")
+                raise NoSuchCheckpointError(f"{source}: no such checkpoint.")
             if one:
                 found = [Checkpoint.read(source)]
             elif source.exists() and not source.is_dir():
@@ -156,10 +156,10 @@ class Checkpoints:
             else:
                 found = complete_checkpoints(source)
         except CheckpointError as error:
-            problem = str(error)
-        self._agree(problem or ", ".join(f"{c.path.name} (step {c.step})" for c in found) or "none")
-        if problem:
-            raise CheckpointError(problem)
+            failure = error
+        self._agree(str(failure or "") or ", ".join(f"{c.path.name} (step {c.step})" for c in found) or "none")
+        if failure is not None:
+            raise failure
         for checkpoint in found:
             damage = self.verify(checkpoint.path, checkpoint.metadata)
             if not damage:

@@ -167,7 +167,9 @@ def _replicated_on_a_mesh(ddp: DDP, world_size: int) -> FSDP:
     if unsupported:
         raise ConfigError(f"DDP(tp={ddp.tp}) takes none of {', '.join(unsupported)} (options of "
                           "DistributedDataParallel, which tensor parallel does not use): leave them out.")
-    MeshLayout.for_world(world_size, 1, ddp.tp, owner="DDP")  # tp that does not divide the world is refused
+    if not isinstance(ddp.tp, int) or ddp.tp < 1 or world_size % ddp.tp:
+        raise ConfigError(f"DDP(tp={ddp.tp!r}) needs a whole tensor-parallel degree that divides the world size, "
+                          f"but the job has {world_size} process(es): launch a multiple of tp, or change tp.")
     return FSDP(replicate=world_size // ddp.tp, tp=ddp.tp, tp_plan=ddp.tp_plan, reshard_after_forward=False,
                 name="ddp")
 
