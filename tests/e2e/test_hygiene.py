@@ -6,6 +6,7 @@ each way of ending a job happen, including the ones that run no clean-up code of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,7 +69,15 @@ def test_a_stopped_launcher_takes_its_workers_and_their_loader_workers_with_it(h
         _wait_for_pids(tmp_path, 2, job)
         assert len(session_processes()) - len(before) >= 6  # launcher, 2 ranks, 4 loader workers, servers
         job.send_signal(how)
-        job.communicate(timeout=30)  # the end of the pipe: nobody holds it any more
+        try:
+            job.communicate(timeout=30)  # the end of the pipe: nobody holds it any more
+        except subprocess.TimeoutExpired:
+            running = {pid: cmd for pid, cmd in session_processes().items() if pid not in before}
+            for pid in running:  # whoever holds the pipe, so that the output can be read
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the pipe stayed open 30s after {how.name}; still running: {running}\n"
+                        f"the launcher's output:\n{job.communicate(timeout=30)[0]}")
         left = _none_left_within(10, before)
     finally:
         job.kill()
