@@ -313,17 +313,18 @@ def test_every_error_lockstep_raises_on_purpose_is_a_lockstep_error_and_keeps_it
         assert isinstance(caught.value, ValueError) and isinstance(caught.value, lockstep.ConfigError)
 
 
-def test_a_change_of_membership_between_two_steps_re_splits_the_next_global_batch_over_the_new_members():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_change_of_membership_between_two_steps_re_splits_the_next_global_batch_over_the_new_members(workers):
     """Three replicas; one leaves after step 1 and comes back (with a live one's loader position) after
     step 3: at every step the union of the live members' batches is that step's global batch (each
-    sample once), as on one process, without rebuilding a Runtime or a loader."""
+    sample once), as on one process, without rebuilding a Runtime or a loader. With DataLoader workers,
+    which drew batches ahead under the old membership, too."""
     data = torch.utils.data.TensorDataset(torch.arange(60))
     one = Runtime(accelerator="cpu", seed=5, env=DistEnv())
     reference = [sorted(x.tolist()) for (x,) in one.loader(data, batch_size=12, shuffle=True)]
     one.close()
     members = [Runtime(accelerator="cpu", seed=5, env=DistEnv()) for _ in range(3)]
-    # no workers: they draw prefetch_factor x num_workers batches ahead, under the membership of then
-    loaders = [rt.loader(data, batch_size=12, shuffle=True, num_workers=0) for rt in members]
+    loaders = [rt.loader(data, batch_size=12, shuffle=True, num_workers=workers) for rt in members]
     batches = [iter(loader) for loader in loaders]
     plan = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 2), (0, 1, 2)]  # the live replicas of each step
     for step, live in enumerate(plan):

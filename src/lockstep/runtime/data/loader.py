@@ -223,8 +223,16 @@ class DistributedLoader:
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
         clock = time.perf_counter
+        # DataLoader workers draw batches ahead under the membership of then: when it changes (a replica
+        # left or joined), the pass starts again at this step, and what they drew is dropped.
+        member = getattr(self.sampler, "membership", None) if stream is None and self.loader.num_workers else None
+        drawn_for = (member.rank, member.size) if member is not None else None
         try:
             for step in itertools.count(start):
+                if member is not None and (member.rank, member.size) != drawn_for:
+                    drawn_for = (member.rank, member.size)
+                    self.sampler.set_epoch(epoch, step)
+                    batches = iter(self.loader)
                 waited = clock()
                 batch = next(batches, _END)
                 self.wait_s += clock() - waited

@@ -116,9 +116,9 @@ class Membership:
         self.change(rank, size)
 
     def change(self, rank: int, size: int) -> None:
-        """This rank is now member ``rank`` of ``size``; takes effect at the next batch drawn. DataLoader
-        workers draw ``prefetch_factor × num_workers`` batches ahead: re-position such a loader
-        (``load_state_dict`` of its position, then a new pass) to apply a change at once."""
+        """This rank is now member ``rank`` of ``size``, from the next batch a training loader hands out
+        (one whose DataLoader workers drew batches ahead drops them and draws again). A stream's
+        loader applies it from the next pass: re-position it (``load_state_dict`` of its position)."""
         if not (isinstance(size, int) and isinstance(rank, int) and size >= 1 and 0 <= rank < size):
             raise ConfigError(f"data-parallel membership rank={rank!r}, size={size!r}: the rank is a whole number "
                               "from 0 to size - 1, and size is at least 1.")
