@@ -122,7 +122,11 @@ def test_12_a_killed_rank_comes_first_and_its_peers_say_one_line_each():
     assert lines[-1] == "lockstep: rank 1 (local rank 1) on " + lines[-1].split(" on ", 1)[1]
     assert "failed with signal SIGKILL; every worker of the job was stopped." in lines[-1]
     folded = [line for line in lines if "stopped because a peer failed first" in line]
-    assert len(folded) == 2 and len(lines) == 3, stderr  # no traceback, no torch agent lines
+    # No traceback and no torch agent line: a peer says one line at most. It says none when the agent's
+    # stop (it polls every 0.1 s) reaches it before its collective reports the lost peer, a race that
+    # a loaded 2-core machine loses about once in ten runs.
+    assert folded == lines[:-1] and len(folded) <= 2, stderr
+    assert len({line.split(" stopped ")[0] for line in folded}) == len(folded), stderr  # one line per peer
     for line in folded:  # the full traceback is kept where the line says
         kept = Path(line.rsplit("This rank's traceback: ", 1)[1])
         assert "Traceback (most recent call last)" in kept.read_text()

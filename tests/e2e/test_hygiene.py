@@ -63,8 +63,11 @@ def test_a_piped_launch_with_loader_workers_reaches_the_end_of_its_output(mode):
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
 def test_a_stopped_launcher_takes_its_workers_and_their_loader_workers_with_it(how, tmp_path):
     before = set(session_processes())
+    # SIGINT as a terminal's Ctrl-C delivers it: a suite run in the background (`make check &`) starts
+    # with SIGINT ignored, which its children would inherit.
     job = subprocess.Popen([sys.executable, "tests/scripts/launch_loader.py", "wait", str(tmp_path)], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for_pids(tmp_path, 2, job)
         assert len(session_processes()) - len(before) >= 6  # launcher, 2 ranks, 4 loader workers, servers

@@ -118,6 +118,8 @@ def _scheduler_and_interval(scheduler: Any) -> tuple[Any, str]:
 def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     """The loss in what ``training_step`` returned (the tensor itself, or the dict's ``"loss"``), and
     the dict's ``"num_items"``: how many items (tokens) the loss is a mean over, or None."""
+    if type(outputs) is torch.Tensor:  # the common case, without an abstract-class check per step
+        return outputs, None
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
         raise UsageError("training_step must return the loss tensor or a dict holding 'loss'; "
