@@ -36,7 +36,8 @@ class MetricStore:
             self._counts[name] = tensor if tensor is not None else float(weight)
 
     def add_scalar(self, name: str, value: torch.Tensor, weight: float) -> None:
-        """The per-step path: keep ``value`` (a detached 0-dim floating tensor) with its ``weight``.
+        """The per-step path: keep ``value`` (a detached 0-dim tensor on the device the sums live on,
+        the Runtime's) with its ``weight``.
 
         An in-place float64 add costs a tensor operation per step and name; keeping costs two list
         operations, and the sum of 256 kept values costs about what 30 adds would.
@@ -50,10 +51,7 @@ class MetricStore:
     def _fold(self, name: str) -> None:
         """Sum ``name``'s kept values into its float64 sum: per weight, one stack and one sum."""
         for weight, values in self._kept.pop(name, {}).items():
-            devices = {v.device for v in values}
-            for device in devices:
-                same = values if len(devices) == 1 else [v for v in values if v.device == device]
-                self.add(name, torch.stack(same).to(torch.float64).sum() * weight, weight * len(same))
+            self.add(name, torch.stack(values).to(torch.float64).sum() * weight, weight * len(values))
 
     def _fold_all(self) -> None:
         for name in list(self._kept):

@@ -252,12 +252,13 @@ class Trainer:
         weight = batch_size if batch_size is not None else self._batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
-        if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0:  # the per-step case
-            value = value.detach()
+        device = self.runtime.device  # where the sums live: a value elsewhere (a CPU number on a GPU run) moves
+        if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device == device:
+            value = value.detach()  # the per-step case: kept as it is
             for store in self._stores:
                 store.add_scalar(name, value, weight)
         else:
-            weighted = weighted_value(name, value, weight, self.runtime.device)
+            weighted = weighted_value(name, value, weight, device)
             for store in self._stores:
                 store.add(name, weighted, weight)
         if prog_bar:
