@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         DP,
         FSDP,
         DistributedLoader,
+        FaultTolerance,
         Runtime,
         SingleDevice,
         seed_everything,
@@ -62,7 +63,8 @@ _WHERE = {
     **dict.fromkeys(["CheckpointError", "CollectiveError", "ConfigError", "EnvError", "LockstepError",
                      "MissingExtraError", "RendezvousError", "StateError", "UnsafeCheckpointError", "UsageError",
                      "WorkerError"], "lockstep.errors"),
-    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "Runtime", "SingleDevice", "seed_everything", "unwrap"],
+    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "FaultTolerance",
+                     "Runtime", "SingleDevice", "seed_everything", "unwrap"],
                     "lockstep.runtime"),
     "launch": "lockstep.runtime.launch.spawn",  # lockstep.runtime.launch is the launcher-side subpackage
     **dict.fromkeys(["AdvancedProfiler", "CSVLogger", "Callback", "EarlyStopping", "JSONLinesLogger",
@@ -73,11 +75,12 @@ _WHERE = {
 _SUBPACKAGES = ("cli", "env", "errors", "runtime", "testing", "train")
 
 __all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "CollectiveError", "ConfigError", "DDP",
-           "DP", "DistEnv", "DistributedLoader", "EarlyStopping", "EnvError", "FSDP", "JSONLinesLogger",
-           "LearningRateMonitor", "LockstepError", "MLflowLogger", "MissingExtraError", "ModelCheckpoint", "Module",
-           "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime", "SimpleProfiler", "SingleDevice",
-           "StateError", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "UnsafeCheckpointError", "UsageError",
-           "WandbLogger", "WorkerError", "__version__", "launch", "seed_everything", "unwrap"]
+           "DP", "DistEnv", "DistributedLoader", "EarlyStopping", "EnvError", "FSDP", "FaultTolerance",
+           "JSONLinesLogger", "LearningRateMonitor", "LockstepError", "MLflowLogger", "MissingExtraError",
+           "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime",
+           "SimpleProfiler", "SingleDevice", "StateError", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
+           "UnsafeCheckpointError", "UsageError", "WandbLogger", "WorkerError", "__version__", "launch",
+           "seed_everything", "unwrap"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep", _WHERE, globals(), _SUBPACKAGES)

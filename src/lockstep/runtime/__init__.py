@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from lockstep.runtime.parallel.devices import Devices
     from lockstep.runtime.parallel.flop_count import FlopCount
     from lockstep.runtime.parallel.fsdp import FSDP
+    from lockstep.runtime.parallel.replica_groups import FaultTolerance, Lighthouse
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice, Strategy
     from lockstep.runtime.parallel.wrappers import unwrap
     from lockstep.runtime.runtime import Runtime
@@ -51,14 +52,16 @@ _WHERE = {
     "Policy": "lockstep.runtime.parallel.activation_checkpointing", "Strategy": "lockstep.runtime.parallel.strategy",
     "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
     "SingleDevice": "lockstep.runtime.parallel.strategy",
+    "FaultTolerance": "lockstep.runtime.parallel.replica_groups",
+    "Lighthouse": "lockstep.runtime.parallel.replica_groups",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }
 
 __all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "Devices", "DistributedLoader", "FSDP",
-           "FlopCount", "Policy", "Runtime", "RuntimeConfig", "SingleDevice", "Strategy", "WorkerError",
-           "batch_size_of", "complete_checkpoints", "is_checkpoint_folder", "is_stream", "read_metadata",
-           "seed_everything", "unwrap", "write_atomic"]
+           "FaultTolerance", "FlopCount", "Lighthouse", "Policy", "Runtime", "RuntimeConfig", "SingleDevice",
+           "Strategy", "WorkerError", "batch_size_of", "complete_checkpoints", "is_checkpoint_folder", "is_stream",
+           "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())

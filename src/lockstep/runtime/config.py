@@ -9,6 +9,7 @@ from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeo
 from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
+from lockstep.runtime.parallel.replica_groups import FaultTolerance
 from lockstep.runtime.parallel.strategy import Strategy
 
 
@@ -32,6 +33,7 @@ class RuntimeConfig:
     init_method: str | None = None
     debug: bool | None = None
     per_sample_rng: bool = False
+    fault_tolerance: FaultTolerance | None = None
 
     def resolved(self) -> RuntimeConfig:
         chosen = runtime_choices_from_environ()
@@ -47,8 +49,18 @@ class RuntimeConfig:
             precision=self.precision or chosen.get("precision", "32-true"),
             timeout=timeout,
             debug=debug_from_environ() if self.debug is None else self.debug,
+            fault_tolerance=_fault_tolerance(self.fault_tolerance),
         )
 
     def kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments, values as they are (a configured strategy stays an object)."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def _fault_tolerance(asked: FaultTolerance | None) -> FaultTolerance | None:
+    """``asked``, else what ``lockstep run --fault-tolerant`` set; with its group and lighthouse."""
+    if asked is not None and not isinstance(asked, FaultTolerance):
+        raise ConfigError(f"fault_tolerance={asked!r}: give lockstep.FaultTolerance(min_replicas=..., "
+                          "step_timeout=...), or None.")
+    chosen = asked or FaultTolerance.from_environ()
+    return chosen.resolved() if chosen is not None else None

@@ -6,6 +6,8 @@ A step of an optimizer set up by ``rt.setup``, top to bottom:
 1. a background save that failed is raised now, not at the next save (``checkpoint/``);
 2. the item count (``rt.backward(num_items=...)``): one all-reduce of the step's item counts,
    the gradients rescaled in place to those of the mean over every item (``parallel/num_items``);
+   fault tolerance (``parallel/replica_groups``): the gradients averaged over the replica groups of
+   the step, then the commit vote; a step that does not commit ends here, untaken;
 3. unscaling (``16-mixed``), when ``rt.clip_grad_norm_`` has not already done it, then clipping
    there (``parallel/grad_norm``): both in ``clip`` below, which the user calls between 2 and 4;
 4. ``lockstep verify``'s checks of the gradients (``verify``);
@@ -17,6 +19,7 @@ A step of an optimizer set up by ``rt.setup``, top to bottom:
 from __future__ import annotations
 
 import types
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from lockstep.runtime.faults.watchdog import Watchdog
     from lockstep.runtime.parallel.num_items import ItemNormalizer
     from lockstep.runtime.parallel.precision import Precision
+    from lockstep.runtime.parallel.replica_groups import ReplicaGroups
     from lockstep.runtime.verify import StepRecorder
 
 
@@ -39,14 +43,19 @@ class OptimizerStep:
     """Owns the order of the optimizer step for one Runtime (see the module docstring)."""
 
     def __init__(self, precision: Precision, items: ItemNormalizer, checkpoints: Checkpoints,
-                 watchdog: Watchdog, recorder: StepRecorder | None) -> None:
+                 watchdog: Watchdog, recorder: StepRecorder | None, replicas: ReplicaGroups | None = None) -> None:
         self.precision, self.items, self.checkpoints = precision, items, checkpoints
-        self.watchdog, self.recorder = watchdog, recorder
+        self.watchdog, self.recorder, self.replicas = watchdog, recorder, replicas
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
 
     def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """One optimizer step; ``step`` is the optimizer's own (unpatched) step."""
         self.checkpoints.raise_if_failed()                      # 1
         self.items.finish_step()                                # 2
+        if self.replicas is not None and self.replicas.in_step:  # not DCP's step that creates the state
+            self._reduce_over_replicas()
+            if not self.replicas.commit():
+                return None
         if self.recorder is not None:
             self.recorder.before_step()                         # 4
         result = self.precision.optimizer_step(optimizer, step)  # 3 (unscale, if not done) and 5
@@ -58,6 +67,8 @@ class OptimizerStep:
              norm_type: float) -> torch.Tensor:
         """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
         self.items.finish_step()
+        if self.replicas is not None and self.replicas.in_step:
+            self._reduce_over_replicas()
         self.precision.unscale_(optimizer)
         with self.watchdog.step("clip_grad_norm_"):
             return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
@@ -68,6 +79,7 @@ class OptimizerStep:
         itself, so a re-entrant call runs the original step."""
         if getattr(optimizer.step, "_lockstep_patched", False):
             return
+        self._optimizers.append(weakref.ref(optimizer))
         self.items.watch(optimizer)
         original = optimizer.step
         inside = False
@@ -86,3 +98,10 @@ class OptimizerStep:
         patched._lockstep_patched = True  # type: ignore[attr-defined]
         mark_wrapped_by_lr_scheduler(original, patched)  # a scheduler made before setup wrapped step(): ours calls it
         optimizer.step = types.MethodType(patched, optimizer)  # type: ignore[method-assign]
+
+    def _reduce_over_replicas(self) -> None:
+        """Every attached optimizer's gradients averaged over the replica groups (once a step)."""
+        assert self.replicas is not None
+        optimizers = [ref() for ref in self._optimizers]
+        self.replicas.reduce_gradients([p for opt in optimizers if opt is not None
+                                        for group in opt.param_groups for p in group["params"]])

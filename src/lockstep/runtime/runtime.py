@@ -43,6 +43,7 @@ from lockstep.runtime.parallel.mesh import Membership, Mesh
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
+from lockstep.runtime.parallel.replica_groups import FaultTolerance, ReplicaGroups
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.tensor_parallel import apply_plan, plan_of
 from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
@@ -94,6 +95,10 @@ class Runtime:
         per_sample_rng: the loaders fetch each sample with torch, python and numpy seeded from
             (seed, epoch, dataset index), so random augmentations in ``__getitem__`` do not depend
             on the world size or the workers (a few microseconds per sample; docs/models.md).
+        fault_tolerance: this job is one of several replica groups that may die and join while the
+            others train on (``lockstep.FaultTolerance(...)``; default what ``lockstep run
+            --fault-tolerant`` set). Call ``rt.resume(folder, state)`` before the loop, and step
+            schedulers only when ``rt.step_committed`` (docs/fault-tolerance.md).
     """
 
     def __init__(
@@ -112,11 +117,12 @@ class Runtime:
         env: DistEnv | None = None,
         debug: bool | None = None,
         per_sample_rng: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.config = config = RuntimeConfig(
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, seed=seed,
             deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
-            init_method=init_method, debug=debug, per_sample_rng=per_sample_rng,
+            init_method=init_method, debug=debug, per_sample_rng=per_sample_rng, fault_tolerance=fault_tolerance,
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         if self.env.capabilities.agent_watches:
@@ -138,6 +144,9 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
+        # Fault tolerance: the data-parallel membership spans the live replica groups of each step.
+        self.replicas = (ReplicaGroups(config.fault_tolerance, self.membership, self.rank, self.world_size,
+                                       self.device, self.print) if config.fault_tolerance is not None else None)
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         can = self.env.capabilities
@@ -149,7 +158,7 @@ class Runtime:
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
-                                             self._recorder)
+                                             self._recorder, self.replicas)
 
     def _make_checkpoints(self) -> Checkpoints:
         """The checkpoint room, over this Runtime's watched collectives (DCP loads at its first use)."""
@@ -160,13 +169,16 @@ class Runtime:
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
                  if self.world_size > 1 else None)
+        gate = self.replicas.next_step if self.replicas is not None else None
         return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
-                       self.print)
+                       self.print, gate)
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value)."""
-        return self.all_reduce(value, op="sum") / self.tensor_parallel_size
+        """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value),
+        over every live replica group of a fault-tolerant job."""
+        total = self.all_reduce(value, op="sum") / self.tensor_parallel_size if self.world_size > 1 else value
+        return self.replicas.sum(total) if self.replicas is not None else total
 
     def _make_recorder(self) -> StepRecorder | None:
         """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
@@ -384,6 +396,13 @@ class Runtime:
         return self._optimizer_step.clip(model, optimizer, max_norm, norm_type)
 
     @property
+    def step_committed(self) -> bool:
+        """Whether the last ``optimizer.step()`` was taken. Always, except in a fault-tolerant job, where
+        a step during which a replica group died is taken nowhere and its batch comes again: step your
+        schedulers (and count your steps) only when this is True."""
+        return self.replicas is None or bool(self.replicas.committed)
+
+    @property
     def step_was_skipped(self) -> bool:
         """True when the last ``optimizer.step()`` was skipped for inf/NaN gradients (``16-mixed``)."""
         return self.precision.last_step_skipped
@@ -546,7 +565,14 @@ class Runtime:
         ``wait_for_save``). ``metadata``: JSON values added to the folder's ``lockstep.json``
         (readable without loading, e.g. the step). ``on_commit``: run on rank 0 once the folder is
         complete (after the background write, with ``blocking=False``).
+
+        In a fault-tolerant job, the first replica group of the step writes it (the others return 0.0
+        at once), adding the committed steps to its metadata.
         """
+        if self.replicas is not None:
+            if self.replicas.manager.participating_rank() != 0:
+                return 0.0
+            metadata = {**(metadata or {}), "committed_steps": self.replicas.step}
         return self._checkpoints.save(path, state, blocking, metadata, on_commit)
 
     def load(self, path: str | Path | Checkpoint, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
@@ -576,10 +602,18 @@ class Runtime:
         scratch). Every rank calls it.
 
         ``found = rt.resume("runs/exp", state)``, then ``start = found.step if found else 0``.
+
+        In a fault-tolerant job every replica group calls it before its loop: after the checkpoint,
+        if any, it joins the first quorum, which gives a group that starts behind the live groups
+        their state (``state``'s plain values too: keep your step and epoch in it). It returns the
+        checkpoint loaded from disk, if any.
         """
         found = self._checkpoints.find(path)
         if found is not None:
             self._checkpoints.load(found, state, verify=False)
+        if self.replicas is not None:
+            committed = found.metadata.get("committed_steps", found.step) if found is not None else 0
+            self.replicas.start(state, int(committed))
         return found
 
     def verify_checkpoint(self, path: str | Path) -> list[str]:
@@ -617,6 +651,8 @@ class Runtime:
         """
         self._checkpoints.wait()
         self._watchdog.stop()
+        if self.replicas is not None:
+            self.replicas.close()
         if self._owns_group:
             self._owns_group = False
             for ref in self._wrapped:

@@ -43,6 +43,7 @@ class Loaders:
     equal_steps: bool
     count_ranks: Callable[[bool], int] | None
     say: Callable[[str], None]
+    gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
@@ -52,6 +53,9 @@ class Loaders:
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
         if isinstance(batches, FixedBatches):
             self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
+        if self.gate is not None and isinstance(batches, StreamBatches):
+            raise ConfigError(f"{type(dataset).__name__} is a stream: a fault-tolerant job draws a step again when "
+                              "it does not commit, which a stream cannot do. Give a map-style dataset.")
         return self._loader(dataset, GlobalBatchSampler(batches, self.membership), opts, training=True)
 
     def evaluation(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
@@ -84,7 +88,8 @@ class Loaders:
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
         return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.membership.rank, self.observer,
-                                 per_sample_rng=self.per_sample_rng, count_ranks=self.count_ranks, training=training)
+                                 per_sample_rng=self.per_sample_rng, count_ranks=self.count_ranks, training=training,
+                                 gate=self.gate)
 
 
 def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last: bool, seed: int) -> Batches:

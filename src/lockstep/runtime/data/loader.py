@@ -8,7 +8,6 @@ evenly as possible. Every rank has the same number of steps. Evaluation: rank ``
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -145,6 +144,7 @@ class DistributedLoader:
         self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, options: dict[str, Any],
         device: torch.device, seed: int, rank: int, observer: BatchObserver | None = None,
         per_sample_rng: bool = False, count_ranks: Callable[[bool], int] | None = None, training: bool = True,
+        gate: Callable[[DistributedLoader, int], int] | None = None,
     ) -> None:
         self.dataset = dataset
         self.training = training  # global batches to train on; else evaluation batches (no loss weight)
@@ -160,6 +160,9 @@ class DistributedLoader:
         generator = torch.Generator().manual_seed(mix_seed(seed, rank, _WORKER_BASE_STREAM))
         self._stream: StreamShard | None = None
         self._count_ranks = count_ranks  # how many ranks pass True (a collective), to agree on a stream's end
+        # Asked before each batch which step to draw (fault tolerance: the quorum, and a step drawn again
+        # when it did not commit; parallel/replica_groups.py).
+        self._gate = gate if training else None
         batches = getattr(sampler, "batches", None)
         if isinstance(batches, StreamBatches):
             assert isinstance(sampler, GlobalBatchSampler)
@@ -227,8 +230,13 @@ class DistributedLoader:
         # left or joined), the pass starts again at this step, and what they drew is dropped.
         member = getattr(self.sampler, "membership", None) if stream is None and self.loader.num_workers else None
         drawn_for = (member.rank, member.size) if member is not None else None
+        gate, step = self._gate, start
         try:
-            for step in itertools.count(start):
+            while True:
+                if gate is not None and ((wanted := gate(self, step)) != step or self._epoch != epoch):
+                    step, epoch = wanted, self._epoch  # a step drawn again, or where a peer's state put it
+                    self.sampler.set_epoch(epoch, step)
+                    batches = iter(self.loader)
                 if member is not None and (member.rank, member.size) != drawn_for:
                     drawn_for = (member.rank, member.size)
                     self.sampler.set_epoch(epoch, step)
@@ -249,9 +257,22 @@ class DistributedLoader:
                     if observer is not None:
                         observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real), strict=True)})
                 yield batch
+                step += 1
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
                 observer.batch_ended(self)
+
+    def rewind(self, step: int) -> None:
+        """The position is ``step`` batches into the current pass (a step drawn again is not done)."""
+        self._batches_done = step
+
+    def healed_position(self, step: int) -> int:
+        """Where to go on after a live peer's state was loaded into this loader during its pass
+        (``step`` when none was): the peer's position, in the peer's epoch, which becomes this pass's."""
+        if self._pending is None:
+            return step
+        (self._epoch, self._batches_done), self._pending = self._pending, None
+        return self._batches_done
 
     def _start_stream(self, epoch: int, start: int, workers_started: bool) -> None:
         assert self._stream is not None

@@ -1,0 +1,401 @@
+"""Fault tolerance without a restart: replica groups that leave and join between two steps.
+
+A fault-tolerant job is several replica groups. Inside a group, the Runtime's own process group and
+strategy (one process, DDP, FSDP, tensor parallel); across groups, torchft: a lighthouse forms a
+quorum of the live groups before every step, and the gradients are averaged over the quorum's
+members through torchft's reconfigurable process group. A group that dies is dropped at the next
+quorum; a group that starts later takes its state from a live peer, not from disk.
+
+Exactness, the promise (docs/fault-tolerance.md):
+
+- the quorum is synchronous, so the participants of step ``s`` are known before its forward: the
+  data-parallel ``Membership`` becomes this group's share of them, and the loaders split global
+  batch ``s`` over the participants (the global batch never shrinks; no sample is lost or read twice);
+- ``s`` is the number of committed steps: a step that does not commit (a participant died during
+  it) is not stepped anywhere, and the loaders serve the same global batch again, split over the
+  new quorum;
+- the loss weights come from the participants' shares of the global batch, and the cross-group
+  average divides by the same number of participants, so the gradients are those of the mean loss
+  over the global batch, whoever computed them.
+
+One step timeout sets every wait (``FaultTolerance.timeouts``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.errors import CollectiveError, ConfigError, MissingExtraError, StateError
+from lockstep.runtime.parallel.mesh import Membership
+
+#: What ``lockstep run --fault-tolerant`` hands each replica group's processes.
+ENV_ON, ENV_GROUP, ENV_LIGHTHOUSE = "LOCKSTEP_FAULT_TOLERANT", "LOCKSTEP_REPLICA_GROUP", "LOCKSTEP_LIGHTHOUSE"
+ENV_MIN_REPLICAS, ENV_STEP_TIMEOUT = "LOCKSTEP_MIN_REPLICAS", "LOCKSTEP_STEP_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of a fault-tolerant job, in seconds, derived from the one step timeout."""
+
+    quorum: float     # a step waits this long for at least ``min_replicas`` live groups, then fails naming them
+    collective: float  # the cross-group all-reduce, the commit vote and a state transfer to a joining group
+    connect: float    # reaching the lighthouse and the group's manager
+    heartbeat: float  # a group whose heartbeats stop this long is dropped from the next quorum
+    join: float       # the lighthouse waits this long for groups that were not in the last quorum
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Replica groups that may die and join while the others train on (``Runtime(fault_tolerance=...)``).
+
+    Args:
+        min_replicas: the fewest live groups a step may run with; with fewer, a step waits up to
+            ``step_timeout`` and then the job ends with an error naming the missing groups.
+        step_timeout: seconds one step may wait for anything (the other groups, a collective, a
+            state transfer); every torchft timeout derives from it (``timeouts``).
+        replica_group: this group's index (default ``LOCKSTEP_REPLICA_GROUP``, which ``lockstep run
+            --fault-tolerant`` sets).
+        lighthouse: the lighthouse's address (default ``LOCKSTEP_LIGHTHOUSE``).
+    """
+
+    min_replicas: int = 1
+    step_timeout: float = 30.0
+    replica_group: int | None = None
+    lighthouse: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
+            raise ConfigError(f"FaultTolerance(min_replicas={self.min_replicas!r}): a whole number of at least 1.")
+        if not isinstance(self.step_timeout, (int, float)) or not self.step_timeout > 0:
+            raise ConfigError(f"FaultTolerance(step_timeout={self.step_timeout!r}): a positive number of seconds.")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> FaultTolerance | None:
+        """What ``lockstep run --fault-tolerant`` asked for, or None when it did not."""
+        env = os.environ if environ is None else environ
+        if env.get(ENV_ON, "") != "1":
+            return None
+        try:
+            return cls(min_replicas=int(env.get(ENV_MIN_REPLICAS, "1")),
+                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")))
+        except ValueError as error:
+            raise ConfigError(f"{ENV_MIN_REPLICAS} or {ENV_STEP_TIMEOUT} is not a number: {error}") from None
+
+    def timeouts(self) -> Timeouts:
+        """The derivation: every wait that can end a step is the step timeout itself; a dead group is
+        found by its heartbeats, a tenth of it (at least 1 s, at most 5 s); the lighthouse waits for
+        newcomers half that long, so a group that starts while a quorum forms usually joins it."""
+        step = float(self.step_timeout)
+        heartbeat = min(max(step / 10, 1.0), 5.0)
+        return Timeouts(quorum=step, collective=step, connect=step, heartbeat=heartbeat, join=heartbeat / 2)
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> FaultTolerance:
+        """With the replica group and the lighthouse filled in from the environment; an error naming
+        what is missing."""
+        env = os.environ if environ is None else environ
+        group, lighthouse = self.replica_group, self.lighthouse or env.get(ENV_LIGHTHOUSE)
+        if group is None:
+            raw = env.get(ENV_GROUP)
+            try:
+                group = int(raw) if raw is not None else None
+            except ValueError:
+                raise ConfigError(f"{ENV_GROUP}={raw!r}: a replica group's index is a whole number.") from None
+        if group is None or group < 0 or not lighthouse:
+            raise ConfigError(
+                "fault tolerance needs this replica group's index and the lighthouse's address: start the job "
+                f"with `lockstep run --fault-tolerant`, or set {ENV_GROUP} (0, 1, ...) and {ENV_LIGHTHOUSE} "
+                "(host:port of a lighthouse, lockstep.runtime.parallel.replica_groups.Lighthouse), or give "
+                "FaultTolerance(replica_group=..., lighthouse=...).")
+        if "://" not in lighthouse:
+            lighthouse = f"http://{lighthouse}"
+        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse)
+
+
+def _torchft() -> Any:
+    """torchft, its lighthouse's and managers' per-step log lines and its warnings silenced: lockstep
+    says each event in one line (set ``RUST_LOG``, or the ``torchft`` logger's level, to see them)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError as error:
+        raise MissingExtraError("fault tolerance needs torchft: pip install 'lockstep[ft]'") from error
+    quiet = logging.getLogger("torchft")
+    if quiet.level == logging.NOTSET:
+        quiet.setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", module=r"torchft(\.|$)")
+    return torchft
+
+
+class Lighthouse:
+    """torchft's lighthouse, which forms the quorum of live replica groups; ``lockstep run
+    --fault-tolerant`` hosts one in its agent. ``address`` is what each group's
+    ``LOCKSTEP_LIGHTHOUSE`` says."""
+
+    def __init__(self, config: FaultTolerance, host: str = "0.0.0.0", port: int = 0) -> None:
+        _torchft()
+        from torchft._torchft import LighthouseServer
+
+        timeouts = config.timeouts()
+        self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=config.min_replicas,
+                                        join_timeout_ms=int(timeouts.join * 1000), quorum_tick_ms=20,
+                                        heartbeat_timeout_ms=int(timeouts.heartbeat * 1000))
+        bound_port = self._server.address().rsplit(":", 1)[1]
+        self.address = f"http://{host if host not in ('0.0.0.0', '::', '[::]') else '127.0.0.1'}:{bound_port}"
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+class _QuorumRecorder:
+    """Stands in for torchft's manager client and keeps the last quorum it returned (the replica ids
+    and the healing plan), which the manager does not expose; every other call goes through."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.last = client, None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _group_index(replica_id: str) -> int:
+    """The group index in a torchft replica id (``lockstep_<index>:<uuid>``)."""
+    name = replica_id.split(":")[0]
+    return int(name.rsplit("_", 1)[1])
+
+
+class ReplicaGroups:
+    """This replica group's seat in a fault-tolerant job, over torchft's ``Manager``.
+
+    ``membership`` (the Runtime's data-parallel one) becomes, at every quorum, this rank's place among
+    the participants' data-parallel ranks: participant ``p`` of ``P`` holds data-parallel ranks
+    ``p * D .. p * D + D - 1`` of ``P * D``, ``D`` being a group's own data-parallel size.
+
+    The life of a step: ``next_step`` (a training loader asks it before drawing a batch) takes the
+    quorum when the last step was decided (or never taken), and says which step to draw: the same one
+    again after a step that did not commit; ``reduce_gradients`` averages the gradients over the
+    participants (once a step); ``commit`` asks every participant whether the step may be taken (once
+    a step). ``state`` (given to ``rt.resume``) is what a joining group receives from a live peer.
+    """
+
+    def __init__(self, config: FaultTolerance, membership: Membership, group_rank: int, group_size: int,
+                 device: torch.device, say: Callable[[str], None]) -> None:
+        _torchft()
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config, self.membership, self.say = config, membership, say
+        self.index = int(config.replica_group or 0)
+        self.local_rank, self.local_size = membership.rank, membership.size  # inside the group
+        timeouts = config.timeouts()
+        collective = timedelta(seconds=timeouts.collective)
+        self._pg = pg = (ProcessGroupNCCL(timeout=collective) if device.type == "cuda"
+                         else ProcessGroupGloo(timeout=collective))
+        self._store = None
+        if group_size == 1:  # a group of one process has no store of its own: the manager's lives here
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._store.port
+        else:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.state: dict[str, Any] | None = None
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
+            min_replica_size=config.min_replicas, use_async_quorum=False, timeout=collective,
+            quorum_timeout=timedelta(seconds=timeouts.quorum), connect_timeout=timedelta(seconds=timeouts.connect),
+            rank=group_rank, world_size=group_size, store_addr=store_addr, store_port=store_port,
+            lighthouse_addr=config.lighthouse, replica_id=f"lockstep_{self.index}",
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
+        )
+        self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
+        self._members: list[int] = []  # the group indices of the last quorum, in participant order
+        self._decided: bool | None = True  # the last step's commit decision (None: a step is under way)
+        self._reduced = False
+        self._step_start: tuple[Any, int] | None = None  # the loader and position where the current step began
+        self.committed: bool | None = None  # whether the last optimizer step was taken
+        self._stalled_since: float | None = None
+        self._fresh = False  # a quorum was taken (by start) and no step has used it yet
+        self._step_began = time.monotonic()
+        self._closed = False
+
+    # -- the quorum ------------------------------------------------------------------------
+    def quorum(self) -> None:
+        """Take the quorum of step ``manager.current_step()``: heal from a peer if this group is behind,
+        then make this rank's data-parallel membership its share of the participants."""
+        previous = self._members
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # torchft raises what its RPC raised: a timeout, a lost lighthouse
+            raise CollectiveError(self._quorum_failure(error)) from error
+        quorum = self._recorder.last
+        if quorum is None:
+            raise CollectiveError(f"replica group {self.index}: the lighthouse returned no quorum.")
+        members = [_group_index(name) for name in quorum.replica_ids]
+        self._members = members
+        rank, size = self.manager.participating_rank(), self.manager.num_participants()
+        if rank is None:
+            raise CollectiveError(f"replica group {self.index} is not among the participants of step "
+                                  f"{self.manager.current_step()} (groups {members}).")
+        self.membership.change(rank * self.local_size + self.local_rank, size * self.local_size)
+        self._report(previous, members, quorum)
+        self._step_began = time.monotonic()
+        if self.manager.errored() is not None:
+            raise CollectiveError(f"replica group {self.index} could not join step {self.manager.current_step()}: "
+                                  f"{self.manager.errored()}")
+
+    def _report(self, previous: list[int], members: list[int], quorum: Any) -> None:
+        """One line for each change: who left, who joined, who healed from whom, how long the step stalled."""
+        parts = []
+        if previous and previous != members:
+            left, joined = sorted(set(previous) - set(members)), sorted(set(members) - set(previous))
+            parts += [f"left {left}"] if left else []
+            parts += [f"joined {joined}"] if joined else []
+        if quorum.heal and quorum.max_step > 0:
+            parts.append(f"group {self.index} healed from group {members[quorum.recover_src_replica_rank]}")
+        if not parts:
+            return
+        if self._stalled_since is not None:
+            parts.append(f"the step stalled {time.monotonic() - self._stalled_since:.2f} s")
+        self.say(f"fault tolerance: step {self.manager.current_step()}, groups {members}: " + ", ".join(parts))
+
+    def _quorum_failure(self, error: BaseException) -> str:
+        known = ", ".join(str(i) for i in self._members if i != self.index) or "none yet"
+        return (f"replica group {self.index}: no quorum of at least {self.config.min_replicas} live group(s) "
+                f"formed within {self.config.timeouts().quorum:g} s at step {self.manager.current_step()} "
+                f"(the other groups of the last quorum: {known}). Start the missing groups, or lower "
+                f"min_replicas; the newest checkpoint stands ({type(error).__name__}: {error})")
+
+    # -- one step --------------------------------------------------------------------------
+    def next_step(self, loader: Any, step: int) -> int:
+        """The step a training loader draws next, asked before each of its batches: ``step`` while a
+        step is under way (its micro-batches); else the quorum is taken first, and the step is the one
+        that did not commit (drawn again), or where a heal put the loader."""
+        if self._decided is None:
+            return step
+        if self.state is None:
+            raise StateError("fault tolerance: call rt.resume(folder, state) before the first batch, with the "
+                             "state to save (model, optimizer, loader, ...): a group that joins later receives it "
+                             "from a live one, and the newest checkpoint in `folder` is where a restart begins.")
+        if self._decided is False and self._step_start is not None and self._step_start[0] is loader:
+            step = self._step_start[1]
+        elif step >= len(loader):
+            return step  # the pass ends here: the next pass's first batch takes the quorum
+        loader.rewind(step)  # what a joining peer receives is this position
+        if not self._fresh:
+            self.quorum()
+        self._fresh = False
+        step = loader.healed_position(step)
+        self._decided, self._reduced, self._step_start = None, False, (loader, step)
+        return step
+
+    def reduce_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """Average the gradients over the participants (once a step; a group's own ranks already
+        averaged theirs). A participant lost during it makes the step fail to commit."""
+        if self._reduced:
+            return
+        self._reduced = True
+        grads = [p.grad for p in parameters if p.grad is not None]
+        local = [getattr(g, "_local_tensor", g) for g in grads]  # FSDP: this rank's shard
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(flat, reduce_op=ReduceOp.AVG).wait()
+        self._abort_if_failed()
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the participants (the item counts of ``num_items``)."""
+        from torch.distributed import ReduceOp
+
+        out = value.clone()
+        self.manager.allreduce(out, reduce_op=ReduceOp.SUM).wait()
+        self._abort_if_failed()
+        return out
+
+    def _abort_if_failed(self) -> None:
+        """A collective that failed here (a participant died) may leave others waiting on this process:
+        closing the group's connections now ends their wait too, instead of at its timeout."""
+        if self.manager.errored() is not None:
+            self._pg.abort()
+
+    def commit(self) -> bool:
+        """Whether every participant may take this step (asked once a step; the same answer after)."""
+        if self._decided is None:
+            self._decided = self.committed = bool(self.manager.should_commit())
+            if self._decided:
+                self._stalled_since = None
+            elif self._stalled_since is None:
+                self._stalled_since = self._step_began
+        return bool(self._decided)
+
+    @property
+    def in_step(self) -> bool:
+        """A step's quorum was taken and its commit not yet decided."""
+        return self._decided is None
+
+    @property
+    def step(self) -> int:
+        """The number of steps committed so far (by every participant)."""
+        return int(self.manager.current_step())
+
+    # -- state: from a checkpoint, to and from a peer ----------------------------------------
+    def start(self, state: dict[str, Any], step: int) -> None:
+        """Begin from ``state`` at committed step ``step`` (0, or a checkpoint's), then take the first
+        quorum, which heals this group from a live peer when the peers are further on."""
+        self.state = state
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.quorum()
+        self._fresh = True
+
+    def _state_dict(self) -> dict[str, Any]:
+        assert self.state is not None
+        return {key: _state_of(value) for key, value in self.state.items()}
+
+    def _load_state(self, received: dict[str, Any]) -> None:
+        assert self.state is not None
+        for key, value in received.items():
+            target = self.state.get(key)
+            if key in self.state and _has_state(target):
+                _unwrapped(target).load_state_dict(value)
+            else:
+                self.state[key] = value
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.manager.shutdown(wait=False)
+
+
+def _unwrapped(value: Any) -> Any:
+    from lockstep.runtime.parallel.wrappers import unwrap
+
+    return unwrap(value) if isinstance(value, nn.Module) else value
+
+
+def _has_state(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _state_of(value: Any) -> Any:
+    return _unwrapped(value).state_dict() if _has_state(value) else value

@@ -1,0 +1,169 @@
+"""Fault tolerance without a restart (torchft): replica groups killed mid-run, the survivors train on.
+
+Every run is compared with the one-process run of the same script (tests/scripts/ft_replica.py): each
+committed step's samples, over all groups, are that run's global batch of the step; the final weights
+are its weights within 1e-6, and bitwise equal across the groups that finished.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
+
+from lockstep.runtime.parallel.replica_groups import FaultTolerance, Lighthouse  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The one-process run: no fault tolerance, no lighthouse."""
+    out = tmp_path_factory.mktemp("reference") / "reference.pt"
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return torch.load(out)
+
+
+@pytest.fixture
+def lighthouse():
+    house = Lighthouse(FaultTolerance(min_replicas=1, step_timeout=10))
+    yield house
+    house.shutdown()
+
+
+def _group(tmp: Path, house: Lighthouse | str, index: int, *extra: str, name: str = "",
+           environ: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    name = name or f"g{index}"
+    env = {**os.environ, "LOCKSTEP_FAULT_TOLERANT": "1", "LOCKSTEP_REPLICA_GROUP": str(index),
+           "LOCKSTEP_LIGHTHOUSE": house if isinstance(house, str) else house.address, "LOCKSTEP_STEP_TIMEOUT": "10",
+           **(environ or {})}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(tmp / f"{name}.pt"), "--log", str(tmp / f"{name}.log"),
+                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"a replica group did not end in {timeout} s:\n{out[-3000:]}") from None
+    return proc.returncode, out
+
+
+def _steps(tmp: Path, pattern: str = "*.log") -> dict[int, list[int]]:
+    """Each committed step's dataset indices over every group's log. A group that died after its part of
+    the all-reduce reached the others, but before the vote, still counts: the others committed its
+    gradient (its last share of the step, over as many members as the committed step had)."""
+    committed: dict[int, list[int]] = defaultdict(list)
+    sizes: dict[int, set[int]] = defaultdict(set)
+    shares: list[dict[int, dict]] = []
+    for log in tmp.glob(pattern):
+        entries = [json.loads(line) for line in log.read_text().splitlines()]
+        for entry in entries:
+            if entry["committed"]:
+                committed[entry["step"]] += entry["indices"]
+                sizes[entry["step"]].add(entry["size"])
+        done = {e["step"] for e in entries if e["committed"]}
+        shares.append({e["step"]: e for e in entries if not e["committed"] and e["step"] not in done})
+    for step, size in sizes.items():
+        assert len(size) == 1, f"step {step} committed with different memberships: {size}"
+        for pending in shares:
+            if step in pending and pending[step]["size"] in size:
+                committed[step] += pending[step]["indices"]
+    return committed
+
+
+def _check_exact(tmp: Path, reference: dict, finished: list[str], pattern: str = "*.log",
+                 first: int = 0) -> list[dict]:
+    steps = _steps(tmp, pattern)
+    assert sorted(steps) == list(range(first, 20))
+    for step, indices in steps.items():  # no sample lost or seen twice; the global batch never shrank
+        assert sorted(indices) == sorted(reference["record"][step]), f"step {step}"
+    results = [torch.load(tmp / f"{name}.pt") for name in finished]
+    for result in results:
+        assert result["step"] == 20
+        assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
+        assert torch.equal(result["weights"], results[0]["weights"])
+    return results
+
+
+@pytest.mark.parametrize("when", ["start", "backward", "allreduce", "random"])
+def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_path, reference, lighthouse, when):
+    slow = ("--slow", "0.4")  # 8 s of steps: the replacement (5 s to start) joins while the others train
+    groups = [_group(tmp_path, lighthouse, 0, *slow), _group(tmp_path, lighthouse, 1, *slow),
+              _group(tmp_path, lighthouse, 2, *slow, "--die-at", "3", "--die-when", when, name="killed")]
+    code, out = _finish(groups[2])
+    assert code == -9, out[-2000:]
+    killed_at = time.monotonic()
+    replacement = _group(tmp_path, lighthouse, 2, *slow, name="replacement")
+    (code0, out0), (code1, out1), (code2, out2) = _finish(groups[0]), _finish(groups[1]), _finish(replacement)
+    assert (code0, code1, code2) == (0, 0, 0), out0[-2000:] + out1[-2000:] + out2[-2000:]
+    results = _check_exact(tmp_path, reference, ["g0", "g1", "replacement"])
+    assert [r["pid"] for r in results[:2]] == [groups[0].pid, groups[1].pid]  # the survivors never restarted
+    assert "left [2]" in out0, out0[-2000:]  # with "the step stalled N s" unless its gradient arrived
+    assert "joined [2]" in out0, out0[-2000:]
+    assert "group 2 healed from group" in out2, out2[-2000:]
+    assert "Traceback" not in out0 + out1 + out2
+    print(f"kill ({when}) -> replacement done in {time.monotonic() - killed_at:.1f} s;", out0.strip().splitlines())
+
+
+def test_every_group_killed_then_started_again_resumes_from_the_newest_checkpoint(tmp_path, reference, lighthouse):
+    saving = ("--checkpoints", str(tmp_path / "ckpt"), "--save-every", "4", "--slow", "0.1")
+    first = [_group(tmp_path, lighthouse, i, *saving, "--die-at", "10", name=f"first{i}") for i in range(2)]
+    assert [_finish(g)[0] for g in first] == [-9, -9]
+    again = [_group(tmp_path, lighthouse, i, *saving, name=f"again{i}") for i in range(2)]
+    outs = [_finish(g) for g in again]
+    assert [code for code, _ in outs] == [0, 0], outs
+    results = _check_exact(tmp_path, reference, ["again0", "again1"], "again*.log", first=8)  # from step=8
+    assert all(r["record"] and min(r["record"]) == 8 for r in results)
+    before = _steps(tmp_path, "first*.log")  # steps 8 and 9 were committed before the kill, and again after
+    assert sorted(before) == list(range(10))
+    assert all(sorted(before[step]) == sorted(reference["record"][step]) for step in before)
+
+
+def test_fewer_live_groups_than_the_minimum_ends_with_an_error_naming_it(tmp_path):
+    house = Lighthouse(FaultTolerance(min_replicas=2, step_timeout=3))
+    try:
+        code, out = _finish(_group(tmp_path, house, 0, environ={"LOCKSTEP_MIN_REPLICAS": "2",
+                                                                "LOCKSTEP_STEP_TIMEOUT": "3"}), timeout=60)
+    finally:
+        house.shutdown()
+    assert code != 0
+    assert "no quorum of at least 2 live group(s) formed within 3 s" in out, out[-3000:]
+
+
+def test_a_lost_lighthouse_ends_every_group_with_an_error(tmp_path):
+    """The lighthouse's host dies (SIGKILL): each group ends at its next quorum with an error that says
+    so, and nothing is left running (a restart then resumes from the newest checkpoint)."""
+    host = subprocess.Popen([sys.executable, "-c", "import sys, time; from lockstep.runtime.parallel.replica_groups "
+                             "import FaultTolerance, Lighthouse; house = Lighthouse(FaultTolerance(step_timeout=3)); "
+                             "print(house.address, flush=True); time.sleep(600)"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        address = host.stdout.readline().strip()
+        groups = [_group(tmp_path, address, i, "--slow", "0.5", environ={"LOCKSTEP_STEP_TIMEOUT": "3"})
+                  for i in range(2)]
+        while not list(tmp_path.glob("*.log")) or not any(p.read_text() for p in tmp_path.glob("*.log")):
+            time.sleep(0.2)  # training has begun
+    finally:
+        host.kill()
+        host.communicate()
+    for group in groups:
+        code, out = _finish(group, timeout=60)
+        assert code != 0 and "no quorum" in out, out[-3000:]

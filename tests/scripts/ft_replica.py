@@ -1,0 +1,117 @@
+"""One replica group of a fault-tolerant job (or, without LOCKSTEP_FAULT_TOLERANT, the one-process reference).
+
+    python ft_replica.py OUT [--die-at STEP --die-when start|backward|random] [--checkpoints DIR --save-every N]
+
+Trains a small MLP with SGD on 240 samples, global batch 24, 2 epochs (20 steps), and writes to OUT
+(torch.save): the final weights, each committed step's dataset indices of this group, its PID.
+``--die-at``: SIGKILL itself in step STEP: before the forward (start), inside the backward, inside the
+cross-group all-reduce (after sending its part), or at a random moment between the forward and the commit
+vote (a timer thread). ``--slow``: sleep this long per step. ``--log``: append each committed step's
+indices to this JSON-lines file as it goes (a killed group's too), and each share before its vote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lockstep
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--die-at", type=int, default=-1)
+parser.add_argument("--die-when", default="start", choices=["start", "backward", "allreduce", "random"])
+parser.add_argument("--log", default="")
+parser.add_argument("--checkpoints", default="")
+parser.add_argument("--save-every", type=int, default=0)
+parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--epochs", type=int, default=2)
+args = parser.parse_args()
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g)
+data = torch.utils.data.TensorDataset(torch.arange(240), x, y)
+
+rt = lockstep.Runtime(accelerator="cpu", seed=0)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = rt.setup(model, optimizer)
+loader = rt.loader(data, batch_size=24, shuffle=True)
+state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+total = args.epochs * len(loader)
+if args.checkpoints or rt.replicas is not None:
+    rt.resume(args.checkpoints or os.path.join(os.path.dirname(args.out) or ".", "no-checkpoints"), state)
+
+record: dict[int, list[int]] = {}
+started = time.monotonic()
+timer: threading.Timer | None = None
+if rt.replicas is not None and args.die_at >= 0:
+    manager = rt.replicas.manager
+    allreduce, should_commit = manager.allreduce, manager.should_commit
+
+    def allreduce_then_die(tensor, *a, **k):
+        work = allreduce(tensor, *a, **k)
+        if state["step"] == args.die_at and args.die_when == "allreduce":
+            time.sleep(0.01)  # the peers have our part in flight
+            die()
+        return work
+
+    def vote(*a, **k):
+        if timer is not None:
+            timer.cancel()
+        return should_commit(*a, **k)
+
+    manager.allreduce, manager.should_commit = allreduce_then_die, vote
+log = open(args.log, "a") if args.log else None
+while state["step"] < total:
+    for index, xb, yb in loader:
+        step = state["step"]
+        if step == args.die_at and args.die_when == "start":
+            die()
+        if step == args.die_at and args.die_when == "random":
+            timer = threading.Timer(random.uniform(0.0, max(args.slow, 0.005)), die)
+            timer.start()
+        loss = F.cross_entropy(model(xb), yb)
+        if step == args.die_at and args.die_when == "backward":
+            loss.register_hook(lambda grad: die())
+        rt.backward(loss)
+        if args.slow:
+            time.sleep(args.slow)
+        if log is not None:  # this share's gradient may count even if the group dies before the vote
+            log.write(json.dumps({"step": step, "indices": index.tolist(), "size": rt.data_parallel_size,
+                                  "committed": False}) + "\n")
+            log.flush()
+        optimizer.step()
+        optimizer.zero_grad()
+        if rt.step_committed:
+            record[step] = index.tolist()
+            if log is not None:
+                log.write(json.dumps({"step": step, "indices": record[step], "size": rt.data_parallel_size,
+                                      "committed": True}) + "\n")
+                log.flush()
+            state["step"] = step + 1
+            if args.save_every and state["step"] % args.save_every == 0:
+                rt.save(os.path.join(args.checkpoints, f"step={state['step']}"), state,
+                        metadata={"step": state["step"]})
+            if state["step"] == total:
+                break
+
+weights = torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
+torch.save({"weights": weights, "record": record, "pid": os.getpid(), "seconds": time.monotonic() - started,
+            "step": state["step"]}, args.out)
+rt.close()
