@@ -22,7 +22,8 @@ import torch
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
 
-from lockstep.runtime.parallel.replica_groups import FaultTolerance, Lighthouse  # noqa: E402
+from lockstep.env.fault_tolerance import FaultTolerance
+from lockstep.runtime.launch.replicas import Lighthouse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
@@ -151,9 +152,10 @@ def test_fewer_live_groups_than_the_minimum_ends_with_an_error_naming_it(tmp_pat
 def test_a_lost_lighthouse_ends_every_group_with_an_error(tmp_path):
     """The lighthouse's host dies (SIGKILL): each group ends at its next quorum with an error that says
     so, and nothing is left running (a restart then resumes from the newest checkpoint)."""
-    host = subprocess.Popen([sys.executable, "-c", "import sys, time; from lockstep.runtime.parallel.replica_groups "
-                             "import FaultTolerance, Lighthouse; house = Lighthouse(FaultTolerance(step_timeout=3)); "
-                             "print(house.address, flush=True); time.sleep(600)"],
+    code = ("import time\nfrom lockstep.env.fault_tolerance import FaultTolerance\n"
+            "from lockstep.runtime.launch.replicas import Lighthouse\n"
+            "house = Lighthouse(FaultTolerance(step_timeout=3))\nprint(house.address, flush=True)\ntime.sleep(600)")
+    host = subprocess.Popen([sys.executable, "-c", code],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         address = host.stdout.readline().strip()
@@ -167,3 +169,17 @@ def test_a_lost_lighthouse_ends_every_group_with_an_error(tmp_path):
     for group in groups:
         code, out = _finish(group, timeout=60)
         assert code != 0 and "no quorum" in out, out[-3000:]
+
+
+def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_train_on(tmp_path, reference):
+    """The user's path: `lockstep run --fault-tolerant` hosts the lighthouse, runs 3 groups, starts a
+    replacement for the one SIGKILLed in its backward at step 3, and ends when every group has."""
+    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "3",
+                          "--devices", "3", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
+                          str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.4",
+                          "--die-at", "3", "--die-when", "backward", "--die-group", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _check_exact(tmp_path, reference, ["g0", "g1", "g2"])
+    assert "replica group 2 ended" in run.stderr and "starting a replacement (1 of 3)" in run.stderr, run.stderr
+    assert "left [2]" in run.stdout and "joined [2]" in run.stdout, run.stdout

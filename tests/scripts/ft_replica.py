@@ -2,6 +2,8 @@
 
     python ft_replica.py OUT [--die-at STEP --die-when start|backward|random] [--checkpoints DIR --save-every N]
 
+``{group}`` in OUT and ``--log`` is replaced by the replica group's index (under ``lockstep run --fault-tolerant``).
+
 Trains a small MLP with SGD on 240 samples, global batch 24, 2 epochs (20 steps), and writes to OUT
 (torch.save): the final weights, each committed step's dataset indices of this group, its PID.
 ``--die-at``: SIGKILL itself in step STEP: before the forward (start), inside the backward, inside the
@@ -31,11 +33,16 @@ parser.add_argument("out")
 parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--die-when", default="start", choices=["start", "backward", "allreduce", "random"])
 parser.add_argument("--log", default="")
+parser.add_argument("--die-group", type=int, default=-1, help="only this replica group dies (default: any)")
 parser.add_argument("--checkpoints", default="")
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--slow", type=float, default=0.0)
 parser.add_argument("--epochs", type=int, default=2)
 args = parser.parse_args()
+group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
+args.out, args.log = args.out.replace("{group}", str(group)), args.log.replace("{group}", str(group))
+if args.die_group not in (-1, group):
+    args.die_at = -1
 
 
 def die() -> None:

@@ -6,12 +6,13 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
 from lockstep.runtime.launch.node_watch import NodeWatch
-from lockstep.runtime.launch.plan import Plan
+from lockstep.runtime.launch.plan import Plan, replica_group_devices
 from lockstep.runtime.launch.plan import plan as make_plan
 
 
@@ -43,6 +44,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="restart the whole group up to K times after a worker fails "
                         "(default 0; 3 with --nodes MIN:MAX)")
+    parser.add_argument("--fault-tolerant", action="store_true",
+                        help="run --replicas replica groups that train on when one dies, and start a "
+                        "replacement for it, which takes its state from a live group (torchft; "
+                        "docs/fault-tolerance.md); --max-restarts then counts per group (default 3)")
+    parser.add_argument("--replicas", type=int, default=2, help="with --fault-tolerant: how many replica "
+                        "groups share --devices (default 2)")
+    parser.add_argument("--min-replicas", type=int, default=1, help="with --fault-tolerant: the fewest live "
+                        "groups a step may run with (default 1)")
+    parser.add_argument("--step-timeout", type=float, default=30.0, help="with --fault-tolerant: seconds a "
+                        "step may wait for the other groups; every other timeout derives from it (default 30)")
     parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, fsdp, dp, single)")
     parser.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
     parser.add_argument("-m", dest="module", action="store_true",
@@ -117,6 +128,8 @@ def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
 
 def run_command(args: argparse.Namespace) -> int:
     try:
+        if args.fault_tolerant:
+            return _run_replica_groups(args)
         job = plan(args)
     except PreflightError as error:
         print(f"lockstep run: {error}", file=sys.stderr)
@@ -133,3 +146,30 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"lockstep run: {note}", file=sys.stderr, flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(job.nproc)))
     return run_elastic(job.torchrun_args, _watch(job, args))
+
+
+def _run_replica_groups(args: argparse.Namespace) -> int:
+    """``--fault-tolerant``: host the lighthouse, run each replica group as a ``lockstep run`` of its own."""
+    from lockstep.env.fault_tolerance import FaultTolerance
+    from lockstep.runtime.launch.replicas import ReplicaGroupsRun
+
+    if not Path(args.script).is_file() and not args.module:
+        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    _check_names(args.strategy, args.precision)
+    nproc, visible = _resolve_devices(args.devices, args.accelerator)
+    import torch
+
+    gpus = args.accelerator != "cpu" and torch.cuda.device_count() > 0
+    devices = replica_group_devices(args, nproc, visible, gpus)
+    config = FaultTolerance(min_replicas=args.min_replicas, step_timeout=args.step_timeout)
+    chosen = [item for name in ("accelerator", "strategy", "precision")
+              for item in ((f"--{name}", getattr(args, name)) if getattr(args, name) else ())]
+
+    def command(index: int) -> list[str]:
+        return [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices[index], *chosen,
+                "--max-restarts", "0", *(["-m"] if args.module else []), args.script, *args.script_args]
+
+    restarts = 3 if args.max_restarts is None else args.max_restarts
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))}
+    return ReplicaGroupsRun(args.replicas, command, lambda index: threads, config, restarts,
+                            lambda line: print(f"lockstep run: {line}", file=sys.stderr, flush=True)).run()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from lockstep._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from lockstep.env.fault_tolerance import FaultTolerance
     from lockstep.errors import CheckpointError, CollectiveError, WorkerError
     from lockstep.runtime.checkpoint.format import is_checkpoint_folder, read_metadata
     from lockstep.runtime.checkpoint.life import Checkpoint, complete_checkpoints
@@ -30,11 +31,11 @@ if TYPE_CHECKING:
     from lockstep.runtime.data.loader import DistributedLoader
     from lockstep.runtime.data.streams import is_stream
     from lockstep.runtime.files import write_atomic
+    from lockstep.runtime.launch.replicas import Lighthouse
     from lockstep.runtime.parallel.activation_checkpointing import Policy
     from lockstep.runtime.parallel.devices import Devices
     from lockstep.runtime.parallel.flop_count import FlopCount
     from lockstep.runtime.parallel.fsdp import FSDP
-    from lockstep.runtime.parallel.replica_groups import FaultTolerance, Lighthouse
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice, Strategy
     from lockstep.runtime.parallel.wrappers import unwrap
     from lockstep.runtime.runtime import Runtime
@@ -52,8 +53,8 @@ _WHERE = {
     "Policy": "lockstep.runtime.parallel.activation_checkpointing", "Strategy": "lockstep.runtime.parallel.strategy",
     "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
     "SingleDevice": "lockstep.runtime.parallel.strategy",
-    "FaultTolerance": "lockstep.runtime.parallel.replica_groups",
-    "Lighthouse": "lockstep.runtime.parallel.replica_groups",
+    "FaultTolerance": "lockstep.env.fault_tolerance",
+    "Lighthouse": "lockstep.runtime.launch.replicas",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
     "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
 }

@@ -6,10 +6,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
+from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
-from lockstep.runtime.parallel.replica_groups import FaultTolerance
 from lockstep.runtime.parallel.strategy import Strategy
 
 

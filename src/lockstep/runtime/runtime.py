@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
+from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.comm import collectives
@@ -43,7 +44,7 @@ from lockstep.runtime.parallel.mesh import Membership, Mesh
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.precision import make_precision
-from lockstep.runtime.parallel.replica_groups import FaultTolerance, ReplicaGroups
+from lockstep.runtime.parallel.replica_groups import ReplicaGroups
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.tensor_parallel import apply_plan, plan_of
 from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap

@@ -155,6 +155,30 @@ def plan(args: argparse.Namespace, check_names: Callable[[], None],
         # joins a later round then waits forever for the store address, which rank 0 published only in
         # the round it created the store. Without sharing, every round publishes it again.
         environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    target = (["-m"] if args.module else []) + [args.script, *args.script_args]
+    # "--": the script's own options are never taken for the agent's (argparse would match --log to --log-dir)
+    target = (["-m"] if args.module else []) + ["--", args.script, *args.script_args]
     return Plan(nproc, visible, host, port, options + rendezvous + target, store, elastic, nodes, environment, notes,
                 local_address, hosting)
+
+
+def replica_group_devices(args: argparse.Namespace, nproc: int, visible: str | None, gpus: bool) -> list[str]:
+    """``--fault-tolerant``: the ``--devices`` of each of the ``--replicas`` groups, which split this
+    node's processes (and GPUs) evenly; raises PreflightError."""
+    replicas = args.replicas
+    if importlib.util.find_spec("torchft") is None:
+        raise PreflightError("--fault-tolerant needs torchft: pip install 'lockstep[ft]'.")
+    if _parse_nodes(str(args.nodes)) != (1, 1) or args.rdzv_endpoint:
+        raise PreflightError("--fault-tolerant runs its replica groups on one node; several nodes are not "
+                             "supported yet (each group would need its own rendezvous across the nodes).")
+    if replicas < 1 or nproc % replicas:
+        raise PreflightError(f"--replicas {replicas} must divide the {nproc} process(es) of --devices "
+                             f"{args.devices}: each replica group gets the same number.")
+    if args.min_replicas < 1 or args.min_replicas > replicas:
+        raise PreflightError(f"--min-replicas {args.min_replicas}: give 1 to --replicas ({replicas}).")
+    if not args.step_timeout > 0:
+        raise PreflightError(f"--step-timeout {args.step_timeout}: a positive number of seconds.")
+    size = nproc // replicas
+    if not gpus:
+        return [str(size)] * replicas
+    ids = visible.split(",") if visible is not None else [str(i) for i in range(nproc)]
+    return [",".join(ids[g * size:(g + 1) * size]) for g in range(replicas)]

@@ -1,0 +1,112 @@
+"""Fault tolerance's side of the launcher <-> worker contract: what ``lockstep run --fault-tolerant``
+tells each replica group's processes, and the one step timeout every other wait derives from.
+The groups themselves are ``lockstep.runtime.parallel.replica_groups``; the lighthouse and the
+supervisor of the groups, ``lockstep.runtime.launch.replicas``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.errors import ConfigError, MissingExtraError
+
+#: What ``lockstep run --fault-tolerant`` hands each replica group's processes.
+ENV_ON, ENV_GROUP, ENV_LIGHTHOUSE = "LOCKSTEP_FAULT_TOLERANT", "LOCKSTEP_REPLICA_GROUP", "LOCKSTEP_LIGHTHOUSE"
+ENV_MIN_REPLICAS, ENV_STEP_TIMEOUT = "LOCKSTEP_MIN_REPLICAS", "LOCKSTEP_STEP_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of a fault-tolerant job, in seconds, derived from the one step timeout."""
+
+    quorum: float     # a step waits this long for at least ``min_replicas`` live groups, then fails naming them
+    collective: float  # the cross-group all-reduce, the commit vote and a state transfer to a joining group
+    connect: float    # reaching the lighthouse and the group's manager
+    heartbeat: float  # a group whose heartbeats stop this long is dropped from the next quorum
+    join: float       # the lighthouse waits this long for groups that were not in the last quorum
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Replica groups that may die and join while the others train on (``Runtime(fault_tolerance=...)``).
+
+    Args:
+        min_replicas: the fewest live groups a step may run with; with fewer, a step waits up to
+            ``step_timeout`` and then the job ends with an error naming the missing groups.
+        step_timeout: seconds one step may wait for anything (the other groups, a collective, a
+            state transfer); every torchft timeout derives from it (``timeouts``).
+        replica_group: this group's index (default ``LOCKSTEP_REPLICA_GROUP``, which ``lockstep run
+            --fault-tolerant`` sets).
+        lighthouse: the lighthouse's address (default ``LOCKSTEP_LIGHTHOUSE``).
+    """
+
+    min_replicas: int = 1
+    step_timeout: float = 30.0
+    replica_group: int | None = None
+    lighthouse: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
+            raise ConfigError(f"FaultTolerance(min_replicas={self.min_replicas!r}): a whole number of at least 1.")
+        if not isinstance(self.step_timeout, (int, float)) or not self.step_timeout > 0:
+            raise ConfigError(f"FaultTolerance(step_timeout={self.step_timeout!r}): a positive number of seconds.")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> FaultTolerance | None:
+        """What ``lockstep run --fault-tolerant`` asked for, or None when it did not."""
+        env = os.environ if environ is None else environ
+        if env.get(ENV_ON, "") != "1":
+            return None
+        try:
+            return cls(min_replicas=int(env.get(ENV_MIN_REPLICAS, "1")),
+                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")))
+        except ValueError as error:
+            raise ConfigError(f"{ENV_MIN_REPLICAS} or {ENV_STEP_TIMEOUT} is not a number: {error}") from None
+
+    def timeouts(self) -> Timeouts:
+        """The derivation: every wait that can end a step is the step timeout itself; a dead group is
+        found by its heartbeats, a tenth of it (at least 1 s, at most 5 s); the lighthouse waits for
+        newcomers half that long, so a group that starts while a quorum forms usually joins it."""
+        step = float(self.step_timeout)
+        heartbeat = min(max(step / 10, 1.0), 5.0)
+        return Timeouts(quorum=step, collective=step, connect=step, heartbeat=heartbeat, join=heartbeat / 2)
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> FaultTolerance:
+        """With the replica group and the lighthouse filled in from the environment; an error naming
+        what is missing."""
+        env = os.environ if environ is None else environ
+        group, lighthouse = self.replica_group, self.lighthouse or env.get(ENV_LIGHTHOUSE)
+        if group is None:
+            raw = env.get(ENV_GROUP)
+            try:
+                group = int(raw) if raw is not None else None
+            except ValueError:
+                raise ConfigError(f"{ENV_GROUP}={raw!r}: a replica group's index is a whole number.") from None
+        if group is None or group < 0 or not lighthouse:
+            raise ConfigError(
+                "fault tolerance needs this replica group's index and the lighthouse's address: start the job "
+                f"with `lockstep run --fault-tolerant`, or set {ENV_GROUP} (0, 1, ...) and {ENV_LIGHTHOUSE} "
+                "(host:port of a lighthouse, lockstep.runtime.launch.replicas.Lighthouse), or give "
+                "FaultTolerance(replica_group=..., lighthouse=...).")
+        if "://" not in lighthouse:
+            lighthouse = f"http://{lighthouse}"
+        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse)
+
+
+def import_torchft() -> Any:
+    """torchft, its lighthouse's and managers' per-step log lines and its warnings silenced: lockstep
+    says each event in one line (set ``RUST_LOG``, or the ``torchft`` logger's level, to see them)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError as error:
+        raise MissingExtraError("fault tolerance needs torchft: pip install 'lockstep[ft]'") from error
+    quiet = logging.getLogger("torchft")
+    if quiet.level == logging.NOTSET:
+        quiet.setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", module=r"torchft(\.|$)")
+    return torchft

@@ -1,0 +1,130 @@
+"""``lockstep run --fault-tolerant``: the lighthouse (torchft's), hosted by the launcher, and the
+supervisor that runs each replica group as its own ``lockstep run`` and starts a replacement when
+one dies, while the others train on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lockstep.env.fault_tolerance import (
+    ENV_GROUP,
+    ENV_LIGHTHOUSE,
+    ENV_MIN_REPLICAS,
+    ENV_ON,
+    ENV_STEP_TIMEOUT,
+    FaultTolerance,
+    import_torchft,
+)
+
+
+class Lighthouse:
+    """torchft's lighthouse, which forms the quorum of live replica groups; ``lockstep run
+    --fault-tolerant`` hosts one in its agent. ``address`` is what each group's
+    ``LOCKSTEP_LIGHTHOUSE`` says."""
+
+    def __init__(self, config: FaultTolerance, host: str = "127.0.0.1", port: int = 0) -> None:
+        import_torchft()
+        from torchft._torchft import LighthouseServer
+
+        timeouts = config.timeouts()
+        self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=config.min_replicas,
+                                        join_timeout_ms=int(timeouts.join * 1000), quorum_tick_ms=20,
+                                        heartbeat_timeout_ms=int(timeouts.heartbeat * 1000))
+        bound_port = self._server.address().rsplit(":", 1)[1]
+        self.address = f"http://{host if host not in ('0.0.0.0', '::', '[::]') else '127.0.0.1'}:{bound_port}"
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+def _die_with_parent() -> None:
+    """In a group's agent, before it runs: SIGTERM when the supervisor dies (the agent then stops its
+    workers, which also die with it)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _how(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+@dataclass
+class ReplicaGroupsRun:
+    """``lockstep run --fault-tolerant``'s supervisor: ``replicas`` groups, each ``lockstep run`` of its
+    own (``group_command(index)``, its own rendezvous and agent); a group that ends in failure is
+    started again (a replacement, which heals from a live group) up to ``max_restarts`` times, while
+    the others train on. Returns 0 when every group ended well, else 1."""
+
+    replicas: int
+    group_command: Callable[[int], list[str]]
+    group_environment: Callable[[int], dict[str, str]]
+    config: FaultTolerance
+    max_restarts: int
+    say: Callable[[str], None]
+
+    def run(self) -> int:
+        house = Lighthouse(self.config)
+        self.say(f"fault tolerance: {self.replicas} replica groups, lighthouse at {house.address}, at least "
+                 f"{self.config.min_replicas} live, step timeout {self.config.step_timeout:g} s")
+        running: dict[int, subprocess.Popen[bytes]] = {}
+        restarts = dict.fromkeys(range(self.replicas), 0)
+        failed: dict[int, int] = {}
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            for index in range(self.replicas):
+                running[index] = self._start(index, house.address)
+            while running:
+                time.sleep(0.1)
+                for index, proc in list(running.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del running[index]
+                    if code == 0:
+                        continue
+                    if restarts[index] < self.max_restarts:
+                        restarts[index] += 1
+                        self.say(f"fault tolerance: replica group {index} ended ({_how(code)}); starting a "
+                                 f"replacement ({restarts[index]} of {self.max_restarts})")
+                        running[index] = self._start(index, house.address)
+                    else:
+                        failed[index] = code
+                        self.say(f"fault tolerance: replica group {index} ended ({_how(code)}), no restart left "
+                                 f"(--max-restarts {self.max_restarts})")
+        except KeyboardInterrupt:
+            self.say("fault tolerance: stopped; stopping the replica groups")
+            failed.update(dict.fromkeys(running, 1))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            _stop(list(running.values()))
+            house.shutdown()
+        return 1 if failed else 0
+
+    def _start(self, index: int, lighthouse: str) -> subprocess.Popen[bytes]:
+        environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
+                       ENV_LIGHTHOUSE: lighthouse, ENV_MIN_REPLICAS: str(self.config.min_replicas),
+                       ENV_STEP_TIMEOUT: str(self.config.step_timeout)}
+        return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_die_with_parent)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM (each agent stops its workers), then SIGKILL after ``grace_s``."""
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

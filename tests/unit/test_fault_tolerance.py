@@ -1,0 +1,130 @@
+"""Fault tolerance's pieces on one process: the settings, the loader's redrawn step, one replica group."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lockstep
+from lockstep.env.fault_tolerance import FaultTolerance
+from lockstep.errors import ConfigError, PreflightError, StateError
+from lockstep.runtime.launch.plan import replica_group_devices
+
+pytestmark = pytest.mark.timeout(60)
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+def test_every_wait_derives_from_the_one_step_timeout():
+    timeouts = FaultTolerance(step_timeout=30).timeouts()
+    assert (timeouts.quorum, timeouts.collective, timeouts.connect) == (30.0, 30.0, 30.0)
+    assert (timeouts.heartbeat, timeouts.join) == (3.0, 1.5)
+    assert FaultTolerance(step_timeout=3).timeouts().heartbeat == 1.0  # at least 1 s
+    assert FaultTolerance(step_timeout=600).timeouts().heartbeat == 5.0  # at most 5 s
+
+
+@pytest.mark.parametrize("kwargs", [{"min_replicas": 0}, {"min_replicas": True}, {"step_timeout": 0},
+                                    {"step_timeout": "30"}])
+def test_bad_settings_are_refused_by_name(kwargs):
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        FaultTolerance(**kwargs)
+
+
+def test_the_launcher_settings_are_read_from_the_environment():
+    assert FaultTolerance.from_environ({}) is None
+    config = FaultTolerance.from_environ({"LOCKSTEP_FAULT_TOLERANT": "1", "LOCKSTEP_MIN_REPLICAS": "2",
+                                          "LOCKSTEP_STEP_TIMEOUT": "12.5"})
+    assert config == FaultTolerance(min_replicas=2, step_timeout=12.5)
+    resolved = config.resolved({"LOCKSTEP_REPLICA_GROUP": "3", "LOCKSTEP_LIGHTHOUSE": "10.0.0.1:29510"})
+    assert (resolved.replica_group, resolved.lighthouse) == (3, "http://10.0.0.1:29510")
+    with pytest.raises(ConfigError, match="LOCKSTEP_REPLICA_GROUP"):
+        config.resolved({"LOCKSTEP_LIGHTHOUSE": "h:1"})
+    with pytest.raises(ConfigError, match="whole number"):
+        config.resolved({"LOCKSTEP_REPLICA_GROUP": "two", "LOCKSTEP_LIGHTHOUSE": "h:1"})
+    with pytest.raises(ConfigError, match="not a number"):
+        FaultTolerance.from_environ({"LOCKSTEP_FAULT_TOLERANT": "1", "LOCKSTEP_MIN_REPLICAS": "x"})
+
+
+def _args(**over):
+    base = {"replicas": 2, "nodes": "1", "rdzv_endpoint": None, "min_replicas": 1, "step_timeout": 30.0,
+            "devices": "4"}
+    return argparse.Namespace(**{**base, **over})
+
+
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
+def test_replica_groups_split_the_nodes_processes_and_gpus_evenly():
+    assert replica_group_devices(_args(), 4, None, gpus=False) == ["2", "2"]
+    assert replica_group_devices(_args(), 4, "1,3,5,7", gpus=True) == ["1,3", "5,7"]
+    assert replica_group_devices(_args(replicas=4), 4, None, gpus=True) == ["0", "1", "2", "3"]
+    for bad, match in (({"replicas": 3}, "must divide"), ({"min_replicas": 3}, "--min-replicas"),
+                       ({"nodes": "2"}, "one node"), ({"step_timeout": 0.0}, "--step-timeout")):
+        with pytest.raises(PreflightError, match=match):
+            replica_group_devices(_args(**bad), 4, None, gpus=False)
+
+
+def test_a_loader_draws_the_step_its_gate_names_again_under_the_membership_of_then():
+    """What a step that did not commit needs: the same global batch, split over the new members."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    plan = {2: 1}  # before drawing step 2 (once), the gate names step 1 again and the membership grows to 2
+    drawn = []
+
+    def gate(loader, step):
+        if step in plan:
+            rt.membership.change(1, 2)
+            return plan.pop(step)
+        return step
+
+    reference = [batch[0].tolist() for batch in rt.loader(data, batch_size=8, shuffle=True)]
+    rt._loaders = dataclasses.replace(rt._loaders, gate=gate)
+    loader = rt.loader(data, batch_size=8, shuffle=True)
+    for (index,) in loader:
+        drawn.append(index.tolist())
+    assert drawn[:2] == reference[:2]
+    assert drawn[2] == reference[1][4:]  # member 1 of 2: the second half
+    assert drawn[3] == reference[2][4:] and len(drawn) == 6
+
+
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
+def test_one_replica_group_trains_as_a_plain_loop_and_asks_for_its_state_first():
+    from lockstep.runtime.launch.replicas import Lighthouse
+
+    house = Lighthouse(FaultTolerance(step_timeout=10))
+    try:
+        config = FaultTolerance(step_timeout=10, replica_group=0, lighthouse=house.address)
+        rt = lockstep.Runtime(accelerator="cpu", seed=0, fault_tolerance=config)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        plain = nn.Linear(4, 2)
+        plain.load_state_dict(model.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = rt.setup(model, optimizer)
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randint(0, 2, (24,), generator=g))
+        loader = rt.loader(data, batch_size=8, shuffle=True)
+        with pytest.raises(StateError, match="rt.resume"):
+            next(iter(loader))
+        state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+        assert rt.resume("/nonexistent-checkpoints", state) is None
+        committed, batches = [], []
+        for x, y in loader:
+            batches.append((x, y))
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            committed.append(rt.step_committed)
+        assert committed == [True] * 3 and rt.replicas is not None and rt.replicas.step == 3
+        reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for x, y in batches:
+            F.cross_entropy(plain(x), y).backward()
+            reference.step()
+            reference.zero_grad()
+        assert torch.allclose(lockstep.unwrap(model).weight, plain.weight, atol=1e-7)
+        rt.close()
+    finally:
+        house.shutdown()
