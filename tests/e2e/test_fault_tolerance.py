@@ -183,3 +183,18 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
     _check_exact(tmp_path, reference, ["g0", "g1", "g2"])
     assert "replica group 2 ended" in run.stderr and "starting a replacement (1 of 3)" in run.stderr, run.stderr
     assert "left [2]" in run.stdout and "joined [2]" in run.stdout, run.stdout
+
+
+def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_path, reference):
+    """FSDP inside each group of 2 processes: group 1 is SIGKILLed in its backward at step 3, its
+    replacement takes each rank's shards from the same rank of group 0; every group's every rank ends
+    at the one-process weights, and every step's samples are that run's."""
+    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                          "--devices", "4", "--accelerator", "cpu", "--strategy", "fsdp", "--step-timeout", "10",
+                          str(SCRIPT), str(tmp_path / "g{group}r{rank}.pt"),
+                          "--log", str(tmp_path / "g{group}r{rank}.log"),
+                          "--slow", "0.4", "--die-at", "3", "--die-when", "backward", "--die-group", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
+    assert "replica group 1 ended" in run.stderr and "left [1]" in run.stdout and "joined [1]" in run.stdout

@@ -2,7 +2,8 @@
 
     python ft_replica.py OUT [--die-at STEP --die-when start|backward|random] [--checkpoints DIR --save-every N]
 
-``{group}`` in OUT and ``--log`` is replaced by the replica group's index (under ``lockstep run --fault-tolerant``).
+``{group}`` and ``{rank}`` in OUT and ``--log``: the replica group's index (under ``lockstep run --fault-tolerant``)
+and the rank inside the group.
 
 Trains a small MLP with SGD on 240 samples, global batch 24, 2 epochs (20 steps), and writes to OUT
 (torch.save): the final weights, each committed step's dataset indices of this group, its PID.
@@ -40,7 +41,9 @@ parser.add_argument("--slow", type=float, default=0.0)
 parser.add_argument("--epochs", type=int, default=2)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
-args.out, args.log = args.out.replace("{group}", str(group)), args.log.replace("{group}", str(group))
+rank = os.environ.get("RANK", "0")  # a group of several processes: each rank writes its own files
+args.out = args.out.replace("{group}", str(group)).replace("{rank}", rank)
+args.log = args.log.replace("{group}", str(group)).replace("{rank}", rank)
 if args.die_group not in (-1, group):
     args.die_at = -1
 
@@ -118,7 +121,8 @@ while state["step"] < total:
             if state["step"] == total:
                 break
 
-weights = torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
+full = rt.full_state_dict(model, rank0_only=False)  # FSDP's shards gathered (every rank of the group calls it)
+weights = torch.cat([full[name].flatten() for name, _ in lockstep.unwrap(model).named_parameters()])
 torch.save({"weights": weights, "record": record, "pid": os.getpid(), "seconds": time.monotonic() - started,
             "step": state["step"]}, args.out)
 rt.close()
