@@ -198,3 +198,24 @@ def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     _check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
     assert "replica group 1 ended" in run.stderr and "left [1]" in run.stdout and "joined [1]" in run.stdout
+
+
+def test_a_trainer_fit_trains_on_when_a_group_is_killed_and_ends_at_the_one_process_weights(tmp_path):
+    """The Trainer under `lockstep run --fault-tolerant`: no code of its own for it; group 1 is killed
+    at step 3 of 12, its replacement joins, every group ends at the one-process fit's weights."""
+    script = ROOT / "tests" / "scripts" / "ft_trainer.py"
+    alone = subprocess.run([sys.executable, str(script), str(tmp_path / "alone.pt")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                          "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(script),
+                          str(tmp_path / "g{group}.pt"), "--slow", "1.0", "--die-at", "3", "--die-group", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = torch.load(tmp_path / "alone.pt")
+    results = [torch.load(tmp_path / f"g{g}.pt") for g in range(2)]
+    assert [r["steps"] for r in results] == [12, 12]
+    for result in results:
+        assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
+    assert torch.equal(results[0]["weights"], results[1]["weights"])
+    assert "replica group 1 ended" in run.stderr and "joined [1]" in run.stdout, run.stdout + run.stderr[-2000:]

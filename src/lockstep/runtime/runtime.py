@@ -613,9 +613,19 @@ class Runtime:
         if found is not None:
             self._checkpoints.load(found, state, verify=False)
         if self.replicas is not None:
-            committed = found.metadata.get("committed_steps", found.step) if found is not None else 0
-            self.replicas.start(state, int(committed))
+            self.join(state, int(found.metadata.get("committed_steps", found.step)) if found is not None else 0)
         return found
+
+    def join(self, state: dict[str, Any], step: int) -> None:
+        """Fault tolerance: join the replica groups with ``state`` (as given to ``rt.save``) at committed
+        step ``step``. A group behind the live ones receives their state into ``state`` (models,
+        optimizers, loaders and other objects with ``load_state_dict`` in place; plain values replaced);
+        a live group sends its own ``state`` to each group that joins later. ``rt.resume`` calls it
+        after loading the newest checkpoint; every rank calls it once, before the first batch."""
+        if self.replicas is None:
+            raise UsageError("rt.join is for a fault-tolerant job: give Runtime(fault_tolerance=...) or start "
+                             "it with `lockstep run --fault-tolerant`.")
+        self.replicas.start(state, step)
 
     def verify_checkpoint(self, path: str | Path) -> list[str]:
         """Every problem with the files of checkpoint ``path`` (none when intact: each file matches the

@@ -136,6 +136,33 @@ def parts(trainer: Trainer) -> dict[str, Any]:
     return named
 
 
+class _Joined:
+    """The loop's counters with the data's position, for a replica group that joins a fault-tolerant
+    fit: loading them puts the Trainer where the live group is (``place``)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.loop = trainer, _Loop(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = self.trainer.train_loader
+        return {**self.loop.state_dict(), "position": loader.state_dict() if loader is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.load_state_dict(state)
+        place(self.trainer, state, state["position"])
+
+
+def replica_state(trainer: Trainer) -> dict[str, Any]:
+    """What a replica group that joins a fault-tolerant fit receives from a live one, in loading order:
+    the model and optimizers, the loop and the data's position, the schedulers, the precision's
+    scaler, the callbacks. Not the metrics of the epoch so far (their sums are each group's own) nor
+    the random states (each rank's own)."""
+    parts_ = parts(trainer)
+    state = {**_model_and_optimizers(trainer), "loop": _Joined(trainer)}
+    return {**state, **{name: parts_[name] for name in ("loader", "schedulers", "precision", "callbacks")
+                        if name in parts_}}
+
+
 def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> float:
     """Write the Trainer's checkpoint folder; every rank calls it. Returns the seconds it blocked."""
     rt = trainer.runtime

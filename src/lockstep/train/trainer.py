@@ -145,8 +145,11 @@ class Trainer:
 
     @property
     def log_dir(self) -> Path:
-        """``log_dir``, else ``checkpoint_dir``, else ``runs/lockstep``."""
-        return self.config.log_dir or self.config.checkpoint_dir or Path("runs/lockstep")
+        """``log_dir``, else ``checkpoint_dir``, else ``runs/lockstep``; in a fault-tolerant fit, its
+        ``replica-group-N`` folder (each group's rank 0 logs what its group saw)."""
+        base = self.config.log_dir or self.config.checkpoint_dir or Path("runs/lockstep")
+        replicas = getattr(getattr(self, "runtime", None), "replicas", None)
+        return base / f"replica-group-{replicas.index}" if replicas is not None else base
 
     # -- public entry points ------------------------------------------------------------------------
     def fit(self, module: Module, train_data: Any, val_data: Any = None, batch_size: int | None = None,
@@ -326,7 +329,15 @@ class Trainer:
         return {**options, **(given or {})}
 
     def _restore(self) -> list[dict[str, Any]] | None:
-        """Resume from ``resume``; returns the loggers' saved states, or None when nothing was resumed."""
+        """Resume from ``resume``; returns the loggers' saved states, or None when nothing was resumed.
+        In a fault-tolerant fit, then join the replica groups: a group behind the live ones takes their
+        state (``rt.join``)."""
+        saved = self._restore_checkpoint()
+        if self.runtime.replicas is not None:
+            self.runtime.join(ckpt.replica_state(self), self.global_step)
+        return saved
+
+    def _restore_checkpoint(self) -> list[dict[str, Any]] | None:
         if self.config.resume is None:
             return None
         rt = self.runtime
@@ -359,8 +370,8 @@ class Trainer:
         stopped = False
         # A checkpoint saved at an epoch's last batch resumes with only the epoch's end left to run.
         batches = self.train_loader if start != self.steps_per_epoch else ()
-        for batch_idx, batch in enumerate(batches, start):
-            stepped = self._train_batch(batch, batch_idx)
+        for batch in batches:
+            stepped = self._train_batch(batch, self.train_loader.batches_done - 1)  # a batch drawn again keeps it
             if stepped and self._after_step():
                 stopped = True
                 break
@@ -406,28 +417,38 @@ class Trainer:
                     rt.backward(loss, num_items=items)
                 else:
                     rt.backward(loss / k if k > 1 else loss)
-        self.samples_seen += self.train_loader.global_batch_size(batch_idx)
+        samples = self.train_loader.global_batch_size(batch_idx)
         if self.at_step_boundary:
-            self._optimizer_step()
+            if not self._optimizer_step():  # fault tolerance: a step during which a replica group died
+                self.batches_done_in_epoch = batch_idx + 1
+                return False
+            self.samples_seen += samples
             if self.is_logging_step:
                 self.log_metrics(self.metrics.window.reduce(rt))
                 self.metrics.window.reset()
+        else:
+            self.samples_seen += samples
         self.batches_done_in_epoch = batch_idx + 1
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return self.at_step_boundary
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:
+        taken nowhere, its batches come again)."""
         with self._hook("optimizer_step"):
             for optimizer in self.optimizers:
                 if self.config.gradient_clip_val is not None:
                     self.runtime.clip_grad_norm_(self._wrapped, optimizer, self.config.gradient_clip_val)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if not self.runtime.step_committed:
+                return False
             for scheduler, interval in self.lr_schedulers:
                 if interval == "step":
                     scheduler.step()
         self.global_step += 1
         self.profiler.step()
+        return True
 
     def _after_step(self) -> bool:
         """After an optimizer step: preemption, mid-epoch validation; True when training is over."""

@@ -185,6 +185,12 @@ class DistributedLoader:
         """The epoch of the current (or last) pass."""
         return self._epoch
 
+    @property
+    def batches_done(self) -> int:
+        """How many batches of the current pass have been handed out: the last one is batch
+        ``batches_done - 1`` (a step drawn again in a fault-tolerant job keeps its number)."""
+        return self._batches_done
+
     def global_batch_size(self, step: int) -> int:
         """How many samples batch ``step`` holds over all ranks (less than batch_size when short).
 

@@ -59,7 +59,9 @@ class ReplicaGroupsRun:
     """``lockstep run --fault-tolerant``'s supervisor: ``replicas`` groups, each ``lockstep run`` of its
     own (``group_command(index)``, its own rendezvous and agent); a group that ends in failure is
     started again (a replacement, which heals from a live group) up to ``max_restarts`` times, while
-    the others train on. Returns 0 when every group ended well, else 1."""
+    the others train on. Once a group ends well the training is done: no replacement is started any
+    more, and a group still running a step timeout later is stopped. Returns 0 when a group ended
+    well, else 1."""
 
     replicas: int
     group_command: Callable[[int], list[str]]
@@ -75,25 +77,31 @@ class ReplicaGroupsRun:
         running: dict[int, subprocess.Popen[bytes]] = {}
         restarts = dict.fromkeys(range(self.replicas), 0)
         failed: dict[int, int] = {}
+        finished_at: float | None = None  # when the first group ended well: the training is done
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             for index in range(self.replicas):
                 running[index] = self._start(index, house.address)
             while running:
                 time.sleep(0.1)
+                if finished_at is not None and time.monotonic() - finished_at > self.config.step_timeout:
+                    self.say(f"fault tolerance: the training is done; stopping replica group(s) {sorted(running)}, "
+                             "which did not end with it")
+                    break
                 for index, proc in list(running.items()):
                     code = proc.poll()
                     if code is None:
                         continue
                     del running[index]
                     if code == 0:
+                        finished_at = finished_at or time.monotonic()
                         continue
-                    if restarts[index] < self.max_restarts:
+                    if restarts[index] < self.max_restarts and finished_at is None:
                         restarts[index] += 1
                         self.say(f"fault tolerance: replica group {index} ended ({_how(code)}); starting a "
                                  f"replacement ({restarts[index]} of {self.max_restarts})")
                         running[index] = self._start(index, house.address)
-                    else:
+                    elif finished_at is None:
                         failed[index] = code
                         self.say(f"fault tolerance: replica group {index} ended ({_how(code)}), no restart left "
                                  f"(--max-restarts {self.max_restarts})")
@@ -104,7 +112,7 @@ class ReplicaGroupsRun:
             signal.signal(signal.SIGTERM, previous)
             _stop(list(running.values()))
             house.shutdown()
-        return 1 if failed else 0
+        return 0 if finished_at is not None or not failed else 1
 
     def _start(self, index: int, lighthouse: str) -> subprocess.Popen[bytes]:
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
