@@ -39,6 +39,7 @@ parser.add_argument("--checkpoints", default="")
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--slow", type=float, default=0.0)
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 rank = os.environ.get("RANK", "0")  # a group of several processes: each rank writes its own files
@@ -56,7 +57,7 @@ g = torch.Generator().manual_seed(0)
 x, y = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g)
 data = torch.utils.data.TensorDataset(torch.arange(240), x, y)
 
-rt = lockstep.Runtime(accelerator="cpu", seed=0)
+rt = lockstep.Runtime(accelerator="cpu", seed=args.seed)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -71,22 +72,20 @@ record: dict[int, list[int]] = {}
 started = time.monotonic()
 timer: threading.Timer | None = None
 if rt.replicas is not None and args.die_at >= 0:
-    manager = rt.replicas.manager
-    allreduce, should_commit = manager.allreduce, manager.should_commit
+    replicas = rt.replicas
+    all_reduce, should_commit = replicas._all_reduce, replicas.manager.should_commit
 
-    def allreduce_then_die(tensor, *a, **k):
-        work = allreduce(tensor, *a, **k)
+    def all_reduce_then_die(tensor, average):
         if state["step"] == args.die_at and args.die_when == "allreduce":
-            time.sleep(0.01)  # the peers have our part in flight
-            die()
-        return work
+            threading.Timer(0.005, die).start()  # while the all-reduce waits for the others, or runs
+        return all_reduce(tensor, average)
 
     def vote(*a, **k):
         if timer is not None:
             timer.cancel()
         return should_commit(*a, **k)
 
-    manager.allreduce, manager.should_commit = allreduce_then_die, vote
+    replicas._all_reduce, replicas.manager.should_commit = all_reduce_then_die, vote
 log = open(args.log, "a") if args.log else None
 while state["step"] < total:
     for index, xb, yb in loader:

@@ -147,7 +147,8 @@ class Runtime:
         self._current = CurrentBatch(self._watchdog)
         # Fault tolerance: the data-parallel membership spans the live replica groups of each step.
         self.replicas = (ReplicaGroups(config.fault_tolerance, self.membership, self.rank, self.world_size,
-                                       self.device, self.print) if config.fault_tolerance is not None else None)
+                                       self.device, self.print, self.seed)
+                         if config.fault_tolerance is not None else None)
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         can = self.env.capabilities
@@ -171,9 +172,12 @@ class Runtime:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
                  if self.world_size > 1 else None)
         gate = self.replicas.next_step if self.replicas is not None else None
+        # Fault tolerance: a group evaluates the whole data over its own ranks (the groups' membership
+        # changes; each group's evaluation is its own).
+        own = Membership(self.membership.rank, self.membership.size) if self.replicas is not None else None
         return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
-                       self.print, gate)
+                       self.print, gate, own)
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value),
@@ -482,7 +486,7 @@ class Runtime:
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader or self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
-        replica = self.rank != self.data_parallel_rank * self.tensor_parallel_size
+        replica = self.rank % self.tensor_parallel_size != 0  # a tensor-parallel peer of the one that keeps them
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices, replica=replica)
 

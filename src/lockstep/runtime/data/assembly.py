@@ -44,6 +44,7 @@ class Loaders:
     count_ranks: Callable[[bool], int] | None
     say: Callable[[str], None]
     gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
+    evaluation_membership: Membership | None = None  # fault tolerance: the group's own ranks
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
@@ -61,14 +62,15 @@ class Loaders:
     def evaluation(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.eval_loader``: rank ``r`` takes the ``r``-th contiguous shard (a stream: global batches in
         stream order, split over the ranks)."""
-        rank, world_size = self.membership.rank, self.membership.size
+        members = self.evaluation_membership or self.membership
+        rank, world_size = members.rank, members.size
         dataset, opts = resolve_loader_options(data, batch_size, options, world_size, self.local_world_size,
                                               self.device, evaluation=True)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
         if is_stream(dataset):
             batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
-            return self._loader(dataset, GlobalBatchSampler(batches, self.membership), opts, training=False)
+            return self._loader(dataset, GlobalBatchSampler(batches, members), opts, training=False)
         per_rank = opts.pop("batch_size") // world_size
         sampler = ShardSampler(dataset_length(dataset), per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
