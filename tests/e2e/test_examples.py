@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -60,3 +61,12 @@ def test_lstm_text_classifier_learns_the_shipped_reviews(tmp_path):
 def test_image_classifier_predicts_every_image_in_order(tmp_path):
     out = _run(sys.executable, "examples/image_classifier.py", "--accelerator", "cpu", "--out", str(tmp_path))
     assert re.search(r"predict\(\) gave 360 rows in dataset order, accuracy 0\.9\d+", out), out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra)")
+def test_fault_tolerant_example_runs_as_two_replica_groups(tmp_path):
+    out = _run(sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+               "--devices", "2", "--accelerator", "cpu", "examples/fault_tolerant.py", "--steps", "60",
+               "--checkpoints", str(tmp_path))
+    assert "step 50: loss" in out
+    assert (tmp_path / "step=50" / "lockstep.json").is_file()

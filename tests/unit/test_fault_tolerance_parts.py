@@ -23,8 +23,8 @@ HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 def test_every_wait_derives_from_the_one_step_timeout():
     timeouts = FaultTolerance(step_timeout=30).timeouts()
     assert (timeouts.quorum, timeouts.collective, timeouts.connect) == (30.0, 30.0, 30.0)
-    assert (timeouts.heartbeat, timeouts.join) == (3.0, 1.5)
-    assert FaultTolerance(step_timeout=3).timeouts().heartbeat == 1.0  # at least 1 s
+    assert (timeouts.heartbeat, timeouts.join) == (1.5, 0.75)
+    assert FaultTolerance(step_timeout=10).timeouts().heartbeat == 1.0  # at least 1 s
     assert FaultTolerance(step_timeout=600).timeouts().heartbeat == 5.0  # at most 5 s
 
 

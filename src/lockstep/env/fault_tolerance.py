@@ -69,10 +69,12 @@ class FaultTolerance:
 
     def timeouts(self) -> Timeouts:
         """The derivation: every wait that can end a step is the step timeout itself; a dead group is
-        found by its heartbeats, a tenth of it (at least 1 s, at most 5 s); the lighthouse waits for
-        newcomers half that long, so a group that starts while a quorum forms usually joins it."""
+        found by its heartbeats (sent every 0.1 s), within a twentieth of it (at least 1 s, at most
+        5 s: 1.5 s for the default 30 s), which is most of the stall a death costs the others; the
+        lighthouse waits for newcomers half that long, so a group that starts while a quorum forms
+        usually joins it."""
         step = float(self.step_timeout)
-        heartbeat = min(max(step / 10, 1.0), 5.0)
+        heartbeat = min(max(step / 20, 1.0), 5.0)
         return Timeouts(quorum=step, collective=step, connect=step, heartbeat=heartbeat, join=heartbeat / 2)
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> FaultTolerance:
