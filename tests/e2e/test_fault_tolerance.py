@@ -117,11 +117,10 @@ def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_pa
     assert (code0, code1, code2) == (0, 0, 0), out0[-2000:] + out1[-2000:] + out2[-2000:]
     results = _check_exact(tmp_path, reference, ["g0", "g1", "replacement"])
     assert [r["pid"] for r in results[:2]] == [groups[0].pid, groups[1].pid]  # the survivors never restarted
-    # Each survivor says the group left (with "the step stalled N s" unless its gradient arrived), or,
-    # when its all-reduce waited out the step timeout while the others went on, that it healed from one.
-    for out in (out0, out1):
-        assert "left [2]" in out or "healed from group" in out, out[-2000:]
-    assert "joined [2]" in out0 + out1, out0[-2000:]
+    # The survivors say who left (with "the step stalled N s" unless its gradient arrived) and who joined.
+    # A survivor whose all-reduce waited on the dead group may be left out of the next quorums until its
+    # wait times out: it then rejoins, healing from the others (and they say it left and joined).
+    assert "left [" in out0 + out1 and "joined [" in out0 + out1, out0[-2000:] + out1[-2000:]
     assert "group 2 healed from group" in out2, out2[-2000:]
     assert "Traceback" not in out0 + out1 + out2
     print(f"kill ({when}) -> replacement done in {time.monotonic() - killed_at:.1f} s;", out0.strip().splitlines())
@@ -147,6 +146,16 @@ def test_a_group_started_with_another_seed_is_refused_by_name_and_the_others_tra
     (code0, out0), (code1, out1) = _finish(groups[0]), _finish(groups[1])
     assert code1 != 0 and "replica group 1 was started with another seed than groups [0]" in out1, out1[-3000:]
     assert code0 == 0 and "replica group(s) [1] refused: another seed than groups [0]" in out0, out0[-3000:]
+    result = torch.load(tmp_path / "g0.pt")
+    assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
+
+
+def test_a_group_with_another_model_cannot_take_the_live_state_and_says_so(tmp_path, reference, lighthouse):
+    groups = [_group(tmp_path, lighthouse, 0, "--slow", "0.2"), _group(tmp_path, lighthouse, 1, "--hidden", "32")]
+    (code0, out0), (code1, out1) = _finish(groups[0]), _finish(groups[1])
+    assert code1 != 0 and "replica group 1 could not load the state of a live group" in out1, out1[-3000:]
+    assert "size mismatch" in out1, out1[-3000:]
+    assert code0 == 0, out0[-3000:]
     result = torch.load(tmp_path / "g0.pt")
     assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
 
@@ -189,7 +198,7 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
     replacement for the one SIGKILLed in its backward at step 3, and ends when every group has."""
     run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "3",
                           "--devices", "3", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
-                          str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.4",
+                          str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.6",
                           "--die-at", "3", "--die-when", "backward", "--die-group", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]

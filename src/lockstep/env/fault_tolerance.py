@@ -17,6 +17,7 @@ from lockstep.errors import ConfigError, MissingExtraError
 #: What ``lockstep run --fault-tolerant`` hands each replica group's processes.
 ENV_ON, ENV_GROUP, ENV_LIGHTHOUSE = "LOCKSTEP_FAULT_TOLERANT", "LOCKSTEP_REPLICA_GROUP", "LOCKSTEP_LIGHTHOUSE"
 ENV_MIN_REPLICAS, ENV_STEP_TIMEOUT = "LOCKSTEP_MIN_REPLICAS", "LOCKSTEP_STEP_TIMEOUT"
+ENV_REPLACEMENT = "LOCKSTEP_REPLICA_REPLACEMENT"  # "1": started for a group that died
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,16 @@ class FaultTolerance:
         replica_group: this group's index (default ``LOCKSTEP_REPLICA_GROUP``, which ``lockstep run
             --fault-tolerant`` sets).
         lighthouse: the lighthouse's address (default ``LOCKSTEP_LIGHTHOUSE``).
+        replacement: this group replaces one that died (``LOCKSTEP_REPLICA_REPLACEMENT``, which the
+            launcher sets): alone at its first quorum, it waits up to ``step_timeout`` for a live group
+            to join rather than train alone.
     """
 
     min_replicas: int = 1
     step_timeout: float = 30.0
     replica_group: int | None = None
     lighthouse: str | None = None
+    replacement: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
@@ -63,7 +68,7 @@ class FaultTolerance:
             return None
         try:
             return cls(min_replicas=int(env.get(ENV_MIN_REPLICAS, "1")),
-                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")))
+                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")), replacement=env.get(ENV_REPLACEMENT) == "1")
         except ValueError as error:
             raise ConfigError(f"{ENV_MIN_REPLICAS} or {ENV_STEP_TIMEOUT} is not a number: {error}") from None
 
@@ -96,7 +101,7 @@ class FaultTolerance:
                 "FaultTolerance(replica_group=..., lighthouse=...).")
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
-        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse)
+        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse, self.replacement)
 
 
 def import_torchft() -> Any:

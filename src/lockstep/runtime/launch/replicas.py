@@ -16,6 +16,7 @@ from lockstep.env.fault_tolerance import (
     ENV_LIGHTHOUSE,
     ENV_MIN_REPLICAS,
     ENV_ON,
+    ENV_REPLACEMENT,
     ENV_STEP_TIMEOUT,
     FaultTolerance,
     import_torchft,
@@ -114,10 +115,10 @@ class ReplicaGroupsRun:
             house.shutdown()
         return 0 if finished_at is not None or not failed else 1
 
-    def _start(self, index: int, lighthouse: str) -> subprocess.Popen[bytes]:
+    def _start(self, index: int, lighthouse: str, replacement: bool = False) -> subprocess.Popen[bytes]:
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
                        ENV_LIGHTHOUSE: lighthouse, ENV_MIN_REPLICAS: str(self.config.min_replicas),
-                       ENV_STEP_TIMEOUT: str(self.config.step_timeout)}
+                       ENV_STEP_TIMEOUT: str(self.config.step_timeout), ENV_REPLACEMENT: "1" if replacement else "0"}
         return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_die_with_parent)
 
 

@@ -37,6 +37,9 @@ from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
 from lockstep.errors import CollectiveError, ConfigError, StateError
 from lockstep.runtime.parallel.mesh import Membership
 
+#: Steps in a row that may fail to commit (a member lost at each) before the job ends with the cause.
+MAX_FAILED_STEPS = 20
+
 
 class _QuorumRecorder:
     """Stands in for torchft's manager client and keeps the last quorum it returned (the replica ids
@@ -102,7 +105,7 @@ class ReplicaGroups:
             quorum_timeout=timedelta(seconds=timeouts.quorum), connect_timeout=timedelta(seconds=timeouts.connect),
             rank=group_rank, world_size=group_size, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=config.lighthouse, replica_id=f"lockstep_{self.index}",
-            heartbeat_interval=timedelta(milliseconds=100),
+            heartbeat_interval=timedelta(milliseconds=100), max_retries=MAX_FAILED_STEPS,
             checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
         )
         self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
@@ -123,10 +126,14 @@ class ReplicaGroups:
     def quorum(self) -> None:
         """Take the quorum of step ``manager.current_step()``: heal from a peer if this group is behind,
         then make this rank's data-parallel membership its share of the participants."""
-        previous = self._members
+        previous, before = self._members, self._recorder.last
         try:
             self.manager.start_quorum()
         except Exception as error:  # torchft raises what its RPC raised: a timeout, a lost lighthouse
+            if self._recorder.last is not before:  # the quorum formed: loading a live group's state failed
+                raise CollectiveError(f"replica group {self.index} could not load the state of a live group "
+                                      f"({type(error).__name__}: {error}): start every group with the same "
+                                      "script and model.") from error
             raise CollectiveError(self._quorum_failure(error)) from error
         quorum = self._recorder.last
         if quorum is None:
@@ -142,10 +149,8 @@ class ReplicaGroups:
         if quorum.quorum_id != self._checked_quorum:  # the members changed: every one of them compares
             self._checked_quorum = quorum.quorum_id
             self._check_same_job(members, rank, size)
-        self._step_began = time.monotonic()
-        if self.manager.errored() is not None:
-            raise CollectiveError(f"replica group {self.index} could not join step {self.manager.current_step()}: "
-                                  f"{self.manager.errored()}")
+        self._step_began = time.monotonic()  # a failure while re-forming the group (a member died in it)
+        # leaves the manager errored: the step then does not commit, and the next quorum tries again
 
     def _report(self, previous: list[int], members: list[int], quorum: Any) -> None:
         """One line for each change: who left, who joined, who healed from whom, how long the step stalled."""
@@ -262,7 +267,11 @@ class ReplicaGroups:
     def commit(self) -> bool:
         """Whether every participant may take this step (asked once a step; the same answer after)."""
         if self._decided is None:
-            self._decided = self.committed = bool(self.manager.should_commit())
+            try:
+                self._decided = self.committed = bool(self.manager.should_commit())
+            except RuntimeError as error:  # torchft's max_retries: too many steps in a row did not commit
+                raise CollectiveError(f"replica group {self.index}: {error}; the last failure: "
+                                      f"{self.manager.errored()}") from error
             if self._decided:
                 self._stalled_since = None
             elif self._stalled_since is None:
@@ -287,7 +296,21 @@ class ReplicaGroups:
         self._fingerprint = _fingerprint(state, self._seed)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.quorum()
+        if self.config.replacement and self._members == [self.index]:
+            self._wait_for_a_live_group(step)
         self._fresh = True
+
+    def _wait_for_a_live_group(self, step: int) -> None:
+        """A replacement alone at its first quorum: the live groups may be about to ask for theirs; when
+        none does within the step timeout (the job has ended, or every group died), it trains on alone,
+        from ``step``."""
+        deadline = time.monotonic() + self.config.step_timeout
+        while self._members == [self.index] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            self.quorum()
+        if self._members == [self.index]:
+            self.say(f"fault tolerance: replica group {self.index} replaces a group that died, but no live group "
+                     f"joined it within {self.config.step_timeout:g} s: it trains on alone from step {step}")
 
     def _state_dict(self) -> dict[str, Any]:
         assert self.state is not None
