@@ -6,13 +6,12 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 
 from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
 from lockstep.runtime.launch.node_watch import NodeWatch
-from lockstep.runtime.launch.plan import Plan, replica_group_devices
+from lockstep.runtime.launch.plan import Plan, check_script, replica_group_devices
 from lockstep.runtime.launch.plan import plan as make_plan
 
 
@@ -153,8 +152,7 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
     from lockstep.env.fault_tolerance import FaultTolerance
     from lockstep.runtime.launch.replicas import ReplicaGroupsRun
 
-    if not Path(args.script).is_file() and not args.module:
-        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    check_script(args)
     _check_names(args.strategy, args.precision)
     nproc, visible = _resolve_devices(args.devices, args.accelerator)
     import torch

@@ -118,17 +118,22 @@ def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, 
     return host, port, store, options
 
 
+def check_script(args: argparse.Namespace) -> None:
+    """The script (or the module, with ``-m``) exists; raises PreflightError."""
+    if args.module:
+        if importlib.util.find_spec(args.script) is None:
+            raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
+    elif not Path(args.script).is_file():
+        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+
+
 def plan(args: argparse.Namespace, check_names: Callable[[], None],
          resolve_devices: Callable[[], tuple[int, str | None]]) -> Plan:
     """Every check that can fail before a process starts, in the order a user fixes them; raises
     PreflightError. ``args``: ``lockstep run``'s options. The checks that need the training side
     (the names of strategies and precisions, the devices) are the caller's: ``check_names`` and
     ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set)."""
-    if args.module:
-        if importlib.util.find_spec(args.script) is None:
-            raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
-    elif not Path(args.script).is_file():
-        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
+    check_script(args)
     check_names()
     nodes = _parse_nodes(str(args.nodes))
     elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
