@@ -5,7 +5,8 @@
 ``{group}`` and ``{rank}`` in OUT and ``--log``: the replica group's index (under ``lockstep run --fault-tolerant``)
 and the rank inside the group.
 
-Trains a small MLP with SGD on 240 samples, global batch 24, 2 epochs (20 steps), and writes to OUT
+Trains a small MLP that draws a random number each step (``RandomResidual``) with SGD on 240 samples,
+global batch 24, 2 epochs (20 steps), and writes to OUT
 (torch.save): the final weights, each committed step's dataset indices of this group, its PID.
 ``--die-at``: SIGKILL itself in step STEP: before the forward (start), inside the backward, inside the
 cross-group all-reduce (after sending its part), or at a random moment between the forward and the commit
@@ -59,12 +60,27 @@ x, y = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g
 data = torch.utils.data.TensorDataset(torch.arange(240), x, y)
 
 rt = lockstep.Runtime(accelerator="cpu", seed=args.seed)
+
+
+class RandomResidual(nn.Module):
+    """``x + layer(x) * u``, ``u`` drawn from torch's generator at each training forward (as stochastic
+    depth draws): the one-process run draws one number a step, and so must every group, also when a step is
+    drawn again after a death and in a group that joined later (it receives the random states)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layer(x) * torch.rand(()) if self.training else x + self.layer(x) * 0.5
+
+
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 4))
+model = nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), RandomResidual(args.hidden), nn.Linear(args.hidden, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(data, batch_size=24, shuffle=True)
-state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "random": rt.random_states()}
 total = args.epochs * len(loader)
 if args.checkpoints or rt.replicas is not None:
     rt.resume(args.checkpoints or os.path.join(os.path.dirname(args.out) or ".", "no-checkpoints"), state)

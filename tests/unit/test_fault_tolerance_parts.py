@@ -128,3 +128,45 @@ def test_one_replica_group_trains_as_a_plain_loop_and_asks_for_its_state_first()
         rt.close()
     finally:
         house.shutdown()
+
+
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
+def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random_numbers_again(monkeypatch):
+    """A replica group's step fails (a participant's error reaches its manager, as a lost peer's does):
+    the batch comes again, and the fit ends as an uninterrupted one-process fit: its dropout masks (the
+    random states are put back to the step's start), weights, samples seen and epoch loss (the failed
+    try's logged loss is dropped)."""
+    from checks import dist as checks
+    from checks import trainer as tc
+    from lockstep.runtime.launch.replicas import Lighthouse
+
+    def fit(fail_at: int | None) -> tuple[lockstep.Trainer, torch.Tensor]:
+        failed = []
+
+        class FailOnce(lockstep.Callback):
+            def on_before_backward(self, trainer, module, loss):
+                if trainer.global_step == fail_at and not failed:
+                    failed.append(trainer.batches_done_in_epoch)
+                    trainer.runtime.replicas.manager.report_error(RuntimeError("a participant died"))
+
+        module = tc.Classifier(dropout=0.5)
+        trainer = tc.quiet_trainer(max_epochs=2, callbacks=[FailOnce()])
+        trainer.fit(module, checks.make_data(40), batch_size=8)
+        assert failed == ([] if fail_at is None else [fail_at % 5])
+        return trainer, checks.flat_weights(module)
+
+    reference, weights = fit(None)
+    house = Lighthouse(FaultTolerance(step_timeout=10))
+    try:
+        for name, value in {"LOCKSTEP_FAULT_TOLERANT": "1", "LOCKSTEP_REPLICA_GROUP": "0",
+                            "LOCKSTEP_LIGHTHOUSE": house.address, "LOCKSTEP_STEP_TIMEOUT": "10"}.items():
+            monkeypatch.setenv(name, value)
+        trainer, ft_weights = fit(7)  # in the second epoch, whose loss is the one logged at the end
+        assert trainer.runtime.replicas is not None and trainer.runtime.replicas.step == 10
+        trainer.runtime.close()
+    finally:
+        house.shutdown()
+    assert (trainer.global_step, trainer.samples_seen) == (reference.global_step, reference.samples_seen) == (10, 80)
+    assert torch.allclose(ft_weights, weights, atol=1e-6)
+    assert trainer.callback_metrics["train_loss_epoch"] == pytest.approx(reference.callback_metrics["train_loss_epoch"],
+                                                                         rel=1e-6)

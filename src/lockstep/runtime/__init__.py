@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice, Strategy
     from lockstep.runtime.parallel.wrappers import unwrap
     from lockstep.runtime.runtime import Runtime
-    from lockstep.runtime.seed import seed_everything
+    from lockstep.runtime.seed import RandomStates, seed_everything
     from lockstep.runtime.tree import batch_size_of
 
 _WHERE = {
@@ -56,13 +56,14 @@ _WHERE = {
     "FaultTolerance": "lockstep.env.fault_tolerance",
     "Lighthouse": "lockstep.runtime.launch.replicas",
     "unwrap": "lockstep.runtime.parallel.wrappers", "Runtime": "lockstep.runtime.runtime",
-    "seed_everything": "lockstep.runtime.seed", "batch_size_of": "lockstep.runtime.tree",
+    "seed_everything": "lockstep.runtime.seed", "RandomStates": "lockstep.runtime.seed",
+    "batch_size_of": "lockstep.runtime.tree",
 }
 
 __all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "Devices", "DistributedLoader", "FSDP",
            "FaultTolerance", "FlopCount", "Lighthouse", "Policy", "Runtime", "RuntimeConfig", "SingleDevice",
            "Strategy", "WorkerError", "batch_size_of", "complete_checkpoints", "is_checkpoint_folder", "is_stream",
-           "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+           "RandomStates", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())

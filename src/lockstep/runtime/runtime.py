@@ -48,7 +48,7 @@ from lockstep.runtime.parallel.replica_groups import ReplicaGroups
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.tensor_parallel import apply_plan, plan_of
 from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
-from lockstep.runtime.seed import seed_everything, set_determinism
+from lockstep.runtime.seed import RandomStates, seed_everything, set_determinism
 from lockstep.runtime.verify import StepRecorder
 
 if TYPE_CHECKING:
@@ -589,6 +589,13 @@ class Runtime:
         damaged checkpoint is refused, naming the file.
         """
         return self._checkpoints.load(path, state, verify)
+
+    def random_states(self) -> RandomStates:
+        """Every rank's random states (python, numpy, torch CPU and CUDA) as an entry of the ``state``
+        given to ``rt.save``: ``state["random"] = rt.random_states()``, and ``rt.resume``/``rt.load``
+        put them back (on the same number of processes): dropout and other draws continue as in an
+        uninterrupted run. The Trainer's checkpoints hold them already."""
+        return RandomStates(self.all_gather, self.rank, self.world_size, self.print)
 
     def latest_checkpoint(self, path: str | Path, exact: bool = False) -> Checkpoint | None:
         """The checkpoint to resume from, the same on every rank: ``path`` itself when it is a checkpoint

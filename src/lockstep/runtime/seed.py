@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -94,3 +94,56 @@ def forked_generators(seed: int) -> Iterator[None]:
         finally:
             random.setstate(saved[0])
             set_numpy_state(saved[1])
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's random states (python, numpy, torch CPU and CUDA), in weights-only types."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+class RandomStates:
+    """Every rank's random states as one entry of a checkpoint's ``state``: ``rt.random_states()``.
+
+    ``state_dict`` gathers every rank's (a collective: every rank saves); ``load_state_dict`` restores
+    this rank's, on the same number of processes only (per-rank streams do not map from N ranks to M: the
+    sample order still continues exactly). In a fault-tolerant job, a group that joins receives each
+    rank's current states from the same rank of a live group instead.
+    """
+
+    def __init__(self, gather: Callable[[Any], list[Any]], rank: int, world_size: int,
+                 say: Callable[[str], None]) -> None:
+        self._gather, self._rank, self._world_size, self._say = gather, rank, world_size, say
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return self._gather(capture_rng())
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) == self._world_size:
+            restore_rng(states[self._rank])
+        else:
+            self._say(f"lockstep: the checkpoint comes from {len(states)} processes, this run has "
+                      f"{self._world_size}: random states are not restored (the sample order still is).")

@@ -6,54 +6,14 @@ Finding, agreeing on, verifying and loading a checkpoint folder are the Runtime'
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lockstep.errors import CheckpointError
-from lockstep.runtime import Checkpoint, Runtime
+from lockstep.runtime import Checkpoint
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
-
-def capture_rng() -> dict[str, Any]:
-    """This process's random states (python, numpy, torch CPU and CUDA), in weights-only types."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), pos, has_gauss, cached]
-    except ImportError:
-        pass
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-def restore_rank_rng(rt: Runtime, states: list[dict[str, Any]]) -> None:
-    """This rank's random states from a checkpoint of every rank's (not across world sizes)."""
-    if len(states) == rt.world_size:
-        restore_rng(states[rt.rank])
-    else:
-        rt.print(f"lockstep: the checkpoint comes from {len(states)} processes, this run has "
-                 f"{rt.world_size}: random states are not restored (the sample order still is).")
 
 
 class _Loop:
@@ -155,8 +115,8 @@ class _Joined:
 def replica_state(trainer: Trainer) -> dict[str, Any]:
     """What a replica group that joins a fault-tolerant fit receives from a live one, in loading order:
     the model and optimizers, the loop and the data's position, the schedulers, the precision's
-    scaler, the callbacks. Not the metrics of the epoch so far (their sums are each group's own) nor
-    the random states (each rank's own)."""
+    scaler, the callbacks (the replica groups add each rank's random states). Not the metrics of the
+    epoch so far: their sums are each group's own."""
     parts_ = parts(trainer)
     state = {**_model_and_optimizers(trainer), "loop": _Joined(trainer)}
     return {**state, **{name: parts_[name] for name in ("loader", "schedulers", "precision", "callbacks")
@@ -167,7 +127,7 @@ def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> floa
     """Write the Trainer's checkpoint folder; every rank calls it. Returns the seconds it blocked."""
     rt = trainer.runtime
     objects = {name: part.state_dict() for name, part in parts(trainer).items()}
-    objects["rng"] = rt.all_gather(capture_rng())
+    objects["rng"] = rt.random_states().state_dict()
     objects["config"] = {k: str(v) for k, v in trainer.config.hparams().items()}
     objects["loggers"] = logger_states(trainer.loggers)  # rank 0's: its objects are the ones written
     trainer.fire("on_save_checkpoint", objects)
@@ -209,5 +169,5 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
             raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
         part.load_state_dict(state[name])
     trainer.fire("on_load_checkpoint", state)
-    restore_rank_rng(rt, state["rng"])  # last: nothing may draw random numbers after it
+    rt.random_states().load_state_dict(state["rng"])  # last: nothing may draw random numbers after it
     return list(state.get("loggers", []))

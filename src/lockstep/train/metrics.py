@@ -90,6 +90,15 @@ class MetricStore:
         total_sums, total_counts = totals[:len(names)], totals[len(names):]
         return {n: s / c for n, s, c in zip(names, total_sums, total_counts, strict=True) if c > 0}
 
+    def absorb(self, other: MetricStore) -> None:
+        """Add ``other``'s values to this store's."""
+        for name, by_weight in other._kept.items():
+            for weight, values in by_weight.items():
+                for value in values:
+                    self.add_scalar(name, value, weight)
+        for name, total in other._sums.items():
+            self.add(name, total, other._counts[name])
+
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
@@ -108,14 +117,25 @@ class MetricStore:
 
 
 class TrainingMetrics:
-    """The sums behind logged training metrics: the current logging ``window`` and the current ``epoch``."""
+    """The sums behind logged training metrics: the current logging ``window`` and the current ``epoch``.
+
+    In a fault-tolerant fit a step logs into ``step`` first: its values join the window's and the
+    epoch's when it commits (``end_step``), and are dropped when it does not (its batches come again).
+    """
 
     def __init__(self) -> None:
-        self.window, self.epoch = MetricStore(), MetricStore()
+        self.window, self.epoch, self.step = MetricStore(), MetricStore(), MetricStore()
 
     def reset(self) -> None:
         self.window.reset()
         self.epoch.reset()
+        self.step.reset()
+
+    def end_step(self, committed: bool) -> None:
+        if committed:
+            self.window.absorb(self.step)
+            self.epoch.absorb(self.step)
+        self.step.reset()
 
     def state_dict(self, runtime: Any) -> dict[str, Any]:
         """Every rank's sums (a collective: every rank must call it)."""

@@ -84,6 +84,7 @@ class Trainer:
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}
         self.current_epoch = self.global_step = self.batches_done_in_epoch = self.samples_seen = 0
+        self._step_samples = 0  # the global samples of the micro-batches of the step under way
         self.steps_per_epoch: int | None = 0  # None: a stream without __len__
         self.should_stop, self.at_step_boundary, self.epoch_ended = False, False, False
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -391,7 +392,9 @@ class Trainer:
         self.batches_done_in_epoch, self.epoch_ended = start, False
         if start == 0:
             self.metrics.reset()
-        self._stores = [self.metrics.window, self.metrics.epoch]
+        self._step_samples = 0
+        fault_tolerant = self.runtime.replicas is not None  # a step's values count once it commits
+        self._stores = [self.metrics.step] if fault_tolerant else [self.metrics.window, self.metrics.epoch]
         self.fire("on_train_epoch_start")
         self._wrapped.train()
         return start
@@ -417,18 +420,19 @@ class Trainer:
                     rt.backward(loss, num_items=items)
                 else:
                     rt.backward(loss / k if k > 1 else loss)
-        samples = self.train_loader.global_batch_size(batch_idx)
+        self._step_samples += self.train_loader.global_batch_size(batch_idx)
+        self.batches_done_in_epoch = batch_idx + 1
         if self.at_step_boundary:
-            if not self._optimizer_step():  # fault tolerance: a step during which a replica group died
-                self.batches_done_in_epoch = batch_idx + 1
+            committed = self._optimizer_step()
+            samples, self._step_samples = self._step_samples, 0
+            if rt.replicas is not None:  # what the step logged counts once it commits
+                self.metrics.end_step(committed)
+            if not committed:  # fault tolerance: a replica group died during the step; its batches come again
                 return False
             self.samples_seen += samples
             if self.is_logging_step:
                 self.log_metrics(self.metrics.window.reduce(rt))
                 self.metrics.window.reset()
-        else:
-            self.samples_seen += samples
-        self.batches_done_in_epoch = batch_idx + 1
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return self.at_step_boundary
 

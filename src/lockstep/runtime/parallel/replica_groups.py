@@ -36,7 +36,10 @@ from torch import nn
 from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
 from lockstep.errors import CollectiveError, ConfigError, StateError
 from lockstep.runtime.parallel.mesh import Membership
+from lockstep.runtime.seed import RandomStates, capture_rng, restore_rng
 
+#: The key of a rank's random states in what a joining group receives (beside the user's own keys).
+_RANDOM = "lockstep.random_states"
 #: Steps in a row that may fail to commit (a member lost at each) before the job ends with the cause.
 MAX_FAILED_STEPS = 20
 
@@ -113,6 +116,7 @@ class ReplicaGroups:
         self._decided: bool | None = True  # the last step's commit decision (None: a step is under way)
         self._reduced = False
         self._step_start: tuple[Any, int] | None = None  # the loader and position where the current step began
+        self._step_rng: dict[str, Any] | None = None  # the random states at the current step's start
         self.committed: bool | None = None  # whether the last optimizer step was taken
         self._stalled_since: float | None = None
         self._fresh = False  # a quorum was taken (by start) and no step has used it yet
@@ -204,6 +208,8 @@ class ReplicaGroups:
         that did not commit (drawn again), or where a heal put the loader."""
         if self._decided is None:
             return step
+        if self._decided is False and self._step_rng is not None:  # the step is drawn again: so are its randoms
+            restore_rng(self._step_rng)
         if self.state is None:
             raise StateError("fault tolerance: call rt.resume(folder, state) before the first batch, with the "
                              "state to save (model, optimizer, loader, ...): a group that joins later receives it "
@@ -218,6 +224,7 @@ class ReplicaGroups:
         self._fresh = False
         step = loader.healed_position(step)
         self._decided, self._reduced, self._step_start = None, False, (loader, step)
+        self._step_rng = capture_rng()
         return step
 
     def reduce_gradients(self, parameters: list[torch.Tensor]) -> None:
@@ -313,17 +320,23 @@ class ReplicaGroups:
                      f"joined it within {self.config.step_timeout:g} s: it trains on alone from step {step}")
 
     def _state_dict(self) -> dict[str, Any]:
+        """What a joining group receives from this one (asked at a step's start, in the quorum): the
+        ``state`` given to ``start``, and this rank's random states, the same rank's of the joining group."""
         assert self.state is not None
-        return {key: _state_of(value) for key, value in self.state.items()}
+        return {_RANDOM: capture_rng(), **{key: _state_of(value) for key, value in self.state.items()
+                                            if not isinstance(value, RandomStates)}}  # every rank's: a collective
 
     def _load_state(self, received: dict[str, Any]) -> None:
         assert self.state is not None
+        randoms = received.pop(_RANDOM, None)
         for key, value in received.items():
             target = self.state.get(key)
             if key in self.state and _has_state(target):
                 _unwrapped(target).load_state_dict(value)
             else:
                 self.state[key] = value
+        if randoms is not None:  # last: loading the state may draw none after it
+            restore_rng(randoms)
 
     def close(self) -> None:
         if not self._closed:
