@@ -59,6 +59,82 @@ class _QuorumRecorder:
         return getattr(self._client, name)
 
 
+class _Alarm:
+    """What a participant does when a step's all-reduce fails, so that the others stop waiting at once
+    instead of at the step timeout (two things Gloo does not do):
+
+    - tell the others: a key in the quorum's store (the one torchft's process group rendezvouses
+      through), read by the participants whose all-reduce still waits (on one that failed, not on the
+      one that died: Gloo's abort closes no connection). A store that cannot be reached (its host died
+      with its group) counts as the key;
+    - abort the group without waiting for it: a Gloo group released while one of its all-reduces still
+      waits blocks until that all-reduce times out, so the group is kept until it has ended.
+
+    On CUDA, NCCL's abort ends the others' wait itself: only the abort is done.
+    """
+
+    POLL_S = 0.1  # how often a waiting all-reduce looks at the key
+
+    def __init__(self, group_rank: int, connect_timeout: float, cuda: bool) -> None:
+        self._group_rank, self._timeout, self._cuda = group_rank, connect_timeout, cuda
+        self._quorum_id: int | None = None
+        self._store: Any = None
+        self._key = ""
+        self._retired: list[tuple[Any, Any]] = []  # (torch group, its all-reduce that still waits)
+
+    def arm(self, quorum: Any, step: int) -> None:
+        """The key of this quorum's step ``step`` (a new store client when the quorum changed)."""
+        self._retired = [(group, work) for group, work in self._retired if not work.is_completed()]
+        if self._cuda:
+            return
+        if quorum.quorum_id != self._quorum_id:
+            from torchft.process_group import create_store_client
+
+            self._quorum_id, self._store = quorum.quorum_id, None
+            try:
+                self._store = create_store_client(
+                    f"{quorum.store_address}/lockstep/{quorum.quorum_id}/{self._group_rank}",
+                    timeout=timedelta(seconds=self._timeout))
+            except RuntimeError:  # the store's host is gone: the step's all-reduce will fail by itself
+                pass
+        self._key = f"failed-{step}"
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``; raise when it fails, or when another participant says the step failed."""
+        if self._cuda or self._store is None:
+            work.wait()
+            return
+        poll = timedelta(seconds=self.POLL_S)
+        while True:
+            try:
+                work.wait(poll)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed, not the poll that ran out
+                    raise
+            if self._rung():
+                raise RuntimeError("another participant's all-reduce of this step failed (a participant was lost)")
+
+    def _rung(self) -> bool:
+        try:
+            return bool(self._store.check([self._key]))
+        except RuntimeError:  # the store's host is gone with its group
+            return True
+
+    def fail(self, pg: Any, work: Any) -> None:
+        """This participant's all-reduce ``work`` on torchft's group ``pg`` failed: tell the others, and
+        abort ``pg`` (torchft makes a new group at the next quorum) without waiting for ``work``."""
+        if self._store is not None:
+            try:
+                self._store.set(self._key, "1")
+            except RuntimeError:
+                pass
+        group = getattr(pg, "_pg", None)  # the torch group that torchft's wrapper lets go of on abort
+        if group is not None and work is not None and not work.is_completed():
+            self._retired.append((group, work))
+        pg.abort()
+
+
 def _group_index(replica_id: str) -> int:
     """The group index in a torchft replica id (``lockstep_<index>:<uuid>``)."""
     name = replica_id.split(":")[0]
@@ -112,6 +188,7 @@ class ReplicaGroups:
             checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
         )
         self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
+        self._alarm = _Alarm(group_rank, timeouts.connect, device.type == "cuda")
         self._members: list[int] = []  # the group indices of the last quorum, in participant order
         self._decided: bool | None = True  # the last step's commit decision (None: a step is under way)
         self._reduced = False
@@ -149,6 +226,7 @@ class ReplicaGroups:
             raise CollectiveError(f"replica group {self.index} is not among the participants of step "
                                   f"{self.manager.current_step()} (groups {members}).")
         self.membership.change(rank * self.local_size + self.local_rank, size * self.local_size)
+        self._alarm.arm(quorum, self.manager.current_step())
         self._report(previous, members, quorum)
         if quorum.quorum_id != self._checked_quorum:  # the members changed: every one of them compares
             self._checked_quorum = quorum.quorum_id
@@ -254,19 +332,22 @@ class ReplicaGroups:
         """Sum ``tensor`` over the participants in place (then divide by their number), straight on
         torchft's process group: what ``Manager.allreduce`` does, without its chain of futures and
         their timeout thread (4 ms a step on 2 CPU cores). A failure (a participant died) is reported
-        to the manager, so the step does not commit, and the group's connections are closed at once,
-        which ends the wait of the others too, instead of at their timeout."""
+        to the manager, so the step does not commit, and told to the other participants (``_Alarm``):
+        a participant whose all-reduce waits on one that failed (Gloo's abort closes no connection)
+        stops waiting at once instead of at its timeout."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
         if self.manager.errored() is not None:
             return
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types it as the enum's class
+        work = None
         try:
-            self._pg.allreduce([tensor], options).wait()
+            work = self._pg.allreduce([tensor], options)
+            self._alarm.wait(work)
         except RuntimeError as error:  # a lost participant: Gloo and NCCL raise what the transport said
             self.manager.report_error(error)
-            self._pg.abort()
+            self._alarm.fail(self._pg, work)
             return
         if average:
             tensor /= self.manager.num_participants()
