@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from checks import dist as checks
+from checks.fault_tolerance import check_exact
 from lockstep import DistEnv, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,3 +325,65 @@ def test_a_forged_node_failure_in_the_store_does_not_stop_a_two_node_job(two_hos
             job.kill()
     assert [job.returncode for job in jobs] == [0, 0], outputs
     assert any("ignored a message in the rendezvous store" in output for output in outputs), outputs
+
+
+def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: str,
+                         processes: int) -> subprocess.Popen:
+    """`lockstep run --fault-tolerant` on one of the two hosts: one replica group (group ``node_rank``) of
+    ``processes`` processes (FSDP when several), node 0 hosting the lighthouse at its address; no
+    interface is set."""
+    namespace = two_hosts[node_rank][0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(variable, None)
+    command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant",
+               "--nodes", "2", "--node-rank", str(node_rank), "--master", f"{two_hosts[0][2]}:{port}",
+               "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "10",
+               *(["--strategy", "fsdp"] if processes > 1 else []), str(ROOT / "tests" / "scripts" / "ft_replica.py"),
+               str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4"]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra)")
+@pytest.mark.parametrize("processes", [1, 2])
+def test_fault_tolerant_groups_on_two_nodes_train_on_when_a_whole_node_dies_and_it_rejoins(two_hosts, tmp_path,
+                                                                                          processes):
+    """A replica group on each of two hosts (one process, or two with FSDP inside), node 0 hosting the
+    lighthouse: every process of node 1 is
+    SIGKILLed mid-run (the node is lost); node 0's group trains on alone on the whole global batch; node 1
+    started again joins by healing from node 0 over the network; both end at the one-process weights,
+    every committed step's samples are the one-process run's."""
+    reference_out = tmp_path / "reference.pt"
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "ft_replica.py"), str(reference_out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    reference = torch.load(reference_out)
+    port = 29521 + processes
+    nodes = [_fault_tolerant_node(two_hosts, 0, port, tmp_path, "g0", processes),
+             _fault_tolerant_node(two_hosts, 1, port, tmp_path, "lost1", processes)]
+    again = None
+    try:
+        deadline = time.monotonic() + 90
+        log = tmp_path / "lost1r0.log"
+        while time.monotonic() < deadline and (not log.exists() or log.read_text().count('"committed": true') < 3):
+            time.sleep(0.1)
+        assert log.exists() and log.read_text().count('"committed": true') >= 3, "node 1 never trained"
+        pids = subprocess.run(["ip", "netns", "pids", two_hosts[1][0]], capture_output=True, text=True,
+                              timeout=10).stdout.split()
+        for pid in pids:  # the whole node: its launcher, the group's agent, the worker
+            os.kill(int(pid), signal.SIGKILL)
+        nodes[1].communicate(timeout=30)
+        again = _fault_tolerant_node(two_hosts, 1, port, tmp_path, "again1", processes)
+        outputs = [nodes[0].communicate(timeout=150)[0], again.communicate(timeout=150)[0]]
+    finally:
+        for job in [*nodes, *([again] if again is not None else [])]:
+            job.kill()
+    assert [nodes[0].returncode, again.returncode] == [0, 0], "\n".join(outputs)
+    check_exact(tmp_path, reference, [f"{name}r{rank}" for name in ("g0", "again1") for rank in range(processes)])
+    assert "left [1]" in outputs[0] and "joined [1]" in outputs[0], outputs[0]
+    assert "group 1 healed from group 0" in outputs[1], outputs[1]
+    assert "starting a replacement" not in outputs[0], outputs[0]  # node 0's group never died
+    assert subprocess.run(["ip", "netns", "pids", two_hosts[1][0]], capture_output=True, text=True,
+                          timeout=10).stdout.split() == []
+    print([line for line in outputs[0].splitlines() if "fault tolerance" in line])

@@ -8,13 +8,11 @@ are its weights within 1e-6, and bitwise equal across the groups that finished.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
 
+from checks.fault_tolerance import check_exact, committed_steps
 from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.runtime.launch.replicas import Lighthouse  # noqa: E402
 
@@ -68,43 +67,6 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str
     return proc.returncode, out
 
 
-def _steps(tmp: Path, pattern: str = "*.log") -> dict[int, list[int]]:
-    """Each committed step's dataset indices over every group's log. A group that died after its part of
-    the all-reduce reached the others, but before the vote, still counts: the others committed its
-    gradient (its last share of the step, over as many members as the committed step had)."""
-    committed: dict[int, list[int]] = defaultdict(list)
-    sizes: dict[int, set[int]] = defaultdict(set)
-    shares: list[dict[int, dict]] = []
-    for log in tmp.glob(pattern):
-        entries = [json.loads(line) for line in log.read_text().splitlines()]
-        for entry in entries:
-            if entry["committed"]:
-                committed[entry["step"]] += entry["indices"]
-                sizes[entry["step"]].add(entry["size"])
-        done = {e["step"] for e in entries if e["committed"]}
-        shares.append({e["step"]: e for e in entries if not e["committed"] and e["step"] not in done})
-    for step, size in sizes.items():
-        assert len(size) == 1, f"step {step} committed with different memberships: {size}"
-        for pending in shares:
-            if step in pending and pending[step]["size"] in size:
-                committed[step] += pending[step]["indices"]
-    return committed
-
-
-def _check_exact(tmp: Path, reference: dict, finished: list[str], pattern: str = "*.log",
-                 first: int = 0) -> list[dict]:
-    steps = _steps(tmp, pattern)
-    assert sorted(steps) == list(range(first, 20))
-    for step, indices in steps.items():  # no sample lost or seen twice; the global batch never shrank
-        assert sorted(indices) == sorted(reference["record"][step]), f"step {step}"
-    results = [torch.load(tmp / f"{name}.pt") for name in finished]
-    for result in results:
-        assert result["step"] == 20
-        assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
-        assert torch.equal(result["weights"], results[0]["weights"])
-    return results
-
-
 @pytest.mark.parametrize("when", ["start", "backward", "allreduce", "random"])
 def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_path, reference, lighthouse, when):
     slow = ("--slow", "0.4")  # 8 s of steps: the replacement (5 s to start) joins while the others train
@@ -116,7 +78,7 @@ def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_pa
     replacement = _group(tmp_path, lighthouse, 2, *slow, name="replacement")
     (code0, out0), (code1, out1), (code2, out2) = _finish(groups[0]), _finish(groups[1]), _finish(replacement)
     assert (code0, code1, code2) == (0, 0, 0), out0[-2000:] + out1[-2000:] + out2[-2000:]
-    results = _check_exact(tmp_path, reference, ["g0", "g1", "replacement"])
+    results = check_exact(tmp_path, reference, ["g0", "g1", "replacement"])
     assert [r["pid"] for r in results[:2]] == [groups[0].pid, groups[1].pid]  # the survivors never restarted
     # The survivors say who left (with "the step stalled N s" unless its gradient arrived) and who joined.
     assert "left [" in out0 + out1 and "joined [" in out0 + out1, out0[-2000:] + out1[-2000:]
@@ -134,10 +96,10 @@ def test_every_group_killed_then_started_again_resumes_from_the_newest_checkpoin
     again = [_group(tmp_path, lighthouse, i, *saving, name=f"again{i}") for i in range(2)]
     outs = [_finish(g) for g in again]
     assert [code for code, _ in outs] == [0, 0], outs
-    results = _check_exact(tmp_path, reference, ["again0", "again1"], "again*.log", first=8)  # from step=8
+    results = check_exact(tmp_path, reference, ["again0", "again1"], "again*.log", first=8)  # from step=8
     # a group that starts later than the other joins by healing, at a later step
     assert min(min(r["record"]) for r in results if r["record"]) == 8
-    before = _steps(tmp_path, "first*.log")  # steps 8 and 9 were committed before the kill, and again after
+    before = committed_steps(tmp_path, "first*.log")  # steps 8 and 9 were committed before the kill, and again after
     assert sorted(before) == list(range(10))
     assert all(sorted(before[step]) == sorted(reference["record"][step]) for step in before)
 
@@ -204,7 +166,7 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
                           "--die-at", "3", "--die-when", "backward", "--die-group", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
-    _check_exact(tmp_path, reference, ["g0", "g1", "g2"])
+    check_exact(tmp_path, reference, ["g0", "g1", "g2"])
     assert "replica group 2 ended" in run.stderr and "starting a replacement (1 of 3)" in run.stderr, run.stderr
     assert "left [2]" in run.stdout and "joined [2]" in run.stdout, run.stdout
 
@@ -220,7 +182,7 @@ def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_p
                           "--slow", "0.4", "--die-at", "3", "--die-when", "backward", "--die-group", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
-    _check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
+    check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
     assert "replica group 1 ended" in run.stderr and "left [1]" in run.stdout and "joined [1]" in run.stdout
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import lockstep
 from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError, PreflightError, StateError
-from lockstep.runtime.launch.plan import replica_group_devices
+from lockstep.runtime.launch.plan import plan_replica_groups
 
 pytestmark = pytest.mark.timeout(60)
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
@@ -51,20 +51,28 @@ def test_the_launcher_settings_are_read_from_the_environment():
 
 
 def _args(**over):
-    base = {"replicas": 2, "nodes": "1", "rdzv_endpoint": None, "min_replicas": 1, "step_timeout": 30.0,
-            "devices": "4"}
+    base = {"replicas": 2, "nodes": "1", "node_rank": 0, "master": None, "rdzv_endpoint": None, "min_replicas": 1,
+            "step_timeout": 30.0, "devices": "4"}
     return argparse.Namespace(**{**base, **over})
 
 
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
 def test_replica_groups_split_the_nodes_processes_and_gpus_evenly():
-    assert replica_group_devices(_args(), 4, None, gpus=False) == ["2", "2"]
-    assert replica_group_devices(_args(), 4, "1,3,5,7", gpus=True) == ["1,3", "5,7"]
-    assert replica_group_devices(_args(replicas=4), 4, None, gpus=True) == ["0", "1", "2", "3"]
+    assert plan_replica_groups(_args(), 4, None, gpus=False).devices == ["2", "2"]
+    assert plan_replica_groups(_args(), 4, "1,3,5,7", gpus=True).devices == ["1,3", "5,7"]
+    one = plan_replica_groups(_args(replicas=4), 4, None, gpus=True)
+    assert (one.devices, one.first_index, one.hosts_lighthouse, one.lighthouse_host) == (
+        ["0", "1", "2", "3"], 0, True, "127.0.0.1")
+    # node 1 of 2 runs groups 2 and 3; node 0 (127.0.0.1 here) hosts the lighthouse at --master
+    second = plan_replica_groups(_args(nodes="2", node_rank=1, master="127.0.0.1:29555", min_replicas=4), 4, None,
+                                 gpus=False)
+    assert (second.first_index, second.hosts_lighthouse, second.lighthouse_port) == (2, False, 29555)
     for bad, match in (({"replicas": 3}, "must divide"), ({"min_replicas": 3}, "--min-replicas"),
-                       ({"nodes": "2"}, "one node"), ({"step_timeout": 0.0}, "--step-timeout")):
+                       ({"nodes": "1:2"}, "fixed number of nodes"), ({"step_timeout": 0.0}, "--step-timeout"),
+                       ({"nodes": "2"}, "needs --master"), ({"nodes": "2", "node_rank": 2}, "--node-rank"),
+                       ({"nodes": "2", "master": "127.0.0.1:1", "min_replicas": 5}, "give 1 to 4")):
         with pytest.raises(PreflightError, match=match):
-            replica_group_devices(_args(**bad), 4, None, gpus=False)
+            plan_replica_groups(_args(**bad), 4, None, gpus=False)
 
 
 def test_a_loader_draws_the_step_its_gate_names_again_under_the_membership_of_then():

@@ -11,7 +11,7 @@ from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
 from lockstep.runtime.launch.node_watch import NodeWatch
-from lockstep.runtime.launch.plan import Plan, check_script, replica_group_devices
+from lockstep.runtime.launch.plan import Plan, check_script, plan_replica_groups
 from lockstep.runtime.launch.plan import plan as make_plan
 
 
@@ -148,8 +148,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _run_replica_groups(args: argparse.Namespace) -> int:
-    """``--fault-tolerant``: host the lighthouse, run each replica group as a ``lockstep run`` of its own."""
+    """``--fault-tolerant``: host the lighthouse (node 0), run each of this node's replica groups as a
+    ``lockstep run`` of its own."""
     from lockstep.env.fault_tolerance import FaultTolerance
+    from lockstep.runtime.comm.network import free_port
     from lockstep.runtime.launch.replicas import ReplicaGroupsRun
 
     check_script(args)
@@ -158,16 +160,25 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
     import torch
 
     gpus = args.accelerator != "cpu" and torch.cuda.device_count() > 0
-    devices = replica_group_devices(args, nproc, visible, gpus)
+    job = plan_replica_groups(args, nproc, visible, gpus)
     config = FaultTolerance(min_replicas=args.min_replicas, step_timeout=args.step_timeout)
     chosen = [item for name in ("accelerator", "strategy", "precision")
               for item in ((f"--{name}", getattr(args, name)) if getattr(args, name) else ())]
 
     def command(index: int) -> list[str]:
-        return [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices[index], *chosen,
-                "--max-restarts", "0", *(["-m"] if args.module else []), args.script, *args.script_args]
+        # on several nodes, the group's rendezvous listens on this node's address: the other groups reach
+        # its store and its manager there
+        where = ["--master", f"{job.group_address}:{free_port(job.group_address)}"] if job.environment else []
+        return [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", job.devices[index - job.first_index],
+                *where, *chosen, "--max-restarts", "0", *(["-m"] if args.module else []), args.script,
+                *args.script_args]
 
+    say = lambda line: print(f"lockstep run: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    for note in job.notes:
+        say(note)
     restarts = 3 if args.max_restarts is None else args.max_restarts
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))}
-    return ReplicaGroupsRun(args.replicas, command, lambda index: threads, config, restarts,
-                            lambda line: print(f"lockstep run: {line}", file=sys.stderr, flush=True)).run()
+    environment = {**job.environment,
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))}
+    groups = range(job.first_index, job.first_index + len(job.devices))
+    return ReplicaGroupsRun(groups, command, lambda index: environment, config, restarts, say,
+                            (job.lighthouse_host, job.lighthouse_port), job.hosts_lighthouse).run()

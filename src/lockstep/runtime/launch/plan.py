@@ -166,24 +166,53 @@ def plan(args: argparse.Namespace, check_names: Callable[[], None],
                 local_address, hosting)
 
 
-def replica_group_devices(args: argparse.Namespace, nproc: int, visible: str | None, gpus: bool) -> list[str]:
-    """``--fault-tolerant``: the ``--devices`` of each of the ``--replicas`` groups, which split this
-    node's processes (and GPUs) evenly; raises PreflightError."""
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """``--fault-tolerant``: this node's replica groups and where the lighthouse is."""
+
+    devices: list[str]  # each of this node's groups' --devices
+    first_index: int  # the index of this node's first group (node k runs k * replicas ...)
+    lighthouse_host: str  # node 0 hosts the lighthouse there; the other nodes reach it there
+    lighthouse_port: int  # 0 on one node: a free one
+    hosts_lighthouse: bool
+    group_address: str  # where a group's rendezvous (its store, its manager) listens: reachable by the others
+    environment: dict[str, str]  # for the groups: the network interface between the nodes
+    notes: list[str]
+
+
+def plan_replica_groups(args: argparse.Namespace, nproc: int, visible: str | None, gpus: bool) -> ReplicaPlan:
+    """``--fault-tolerant``: ``--replicas`` groups on each of ``--nodes`` nodes, which split this node's
+    processes (and GPUs) evenly; on several nodes, node 0 (``--master HOST:PORT``) hosts the lighthouse
+    at that address. Raises PreflightError."""
     replicas = args.replicas
     if importlib.util.find_spec("torchft") is None:
         raise PreflightError("--fault-tolerant needs torchft: pip install 'lockstep[ft]'.")
-    if _parse_nodes(str(args.nodes)) != (1, 1) or args.rdzv_endpoint:
-        raise PreflightError("--fault-tolerant runs its replica groups on one node; several nodes are not "
-                             "supported yet (each group would need its own rendezvous across the nodes).")
+    nodes = _parse_nodes(str(args.nodes))
+    if nodes[0] != nodes[1] or args.rdzv_endpoint:
+        raise PreflightError("--fault-tolerant takes a fixed number of nodes (--nodes N, --master HOST:PORT): replica "
+                             "groups come and go without re-forming the job, so --nodes MIN:MAX and --rdzv-endpoint "
+                             "have no use with it.")
+    if not 0 <= args.node_rank < nodes[0]:
+        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
     if replicas < 1 or nproc % replicas:
         raise PreflightError(f"--replicas {replicas} must divide the {nproc} process(es) of --devices "
                              f"{args.devices}: each replica group gets the same number.")
-    if args.min_replicas < 1 or args.min_replicas > replicas:
-        raise PreflightError(f"--min-replicas {args.min_replicas}: give 1 to --replicas ({replicas}).")
+    total = replicas * nodes[0]
+    if args.min_replicas < 1 or args.min_replicas > total:
+        raise PreflightError(f"--min-replicas {args.min_replicas}: give 1 to {total} (--replicas {replicas} on each "
+                             f"of {nodes[0]} node(s)).")
     if not args.step_timeout > 0:
         raise PreflightError(f"--step-timeout {args.step_timeout}: a positive number of seconds.")
     size = nproc // replicas
-    if not gpus:
-        return [str(size)] * replicas
     ids = visible.split(",") if visible is not None else [str(i) for i in range(nproc)]
-    return [",".join(ids[g * size:(g + 1) * size]) for g in range(replicas)]
+    devices = [",".join(ids[g * size:(g + 1) * size]) for g in range(replicas)] if gpus else [str(size)] * replicas
+    if nodes[0] == 1:
+        host, port = ("127.0.0.1", 0) if not args.master else _split_host_port(args.master, "--master")
+        return ReplicaPlan(devices, 0, host, port, True, "127.0.0.1", {}, [])
+    if not args.master:
+        raise PreflightError("--fault-tolerant on several nodes needs --master HOST:PORT: node 0 hosts the "
+                             "lighthouse there, and the other nodes' groups reach it there.")
+    host, port = _split_host_port(args.master, "--master")
+    environment, notes, local_address = _network(host, nodes[0])
+    return ReplicaPlan(devices, args.node_rank * replicas, host, port, args.node_rank == 0, local_address,
+                       environment, notes)

@@ -64,25 +64,28 @@ class ReplicaGroupsRun:
     more, and a group still running a step timeout later is stopped. Returns 0 when a group ended
     well, else 1."""
 
-    replicas: int
+    groups: range  # this node's groups' indices
     group_command: Callable[[int], list[str]]
     group_environment: Callable[[int], dict[str, str]]
     config: FaultTolerance
     max_restarts: int
     say: Callable[[str], None]
+    lighthouse: tuple[str, int] = ("127.0.0.1", 0)  # where it listens (port 0: a free one)
+    hosts_lighthouse: bool = True  # False: another node (node 0) hosts it at ``lighthouse``
 
     def run(self) -> int:
-        house = Lighthouse(self.config)
-        self.say(f"fault tolerance: {self.replicas} replica groups, lighthouse at {house.address}, at least "
+        house = Lighthouse(self.config, *self.lighthouse) if self.hosts_lighthouse else None
+        address = house.address if house is not None else "http://{}:{}".format(*self.lighthouse)
+        self.say(f"fault tolerance: replica groups {list(self.groups)} here, lighthouse at {address}, at least "
                  f"{self.config.min_replicas} live, step timeout {self.config.step_timeout:g} s")
         running: dict[int, subprocess.Popen[bytes]] = {}
-        restarts = dict.fromkeys(range(self.replicas), 0)
+        restarts = dict.fromkeys(self.groups, 0)
         failed: dict[int, int] = {}
         finished_at: float | None = None  # when the first group ended well: the training is done
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            for index in range(self.replicas):
-                running[index] = self._start(index, house.address)
+            for index in self.groups:
+                running[index] = self._start(index, address)
             while running:
                 time.sleep(0.1)
                 if finished_at is not None and time.monotonic() - finished_at > self.config.step_timeout:
@@ -101,7 +104,7 @@ class ReplicaGroupsRun:
                         restarts[index] += 1
                         self.say(f"fault tolerance: replica group {index} ended ({_how(code)}); starting a "
                                  f"replacement ({restarts[index]} of {self.max_restarts})")
-                        running[index] = self._start(index, house.address)
+                        running[index] = self._start(index, address, replacement=True)
                     elif finished_at is None:
                         failed[index] = code
                         self.say(f"fault tolerance: replica group {index} ended ({_how(code)}), no restart left "
@@ -112,7 +115,8 @@ class ReplicaGroupsRun:
         finally:
             signal.signal(signal.SIGTERM, previous)
             _stop(list(running.values()))
-            house.shutdown()
+            if house is not None:
+                house.shutdown()
         return 0 if finished_at is not None or not failed else 1
 
     def _start(self, index: int, lighthouse: str, replacement: bool = False) -> subprocess.Popen[bytes]:

@@ -169,20 +169,23 @@ class ReplicaGroups:
         collective = timedelta(seconds=timeouts.collective)
         self._pg = pg = (ProcessGroupNCCL(timeout=collective) if device.type == "cuda"
                          else ProcessGroupGloo(timeout=collective))
+        # What the other groups reach this one by (its manager, its store): the address of its own
+        # rendezvous, which `lockstep run --fault-tolerant` puts on the node's address towards the
+        # lighthouse's node when the groups span several nodes (else loopback).
+        address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self._store = None
         if group_size == 1:  # a group of one process has no store of its own: the manager's lives here
-            from torch.distributed import TCPStore
+            from lockstep.runtime.comm.network import host_store
 
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "127.0.0.1", self._store.port
+            self._store, store_port = host_store(address)
         else:
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store_port = int(os.environ["MASTER_PORT"])
         self.state: dict[str, Any] | None = None
         self.manager = Manager(
             pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
             min_replica_size=config.min_replicas, use_async_quorum=False, timeout=collective,
             quorum_timeout=timedelta(seconds=timeouts.quorum), connect_timeout=timedelta(seconds=timeouts.connect),
-            rank=group_rank, world_size=group_size, store_addr=store_addr, store_port=store_port,
+            rank=group_rank, world_size=group_size, store_addr=address, store_port=store_port, hostname=address,
             lighthouse_addr=config.lighthouse, replica_id=f"lockstep_{self.index}",
             heartbeat_interval=timedelta(milliseconds=100), max_retries=MAX_FAILED_STEPS,
             checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
