@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import lockstep
 from checks import dist as checks
+from checks import trainer as tc
 from checks.fault_tolerance import check_exact
 from lockstep import DistEnv, Runtime
 
@@ -387,3 +389,65 @@ def test_fault_tolerant_groups_on_two_nodes_train_on_when_a_whole_node_dies_and_
     assert subprocess.run(["ip", "netns", "pids", two_hosts[1][0]], capture_output=True, text=True,
                           timeout=10).stdout.split() == []
     print([line for line in outputs[0].splitlines() if "fault tolerance" in line])
+
+
+def _kubeflow_pod(two_hosts, node_rank: int, *args: str) -> subprocess.Popen:
+    """`lockstep run SCRIPT ...` with no option, as a Kubeflow TrainJob's entrypoint: the pod of node
+    ``node_rank`` gets what Kubeflow Trainer's torch runtime injects (PET_*), node 0's address by its
+    headless-service name, and the variable every Kubernetes pod has."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2",
+           "PET_NODE_RANK": str(node_rank), "PET_MASTER_ADDR": KUBEFLOW_MASTER, "PET_MASTER_PORT": "29530",
+           "KUBERNETES_SERVICE_HOST": "10.96.0.1", "TRAINER_DROPOUT": "0"}
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(variable, None)
+    command = ["ip", "netns", "exec", two_hosts[node_rank][0], sys.executable, "-m", "lockstep.cli.main", "run",
+               *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+KUBEFLOW_JOB = "lsjob"
+KUBEFLOW_MASTER = f"{KUBEFLOW_JOB}-node-0-0.{KUBEFLOW_JOB}"  # <job>-node-0-0.<job>, as Kubeflow Trainer names it
+
+
+def test_a_kubeflow_trainjob_pod_evicted_saves_in_its_grace_period_and_the_restarted_job_resumes_exactly(
+        two_hosts, tmp_path):
+    """Two pods (network namespaces) with Kubeflow Trainer's PET_* variables and the headless-service name
+    of node 0 in their hosts file run `lockstep run trainer_preempt.py` with no option. Pod 1 is evicted
+    (TERM to its launcher, the container's first process) after step 5: every rank stops at the same
+    step, the preempted checkpoint is written, and the pods end with a failure (143), as a JobSet needs
+    to start them again; started again (JobSet's restart-all), the job resumes from that checkpoint and
+    ends at the one-process fit's weights."""
+    for namespace, _link, _address in two_hosts:
+        hosts = Path("/etc/netns") / namespace / "hosts"
+        hosts.write_text(hosts.read_text() + f"{two_hosts[0][2]} {KUBEFLOW_MASTER}\n")
+    script = "tests/scripts/trainer_preempt.py"
+    ckpt, out, marker = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "marker"
+    pods = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]
+    again: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and all(p.poll() is None for p in pods):
+            time.sleep(0.1)
+        assert marker.exists(), "\n".join(p.communicate(timeout=30)[0] for p in pods)
+        pods[1].send_signal(signal.SIGTERM)  # the eviction: TERM to the container's first process
+        first = [p.communicate(timeout=90)[0] for p in pods]
+        again = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]
+        second = [p.communicate(timeout=150)[0] for p in again]
+    finally:
+        for job in [*pods, *again]:
+            job.kill()
+    assert all(p.returncode != 0 for p in pods), first
+    assert "from Kubeflow Trainer's PET_* variables: --nodes 2 --node-rank 0 --devices 2 --master" in first[0], first
+    assert "preempted at step" in first[0] and "so that Kubernetes starts it again" in first[0], first[0]
+    assert "lockstep run: stopped by SIGTERM" in first[1] and "Traceback" not in first[1], first[1]
+    assert pods[1].returncode == 143, first[1]
+    preempted = sorted(ckpt.glob("*-preempted.ckpt"))
+    assert len(preempted) == 1, sorted(ckpt.iterdir())
+    assert [p.returncode for p in again] == [0, 0], "\n".join(second)
+    assert f"resumed from {preempted[0]}" in second[0], second[0]
+    module = tc.Classifier(dropout=0.0)
+    tc.quiet_trainer(max_epochs=3, strategy=lockstep.DDP(find_unused_parameters=True)).fit(
+        module, checks.make_data(103), batch_size=16)
+    result = torch.load(out)
+    assert result["steps"] == 21
+    assert torch.allclose(result["weights"], checks.flat_weights(module), atol=1e-5, rtol=0)

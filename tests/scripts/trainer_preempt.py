@@ -1,4 +1,5 @@
-"""A Trainer run that is slow enough to be preempted; rank 0 writes MARKER once step 5 is done."""
+"""A Trainer run that is slow enough to be preempted; rank 0 writes MARKER once step 5 is done.
+TRAINER_DROPOUT sets the model's dropout (default 0.3)."""
 
 import os
 import sys
@@ -21,7 +22,7 @@ class Slow(lockstep.Callback):
             open(marker, "w").write(os.environ.get("SLURM_JOB_ID", ""))
 
 
-module = tc.Classifier(dropout=0.3)
+module = tc.Classifier(dropout=float(os.environ.get("TRAINER_DROPOUT", "0.3")))
 # DDP keeps one gradient-bucket layout (no rebuild), so the resumed run's first step sums as the
 # uninterrupted run's does: the 4-rank result is then bitwise equal.
 trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[Slow()],

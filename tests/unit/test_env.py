@@ -199,7 +199,7 @@ def test_behaviour_follows_the_launchers_capabilities_never_its_name():
     from lockstep.env.launchers import ROUTES, Capabilities
 
     named = set(re.findall(r'launcher(?:=| = )"([^"]+)"', Path(lockstep.env.distenv.__file__).read_text()))
-    named |= {"torchrun", "lockstep.launch", "env"}  # read from TORCHELASTIC_RUN_ID, LOCKSTEP_LAUNCHER
+    named |= {"torchrun", "kubernetes", "lockstep.launch", "env"}  # TORCHELASTIC_RUN_ID, LOCKSTEP_LAUNCHER
     assert named <= set(ROUTES), named - set(ROUTES)
     assert DistEnv().capabilities.started_alone and not DistEnv(launcher="torchrun").capabilities.started_alone
     assert DistEnv(launcher="torchrun").capabilities.agent_watches
@@ -232,3 +232,46 @@ def test_a_route_that_preempts_with_grace_but_cannot_requeue_stops_without_reque
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+
+def test_torch_elastic_in_a_kubernetes_pod_is_the_kubernetes_route_which_preempts_with_grace():
+    elastic = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x",
+               "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert DistEnv.from_environ(elastic).launcher == "torchrun"
+    pod = DistEnv.from_environ({**elastic, "KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+    assert pod.launcher == "kubernetes" and pod.capabilities.agent_watches
+    assert pod.capabilities.preempts_with_grace and not pod.capabilities.requeues
+    assert pod.capabilities.scheduler == "Kubernetes"
+
+
+def _run_args(argv):
+    import argparse
+
+    from lockstep.cli.run import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["run", *argv])
+
+
+def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_given():
+    from lockstep.errors import PreflightError
+    from lockstep.runtime.launch.plan import orchestrator_defaults
+
+    pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"}
+    args = _run_args(["train.py"])
+    notes = orchestrator_defaults(args, pet)
+    assert (args.nodes, args.node_rank, args.devices, args.master) == ("2", 1, "4", "job-node-0-0.job:29500")
+    assert notes == ["from Kubeflow Trainer's PET_* variables: --nodes 2 --node-rank 1 --devices 4 "
+                     "--master job-node-0-0.job:29500"]
+    given = _run_args(["--devices", "2", "--master", "10.0.0.1:1234", "train.py"])  # the command line wins
+    orchestrator_defaults(given, {**pet, "PET_NPROC_PER_NODE": "auto"})
+    assert (given.nodes, given.devices, given.master) == ("2", "2", "10.0.0.1:1234")
+    one = _run_args(["train.py"])  # one node: loopback, no master from the variables
+    orchestrator_defaults(one, {**pet, "PET_NNODES": "1", "PET_NODE_RANK": "0"})
+    assert (one.nodes, one.node_rank, one.master) == ("1", 0, None)
+    plain = _run_args(["train.py"])  # outside Kubernetes: the usual defaults
+    assert orchestrator_defaults(plain, {}) == [] and (plain.nodes, plain.node_rank, plain.devices) == ("1", 0, "auto")
+    with pytest.raises(PreflightError, match="PET_NODE_RANK"):
+        orchestrator_defaults(_run_args(["train.py"]), {"PET_NODE_RANK": "one"})

@@ -11,7 +11,7 @@ from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
 from lockstep.runtime.launch.node_watch import NodeWatch
-from lockstep.runtime.launch.plan import Plan, check_script, plan_replica_groups
+from lockstep.runtime.launch.plan import Plan, check_script, orchestrator_defaults, plan_replica_groups
 from lockstep.runtime.launch.plan import plan as make_plan
 
 
@@ -23,15 +23,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "the environment that lockstep.Runtime, torch.distributed and torchrun scripts read. "
         "Option names follow torchrun's where the two overlap.",
     )
-    parser.add_argument("--devices", default="auto",
+    parser.add_argument("--devices", default=None,
                         help="per node: a count (GPUs with cuda, processes with cpu), GPU indices "
-                        "such as 0,2 (sets CUDA_VISIBLE_DEVICES), or auto: every GPU, or 1 CPU process")
+                        "such as 0,2 (sets CUDA_VISIBLE_DEVICES), or auto (default): every GPU, or 1 CPU process")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"],
                         help="passed to the script's Runtime; auto = cuda when a GPU is visible")
-    parser.add_argument("--nodes", default="1",
+    parser.add_argument("--nodes", default=None,
                         help="number of nodes (default 1), or MIN:MAX for an elastic job that goes on "
                         "with MIN to MAX nodes as nodes leave and join (see docs/launching.md)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nodes-1 (fixed size)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nodes-1 (fixed size)")
     parser.add_argument("--master", metavar="HOST:PORT",
                         help="address of node 0 (several nodes; with MIN:MAX, the node hosting the "
                         "rendezvous); a free loopback port is chosen for a single node")
@@ -127,6 +127,8 @@ def _watch(job: Plan, args: argparse.Namespace) -> NodeWatch | None:
 
 def run_command(args: argparse.Namespace) -> int:
     try:
+        for note in orchestrator_defaults(args, os.environ):
+            print(f"lockstep run: {note}", file=sys.stderr, flush=True)
         if args.fault_tolerant:
             return _run_replica_groups(args)
         job = plan(args)

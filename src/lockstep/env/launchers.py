@@ -41,6 +41,11 @@ ROUTES: dict[str, Capabilities] = {
     "lockstep.launch": Capabilities(processes_per_node_setting="lockstep.launch(fn, nprocs=...)"),
     "slurm": Capabilities(preempts_with_grace=True, requeues=True,
                           processes_per_node_setting="#SBATCH --ntasks-per-node", scheduler="SLURM"),
+    # torch elastic (torchrun, lockstep run) in a Kubernetes pod: an eviction or a node drain sends TERM
+    # with the pod's grace period (terminationGracePeriodSeconds); the Job or JobSet starts the pods again.
+    "kubernetes": Capabilities(agent_watches=True, preempts_with_grace=True,
+                               processes_per_node_setting="the TrainJob's trainer.numProcPerNode (PET_NPROC_PER_NODE; "
+                               "lockstep run: --devices)", scheduler="Kubernetes"),
     "mpi": Capabilities(processes_per_node_setting="mpirun's processes per node (--npernode)"),
     "env": Capabilities(processes_per_node_setting="LOCAL_WORLD_SIZE"),
 }

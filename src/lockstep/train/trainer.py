@@ -487,9 +487,13 @@ class Trainer:
         path = folder / f"epoch={self.current_epoch + 1}-step={self.global_step:08d}-preempted.ckpt"
         self.save_checkpoint(path)
         outcome = rt.requeue()
-        rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}.")
+        # A scheduler that cannot be asked to requeue (Kubernetes' Job and JobSet) starts the job again
+        # when it failed: the stop is then a failure, with TERM's exit status.
+        code = 0 if rt.env.capabilities.requeues else PREEMPTED_EXIT
+        then = "" if code == 0 else f"; exiting with {code} so that {rt.env.capabilities.scheduler} starts it again"
+        rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}{then}.")
         rt.close()  # fit's `finally` writes the reports
-        raise SystemExit(0)
+        raise SystemExit(code)
 
     # -- evaluation ------------------------------------------------------------------------------
     def _validate_during_fit(self) -> None:
@@ -572,6 +576,10 @@ def _check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None
     if empty:
         raise ConfigError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
                           "cover nothing. Check the dataset's path, filter or split, or pass no data.")
+
+
+#: The exit status of a preempted fit on a route that cannot requeue: 128 + TERM, as if TERM had ended it.
+PREEMPTED_EXIT = 143
 
 
 def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,

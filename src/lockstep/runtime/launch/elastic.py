@@ -72,11 +72,17 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
         return 1
     except SignalException as signalled:
         verdict = watch.verdict if watch is not None else ""
-        if not verdict:
-            raise
-        print(f"lockstep: this node stopped its workers: {verdict}.", file=sys.stderr, flush=True)
-        del signalled
-        return 1
+        if verdict:
+            print(f"lockstep: this node stopped its workers: {verdict}.", file=sys.stderr, flush=True)
+            return 1
+        # A signal from outside (a scheduler's TERM, Ctrl-C): the agent passed it on to the workers and
+        # gave them time to end (a preemption checkpoint); exit as the signal would.
+        number = int(signalled.sigval)
+        print(f"lockstep run: stopped by {signal.Signals(number).name}; this node's workers were stopped.",
+              file=sys.stderr, flush=True)
+        if watch is not None:
+            watch.stop(done=False)
+        return 128 + number
     if watch is not None:
         watch.stop(done=True)
     return 0

@@ -8,7 +8,7 @@ import argparse
 import importlib.util
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +116,40 @@ def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, 
     options = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
                "--node-rank", str(args.node_rank)]
     return host, port, store, options
+
+
+#: What Kubeflow Trainer's torch runtime puts in each node's pod (as torchrun reads them): the node
+#: count, processes per node ("auto" or a count), this pod's node rank (its Job completion index), and
+#: node 0's address (``<job>-node-0-0.<job>``, the headless service) and port.
+KUBEFLOW_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def orchestrator_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """Fill the options not given on the command line (None) from Kubeflow Trainer's ``PET_*``
+    variables when they are set, as torchrun does, so that ``lockstep run train.py`` is a TrainJob's
+    entrypoint; else from the usual defaults. Returns the lines that say what was taken."""
+    pet = {name: environ[name] for name in KUBEFLOW_VARIABLES if environ.get(name)}
+    taken = []
+    if args.nodes is None and "PET_NNODES" in pet:
+        args.nodes = pet["PET_NNODES"]
+        taken.append(f"--nodes {args.nodes}")
+    if args.node_rank is None and "PET_NODE_RANK" in pet:
+        try:
+            args.node_rank = int(pet["PET_NODE_RANK"])
+        except ValueError:
+            raise PreflightError(f"PET_NODE_RANK={pet['PET_NODE_RANK']!r}: a node rank is a whole number.") from None
+        taken.append(f"--node-rank {args.node_rank}")
+    if args.devices is None and "PET_NPROC_PER_NODE" in pet:
+        args.devices = pet["PET_NPROC_PER_NODE"]
+        taken.append(f"--devices {args.devices}")
+    several = args.nodes is not None and str(args.nodes) not in ("1", "1:1")
+    if several and not (args.master or args.rdzv_endpoint) and {"PET_MASTER_ADDR", "PET_MASTER_PORT"} <= set(pet):
+        args.master = f"{pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}"
+        taken.append(f"--master {args.master}")
+    args.nodes = "1" if args.nodes is None else args.nodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    args.devices = "auto" if args.devices is None else args.devices
+    return [f"from Kubeflow Trainer's PET_* variables: {' '.join(taken)}"] if taken else []
 
 
 def check_script(args: argparse.Namespace) -> None:
