@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -409,14 +410,18 @@ KUBEFLOW_JOB = "lsjob"
 KUBEFLOW_MASTER = f"{KUBEFLOW_JOB}-node-0-0.{KUBEFLOW_JOB}"  # <job>-node-0-0.<job>, as Kubeflow Trainer names it
 
 
-def test_a_kubeflow_trainjob_pod_evicted_saves_in_its_grace_period_and_the_restarted_job_resumes_exactly(
-        two_hosts, tmp_path):
+@pytest.mark.parametrize("lost", ["evicted", "killed"])
+def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(two_hosts, tmp_path, lost):
     """Two pods (network namespaces) with Kubeflow Trainer's PET_* variables and the headless-service name
-    of node 0 in their hosts file run `lockstep run trainer_preempt.py` with no option. Pod 1 is evicted
-    (TERM to its launcher, the container's first process) after step 5: every rank stops at the same
-    step, the preempted checkpoint is written, and the pods end with a failure (143), as a JobSet needs
-    to start them again; started again (JobSet's restart-all), the job resumes from that checkpoint and
-    ends at the one-process fit's weights."""
+    of node 0 in their hosts file run `lockstep run trainer_preempt.py` with no option.
+
+    - evicted: TERM to pod 1's launcher (the container's first process) after step 5: every rank stops
+      at the same step, the preempted checkpoint is written, and the pods end with a failure (pod 1 with
+      143), as a JobSet needs to start them again;
+    - killed: every process of pod 1 SIGKILLed after the first epoch's checkpoint: pod 0 ends too.
+
+    Started again (JobSet's restart-all), the job resumes from the newest checkpoint and ends at the
+    one-process fit's weights."""
     for namespace, _link, _address in two_hosts:
         hosts = Path("/etc/netns") / namespace / "hosts"
         hosts.write_text(hosts.read_text() + f"{two_hosts[0][2]} {KUBEFLOW_MASTER}\n")
@@ -426,11 +431,20 @@ def test_a_kubeflow_trainjob_pod_evicted_saves_in_its_grace_period_and_the_resta
     again: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline and all(p.poll() is None for p in pods):
+        ready = (lambda: marker.exists()) if lost == "evicted" else (lambda: bool(list(ckpt.glob("epoch=1-*"))))
+        while not ready() and time.monotonic() < deadline and all(p.poll() is None for p in pods):
             time.sleep(0.1)
-        assert marker.exists(), "\n".join(p.communicate(timeout=30)[0] for p in pods)
-        pods[1].send_signal(signal.SIGTERM)  # the eviction: TERM to the container's first process
+        assert ready(), "\n".join(p.communicate(timeout=30)[0] for p in pods)
+        if lost == "evicted":
+            pods[1].send_signal(signal.SIGTERM)  # the eviction: TERM to the container's first process
+        else:
+            pids = subprocess.run(["ip", "netns", "pids", two_hosts[1][0]], capture_output=True, text=True,
+                                  timeout=10).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
         first = [p.communicate(timeout=90)[0] for p in pods]
+        newest = sorted(ckpt.glob("*-preempted.ckpt" if lost == "evicted" else "epoch=*"))
         again = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]
         second = [p.communicate(timeout=150)[0] for p in again]
     finally:
@@ -438,13 +452,13 @@ def test_a_kubeflow_trainjob_pod_evicted_saves_in_its_grace_period_and_the_resta
             job.kill()
     assert all(p.returncode != 0 for p in pods), first
     assert "from Kubeflow Trainer's PET_* variables: --nodes 2 --node-rank 0 --devices 2 --master" in first[0], first
-    assert "preempted at step" in first[0] and "so that Kubernetes starts it again" in first[0], first[0]
-    assert "lockstep run: stopped by SIGTERM" in first[1] and "Traceback" not in first[1], first[1]
-    assert pods[1].returncode == 143, first[1]
-    preempted = sorted(ckpt.glob("*-preempted.ckpt"))
-    assert len(preempted) == 1, sorted(ckpt.iterdir())
+    if lost == "evicted":
+        assert "preempted at step" in first[0] and "so that Kubernetes starts it again" in first[0], first[0]
+        assert "lockstep run: stopped by SIGTERM" in first[1] and "Traceback" not in first[1], first[1]
+        assert pods[1].returncode == 143, first[1]
+        assert len(newest) == 1, newest
     assert [p.returncode for p in again] == [0, 0], "\n".join(second)
-    assert f"resumed from {preempted[0]}" in second[0], second[0]
+    assert f"resumed from {newest[-1]}" in second[0], second[0]
     module = tc.Classifier(dropout=0.0)
     tc.quiet_trainer(max_epochs=3, strategy=lockstep.DDP(find_unused_parameters=True)).fit(
         module, checks.make_data(103), batch_size=16)

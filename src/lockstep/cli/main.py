@@ -10,6 +10,7 @@ from dataclasses import asdict
 import lockstep
 from lockstep.cli.checkpoint import add_parser as add_checkpoint_parser
 from lockstep.cli.doctor import add_parser as add_doctor_parser
+from lockstep.cli.k8s import add_parser as add_k8s_parser
 from lockstep.cli.run import add_parser as add_run_parser
 from lockstep.cli.slurm import add_parser as add_slurm_parser
 from lockstep.cli.verify import add_parser as add_verify_parser
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(commands)
     add_doctor_parser(commands)
     add_slurm_parser(commands)
+    add_k8s_parser(commands)
     add_checkpoint_parser(commands)
     add_verify_parser(commands)
     return parser
