@@ -177,7 +177,12 @@ class ReplicaGroups:
         if group_size == 1:  # a group of one process has no store of its own: the manager's lives here
             from lockstep.runtime.comm.network import host_store
 
-            self._store, store_port = host_store(address)
+            try:
+                self._store, store_port = host_store(address)
+            except OSError as error:
+                raise ConfigError(f"replica group {self.index}: cannot listen on MASTER_ADDR={address} "
+                                  f"({error.strerror}): it must be an address of this node (lockstep run "
+                                  "--fault-tolerant sets it).") from None
         else:
             store_port = int(os.environ["MASTER_PORT"])
         self.state: dict[str, Any] | None = None
