@@ -435,6 +435,7 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
         while not ready() and time.monotonic() < deadline and all(p.poll() is None for p in pods):
             time.sleep(0.1)
         assert ready(), "\n".join(p.communicate(timeout=30)[0] for p in pods)
+        signalled = time.monotonic()
         if lost == "evicted":
             pods[1].send_signal(signal.SIGTERM)  # the eviction: TERM to the container's first process
         else:
@@ -444,6 +445,7 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
         first = [p.communicate(timeout=90)[0] for p in pods]
+        print(f"{lost}: both pods ended {time.monotonic() - signalled:.1f} s after pod 1 was {lost}")
         newest = sorted(ckpt.glob("*-preempted.ckpt" if lost == "evicted" else "epoch=*"))
         again = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]
         second = [p.communicate(timeout=150)[0] for p in again]

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lockstep.errors import ConfigError
+
 #: The pod's grace period after TERM (an eviction, a node drain): the Trainer's preemption checkpoint
 #: must fit in it, and torch's agent gives the workers 30 s of it before it kills them.
 DEFAULT_GRACE_S = 60
@@ -53,7 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def k8s_command(args: argparse.Namespace) -> int:
     try:
         text = to_yaml(trainjob(args))
-    except ValueError as error:
+    except ConfigError as error:
         print(f"lockstep k8s: {error}", file=sys.stderr)
         return 2
     header = f"# Written by: lockstep k8s {shlex.join(sys.argv[2:])}\n# Apply with: kubectl apply -f FILE\n"
@@ -66,13 +68,13 @@ def k8s_command(args: argparse.Namespace) -> int:
 
 
 def trainjob(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainJob, as a dict in the field order of its schema; raises ValueError for bad input."""
+    """The TrainJob, as a dict in the field order of its schema; raises ConfigError for bad input."""
     name = args.name or Path(args.script).stem.lower().replace("_", "-")
     if not _NAME.fullmatch(name):
-        raise ValueError(f"--name {name!r}: a Kubernetes name is lowercase letters, digits and '-', at most 63, "
+        raise ConfigError(f"--name {name!r}: a Kubernetes name is lowercase letters, digits and '-', at most 63, "
                          "starting and ending with a letter or digit (give --name).")
     if args.nodes < 1 or args.devices < 1 or args.grace_period < 1:
-        raise ValueError("--nodes, --devices and --grace-period must be at least 1.")
+        raise ConfigError("--nodes, --devices and --grace-period must be at least 1.")
     resources: dict[str, str] = {}
     if args.accelerator == "cuda":
         resources["nvidia.com/gpu"] = str(args.devices)
@@ -98,14 +100,14 @@ def trainjob(args: argparse.Namespace) -> dict[str, Any]:
 def _env(item: str) -> dict[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name:
-        raise ValueError(f"--env {item!r}: give NAME=VALUE.")
+        raise ConfigError(f"--env {item!r}: give NAME=VALUE.")
     return {"name": name, "value": value}
 
 
 def _volume(item: str, index: int) -> tuple[dict[str, Any], dict[str, str]]:
     claim, sep, path = item.partition(":")
     if not sep or not claim or not path.startswith("/"):
-        raise ValueError(f"--volume {item!r}: give CLAIM:PATH, PATH absolute (e.g. checkpoints:/ckpt).")
+        raise ConfigError(f"--volume {item!r}: give CLAIM:PATH, PATH absolute (e.g. checkpoints:/ckpt).")
     name = f"lockstep-volume-{index}"
     return {"name": name, "persistentVolumeClaim": {"claimName": claim}}, {"name": name, "mountPath": path}
 

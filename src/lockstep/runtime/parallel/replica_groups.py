@@ -113,7 +113,7 @@ class _Alarm:
                 if work.is_completed():  # it failed, not the poll that ran out
                     raise
             if self._rung():
-                raise RuntimeError("another participant's all-reduce of this step failed (a participant was lost)")
+                raise CollectiveError("another participant's all-reduce of this step failed (a participant was lost)")
 
     def _rung(self) -> bool:
         try:
