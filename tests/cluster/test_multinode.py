@@ -326,7 +326,7 @@ def test_a_forged_node_failure_in_the_store_does_not_stop_a_two_node_job(two_hos
     finally:
         for job in jobs:
             job.kill()
-    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
     assert any("ignored a message in the rendezvous store" in output for output in outputs), outputs
 
 

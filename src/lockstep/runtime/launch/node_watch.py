@@ -157,6 +157,8 @@ class NodeWatch:
                 verdict = (f"lost the connection to the rendezvous store at {self.host}:{self.port} "
                            f"({reason}): the node hosting it died or the network to it failed")
                 self._silent_for = 0.0
+            if verdict and self._stop.is_set():  # this node's launcher is ending the watch (its workers are
+                break  # done): a late verdict must not stop it, nor raise in it after its run returned
             if verdict:
                 self._stop.set()
                 self.verdict = verdict
