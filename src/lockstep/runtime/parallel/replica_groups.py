@@ -135,6 +135,23 @@ class _Alarm:
         pg.abort()
 
 
+def _manager_store(index: int, address: str, group_size: int) -> tuple[Any, int]:
+    """The store of a group's torchft manager, and its port: what the other groups reach this one by
+    (its manager, its store) is the address of its own rendezvous, ``MASTER_ADDR``, which ``lockstep run
+    --fault-tolerant`` puts on the node's address towards the lighthouse's node when the groups span
+    several nodes (else loopback). A group of one process has no store of its own: the manager's is
+    hosted here (returned, to keep it alive); a larger group's is its rendezvous store (None)."""
+    if group_size > 1:
+        return None, int(os.environ["MASTER_PORT"])
+    from lockstep.runtime.comm.network import host_store
+
+    try:
+        return host_store(address)
+    except OSError as error:
+        raise ConfigError(f"replica group {index}: cannot listen on MASTER_ADDR={address} ({error.strerror}): it "
+                          "must be an address of this node (lockstep run --fault-tolerant sets it).") from None
+
+
 def _group_index(replica_id: str) -> int:
     """The group index in a torchft replica id (``lockstep_<index>:<uuid>``)."""
     name = replica_id.split(":")[0]
@@ -169,22 +186,8 @@ class ReplicaGroups:
         collective = timedelta(seconds=timeouts.collective)
         self._pg = pg = (ProcessGroupNCCL(timeout=collective) if device.type == "cuda"
                          else ProcessGroupGloo(timeout=collective))
-        # What the other groups reach this one by (its manager, its store): the address of its own
-        # rendezvous, which `lockstep run --fault-tolerant` puts on the node's address towards the
-        # lighthouse's node when the groups span several nodes (else loopback).
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self._store = None
-        if group_size == 1:  # a group of one process has no store of its own: the manager's lives here
-            from lockstep.runtime.comm.network import host_store
-
-            try:
-                self._store, store_port = host_store(address)
-            except OSError as error:
-                raise ConfigError(f"replica group {self.index}: cannot listen on MASTER_ADDR={address} "
-                                  f"({error.strerror}): it must be an address of this node (lockstep run "
-                                  "--fault-tolerant sets it).") from None
-        else:
-            store_port = int(os.environ["MASTER_PORT"])
+        self._store, store_port = _manager_store(self.index, address, group_size)
         self.state: dict[str, Any] | None = None
         self.manager = Manager(
             pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
