@@ -53,6 +53,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "groups a step may run with (default 1)")
     parser.add_argument("--step-timeout", type=float, default=30.0, help="with --fault-tolerant: seconds a "
                         "step may wait for the other groups; every other timeout derives from it (default 30)")
+    parser.add_argument("--engine", choices=["torch", "ray"], default="torch",
+                        help="what starts and supervises the workers: torch elastic on this node (default), or "
+                        "Ray Train on the Ray cluster of RAY_ADDRESS (--devices workers per node, --nodes N or "
+                        "MIN:MAX; see docs/launching.md)")
+    parser.add_argument("--storage", metavar="DIR", help="with --engine ray: Ray Train's storage folder (a folder "
+                        "every node mounts), where Ray keeps the run and a copy of each checkpoint")
+    parser.add_argument("--name", help="with --engine ray: the run's name in Ray's storage (default: the "
+                        "script's name); a run of the same name and storage resumes from its newest checkpoint")
+    parser.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
+                        help="with --engine ray and --nodes MIN:MAX: how often Ray looks for room to grow a "
+                        "running job (Ray's default 60)")
     parser.add_argument("--strategy", help="passed to the script's Runtime (ddp, fsdp, dp, single)")
     parser.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
     parser.add_argument("-m", dest="module", action="store_true",
@@ -129,6 +140,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         for note in orchestrator_defaults(args, os.environ):
             print(f"lockstep run: {note}", file=sys.stderr, flush=True)
+        if args.engine == "ray":
+            return _run_on_ray(args)
         if args.fault_tolerant:
             return _run_replica_groups(args)
         job = plan(args)
@@ -147,6 +160,22 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"lockstep run: {note}", file=sys.stderr, flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(job.nproc)))
     return run_elastic(job.torchrun_args, _watch(job, args))
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """``--engine ray``: the script on the workers of a Ray cluster, through Ray Train."""
+    from lockstep.runtime.launch.ray_engine import plan_ray_job, run_ray_job
+
+    check_script(args)
+    _check_names(args.strategy, args.precision)
+    if args.devices is not None and not str(args.devices).isdigit() and args.devices != "auto":
+        raise PreflightError(f"--devices {args.devices}: with --engine ray give a count of workers per node; "
+                             "Ray gives each worker its GPU.")
+    per_node = int(args.devices) if args.devices and str(args.devices).isdigit() else 1
+    environment = {RUNTIME_VARIABLES[name]: value for name in ("accelerator", "strategy", "precision")
+                   if (value := getattr(args, name)) and value != "auto"}
+    job = plan_ray_job(args, per_node, environment)
+    return run_ray_job(job, lambda line: print(f"lockstep run: {line}", file=sys.stderr, flush=True))
 
 
 def _run_replica_groups(args: argparse.Namespace) -> int:

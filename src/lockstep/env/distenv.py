@@ -6,6 +6,7 @@ It knows nothing of ``torch.distributed``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,8 @@ class DistEnv:
     """Where this process sits in the job.
 
     ``launcher`` names what started the process: ``"none"`` (a plain ``python train.py``),
-    ``"torchrun"`` (torch elastic, also ``lockstep run``), ``"kubernetes"`` (torch elastic in a
-    Kubernetes pod, e.g. a Kubeflow TrainJob), ``"torch.distributed.launch"``
+    ``"torchrun"`` (torch elastic, also ``lockstep run``), ``"ray"`` (a Ray Train worker),
+    ``"kubernetes"`` (torch elastic in a Kubernetes pod, e.g. a Kubeflow TrainJob), ``"torch.distributed.launch"``
     (the legacy ``--local_rank`` route), ``"lockstep.launch"``, ``"env"`` (``RANK`` and
     ``WORLD_SIZE`` set by hand), ``"slurm"`` (``srun``) or ``"mpi"`` (Open MPI, MPICH, PMI).
     ``agent_store`` is true when a torch elastic agent already hosts the rendezvous store
@@ -107,16 +108,16 @@ class DistEnv:
     ) -> DistEnv:
         """Read the launcher's variables (``os.environ`` and ``sys.argv`` by default).
 
-        Precedence: torch elastic / plain ``RANK``+``WORLD_SIZE`` (they also win inside a
-        SLURM job, where ``lockstep run`` or ``torchrun`` may start the workers), then SLURM
-        under ``srun``, then MPI, then a single process.
+        Precedence: a Ray Train worker, then torch elastic / plain ``RANK``+``WORLD_SIZE`` (they also
+        win inside a SLURM job, where ``lockstep run`` or ``torchrun`` may start the workers), then
+        SLURM under ``srun``, then MPI, then a single process.
         """
         import sys
 
         env = os.environ if environ is None else environ
         args = sys.argv[1:] if argv is None else list(argv)
         legacy_local_rank = _local_rank_from_argv(args)
-        for reader in (_from_torch_env, _from_slurm, _from_mpi):
+        for reader in (_from_ray, _from_torch_env, _from_slurm, _from_mpi):
             found = reader(env, legacy_local_rank)
             if found is not None:
                 return found
@@ -198,6 +199,36 @@ def _from_torch_env(env: Mapping[str, str], legacy_local_rank: int | None) -> Di
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
         elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", ""),
     )
+
+
+def _from_ray(env: Mapping[str, str], legacy_local_rank: int | None) -> DistEnv | None:
+    """A Ray Train worker: Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and
+    MASTER_ADDR/PORT in each worker (a process of a Ray node: RAY_RAYLET_PID), and has already
+    formed the process group. Nodes may hold different numbers of workers (3 on one, 1 on another):
+    the node count is that of the nodes the job's placement group spans."""
+    if "RAY_RAYLET_PID" not in env or "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    found = _from_torch_env(env, legacy_local_rank)
+    if found is None:
+        return None
+    node_rank = _int(env, "NODE_RANK", default=found.node_rank)
+    num_nodes = max(node_rank + 1, _ray_nodes() or found.num_nodes)
+    return dataclasses.replace(found, launcher="ray", node_rank=node_rank, num_nodes=num_nodes)
+
+
+def _ray_nodes() -> int | None:
+    """The number of nodes this Ray worker's placement group spans (None outside one)."""
+    import sys
+
+    if "ray" not in sys.modules:  # a Ray worker has imported ray; lockstep never imports it first
+        return None
+    import ray.util
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return None
+    bundles = ray.util.placement_group_table(group).get("bundles_to_node_id") or {}
+    return len(set(bundles.values())) or None
 
 
 def _from_slurm(env: Mapping[str, str], legacy_local_rank: int | None) -> DistEnv | None:

@@ -27,6 +27,9 @@ class Capabilities:
     #: The job can put itself back in the scheduler's queue (SLURM's ``scontrol requeue``, when the job
     #: script asked for it): ``rt.requeue`` after a preemption stop.
     requeues: bool = False
+    #: The engine keeps a record of the job's checkpoints (Ray Train: ``ray.train.report``): each committed
+    #: checkpoint is reported to it, and a resume also considers the newest one it holds.
+    records_checkpoints: bool = False
     #: The setting that says how many processes a node runs, to name in a mismatch ('' when none).
     processes_per_node_setting: str = ""
     #: The batch scheduler that allotted the tasks (its job script holds the setting above); '' for none.
@@ -46,6 +49,11 @@ ROUTES: dict[str, Capabilities] = {
     "kubernetes": Capabilities(agent_watches=True, preempts_with_grace=True,
                                processes_per_node_setting="the TrainJob's trainer.numProcPerNode (PET_NPROC_PER_NODE; "
                                "lockstep run: --devices)", scheduler="Kubernetes"),
+    # a Ray Train worker (TorchTrainer, or lockstep run --engine ray): Ray restarts the worker group after a
+    # failure (FailureConfig) and resizes an elastic one; its checkpoints are reported to Ray Train
+    "ray": Capabilities(records_checkpoints=True,
+                        processes_per_node_setting="ScalingConfig(num_workers=...) and resources_per_worker "
+                        "(lockstep run --engine ray: --devices)"),
     "mpi": Capabilities(processes_per_node_setting="mpirun's processes per node (--npernode)"),
     "env": Capabilities(processes_per_node_setting="LOCAL_WORLD_SIZE"),
 }

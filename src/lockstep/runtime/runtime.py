@@ -20,6 +20,7 @@ from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_env
 from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
+from lockstep.runtime.checkpoint.ray_record import RayRecord
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.comm.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -166,7 +167,8 @@ class Runtime:
         """The checkpoint room, over this Runtime's watched collectives (DCP loads at its first use)."""
         ranks = Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
                       self._watchdog)
-        return Checkpoints(ranks, self.strategy.name, checksums_from_environ())
+        record = RayRecord(self.rank, self.print) if self.env.capabilities.records_checkpoints else None
+        return Checkpoints(ranks, self.strategy.name, checksums_from_environ(), record)
 
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
@@ -671,7 +673,7 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
-        self._checkpoints.wait()
+        self._checkpoints.wait(report=False)
         self._watchdog.stop()
         if self.replicas is not None:
             self.replicas.close()

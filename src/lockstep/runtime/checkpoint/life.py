@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+    from lockstep.runtime.checkpoint.ray_record import RayRecord
     from lockstep.runtime.faults.watchdog import Watchdog
 
 
@@ -92,9 +94,12 @@ class Ranks:
 class Checkpoints:
     """Saves, finds, verifies and loads checkpoint folders; every rank calls every method."""
 
-    def __init__(self, ranks: Ranks, strategy_name: str, checksums: bool) -> None:
-        self.ranks, self.strategy_name, self.checksums = ranks, strategy_name, checksums
+    def __init__(self, ranks: Ranks, strategy_name: str, checksums: bool, record: RayRecord | None = None) -> None:
+        """``record``: the engine's record of the job's checkpoints (Ray Train), told of each committed
+        checkpoint and asked for its newest at a resume."""
+        self.ranks, self.strategy_name, self.checksums, self.record = ranks, strategy_name, checksums, record
         self._checkpointer: Checkpointer | None = None  # made at the first save or load (it imports DCP)
+        self._unreported: tuple[Path, dict[str, Any]] | None = None  # a background save the record awaits
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, path: Path | str, state: dict[str, Any], blocking: bool, metadata: dict[str, Any] | None,
@@ -108,8 +113,24 @@ class Checkpoints:
         hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
         info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
                 "optimizers": optimizer_of, **({"hf_models": hf_models} if hf_models else {})}
+        reported = self.wait() if self.record is not None else 0.0  # the record hears of saves in order
         with self.ranks.watchdog.watch("checkpoint save"):
-            return self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
+            blocked = self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
+        if self.record is not None:
+            self._unreported = (Path(path), info)
+            if blocking:
+                self._report()
+        return reported + blocked
+
+    def _report(self) -> float:
+        """Tell the record of the committed checkpoint not yet reported (every rank, at the same point:
+        after a blocking save, else when the background save is next waited for). Returns the seconds."""
+        start = time.perf_counter()
+        if self.record is not None and self._unreported is not None:
+            (path, info), self._unreported = self._unreported, None
+            with self.ranks.watchdog.watch("checkpoint report to Ray Train"):
+                self.record.report(path, info)
+        return time.perf_counter() - start
 
     def prepare_folder(self, folder: Path | str) -> None:
         """Before training: remove what interrupted saves left (``.NAME.partial`` folders, on rank 0),
@@ -154,7 +175,7 @@ class Checkpoints:
             elif source.exists() and not source.is_dir():
                 raise CheckpointError(f"{source}: a file, not a checkpoint folder or a folder of checkpoints.")
             else:
-                found = complete_checkpoints(source)
+                found = self._with_recorded(complete_checkpoints(source))
         except CheckpointError as error:
             failure = error
         self._agree(str(failure or "") or ", ".join(f"{c.path.name} (step {c.step})" for c in found) or "none")
@@ -169,6 +190,21 @@ class Checkpoints:
             more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
             self.ranks.say(f"lockstep: skipping the damaged checkpoint {checkpoint.path.name}: {damage[0]}{more}")
         return None
+
+    def _with_recorded(self, found: list[Checkpoint]) -> list[Checkpoint]:
+        """``found`` and, where it trained further, the newest checkpoint the record holds (after Ray
+        restarted the workers, perhaps on other nodes: Ray's copy in its storage), the most steps first."""
+        path = self.record.newest() if self.record is not None else None
+        if path is None or any(c.path.resolve() == path.resolve() for c in found):
+            return found
+        try:
+            recorded = Checkpoint.read(path)
+        except CheckpointError as error:
+            self.ranks.say(f"lockstep: the checkpoint Ray Train holds is not one to resume from: {error}")
+            return found
+        if found and found[0].step >= recorded.step:
+            return found
+        return [recorded, *found]
 
     def _agree(self, mine: str) -> None:
         """Every rank must have found the same checkpoints: else an error naming what each saw."""
@@ -205,9 +241,12 @@ class Checkpoints:
         return state
 
     # -- background saves ---------------------------------------------------------------------------
-    def wait(self) -> None:
+    def wait(self, report: bool = True) -> float:
+        """Wait for a background save to be committed and, with ``report``, reported to the record (a
+        barrier of every rank: not while a failing rank closes); returns the seconds spent reporting."""
         if self._checkpointer is not None:
             self._checkpointer.wait()
+        return self._report() if report else 0.0
 
     def raise_if_failed(self) -> None:
         if self._checkpointer is not None:

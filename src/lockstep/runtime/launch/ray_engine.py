@@ -1,0 +1,138 @@
+"""``lockstep run --engine ray``: the same script on a Ray cluster's workers, through Ray Train's
+``TorchTrainer``. Each worker runs the script as ``python SCRIPT ARGS`` would (``__main__``, its
+arguments in ``sys.argv``, its folder on the path, the caller's working folder when the node has
+it); Ray forms the process group, which the script's Runtime adopts (``DistEnv``'s ``"ray"`` route),
+restarts the workers after a failure (``--max-restarts``) and resizes an elastic job
+(``--nodes MIN:MAX``). Ray is imported only when this engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lockstep.errors import ConfigError, MissingExtraError, PreflightError, WorkerError
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """What ``lockstep run --engine ray`` asks of Ray Train."""
+
+    script: str
+    script_args: list[str]
+    module: bool
+    workers: int | tuple[int, int]  # a fixed count, or (min, max) for an elastic job
+    gpu: bool | None  # None: whatever the cluster has
+    storage: str | None  # RunConfig(storage_path): a folder every node mounts, or Ray's default
+    name: str  # RunConfig(name): the same name and storage resume a run Ray has recorded
+    max_failures: int
+    resize_interval: float | None  # ScalingConfig(elastic_resize_monitor_interval_s); None: Ray's default
+    environment: dict[str, str] = field(default_factory=dict)  # set in every worker before the script
+
+
+def plan_ray_job(args: Any, devices_per_node: int, environment: dict[str, str]) -> RayJob:
+    """``lockstep run``'s options as a Ray job; raises PreflightError for what Ray cannot do."""
+    for option, value in (("--node-rank", args.node_rank), ("--master", args.master),
+                          ("--rdzv-endpoint", args.rdzv_endpoint), ("--fault-tolerant", args.fault_tolerant)):
+        if value:
+            raise PreflightError(f"{option} is for the torch engine; with --engine ray, Ray places the workers "
+                                 "on the cluster of RAY_ADDRESS (give --devices and --nodes).")
+    low, _, high = str(args.nodes or 1).partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        nodes = (0, 0)
+    if devices_per_node < 1:
+        raise PreflightError(f"--devices {devices_per_node}: give at least 1 worker per node.")
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise PreflightError(f"--nodes {args.nodes}: give a count N or a range MIN:MAX with 1 <= MIN <= MAX.")
+    restarts = args.max_restarts if args.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
+    if restarts < 0:
+        raise PreflightError("--max-restarts must be 0 or more.")
+    workers: int | tuple[int, int] = (devices_per_node * nodes[0] if nodes[0] == nodes[1]
+                                      else (devices_per_node * nodes[0], devices_per_node * nodes[1]))
+    gpu = {"cuda": True, "cpu": False}.get(args.accelerator)
+    name = args.name or Path(args.script).stem.replace(".", "-")
+    storage = str(Path(args.storage).resolve()) if args.storage else None
+    if args.resize_interval is not None and (args.resize_interval < 0 or nodes[0] == nodes[1]):
+        raise PreflightError(f"--resize-interval {args.resize_interval}: give 0 or more seconds, for an elastic job "
+                             "(--nodes MIN:MAX).")
+    return RayJob(args.script, list(args.script_args), args.module, workers, gpu, storage, name, restarts,
+                  args.resize_interval, environment)
+
+
+def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
+    """Run ``job`` on the Ray cluster (``RAY_ADDRESS``; without it Ray starts one on this machine);
+    0 when the script ended well on every worker, 1 after saying why not."""
+    try:
+        import ray
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError as error:
+        raise MissingExtraError("--engine ray needs Ray Train: pip install 'lockstep[ray]'") from error
+
+    ray.init()
+    try:
+        gpu = job.gpu if job.gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+        config = {"script": job.script if job.module else str(Path(job.script).resolve()),
+                  "args": job.script_args, "module": job.module, "cwd": os.getcwd(),
+                  "environment": job.environment}
+        scaling: dict[str, Any] = {"num_workers": job.workers, "use_gpu": gpu}
+        if job.resize_interval is not None:
+            scaling["elastic_resize_monitor_interval_s"] = job.resize_interval
+        trainer = TorchTrainer(
+            run_script, train_loop_config=config,
+            scaling_config=ScalingConfig(**scaling),
+            run_config=RunConfig(name=job.name, storage_path=job.storage,
+                                 failure_config=FailureConfig(max_failures=job.max_failures),
+                                 checkpoint_config=CheckpointConfig()))
+        count = job.workers if isinstance(job.workers, int) else f"{job.workers[0]} to {job.workers[1]}"
+        say(f"on Ray: {count} worker(s)"
+            f"{' with a GPU each' if gpu else ''}, run {job.name!r}")
+        try:
+            result = trainer.fit()
+        except Exception as error:  # noqa: BLE001 - Ray's TrainingFailedError and its causes, said once
+            say(f"the Ray job failed: {_first_line(error)}")
+            return 1
+        if result.checkpoint is not None:
+            say(f"Ray's newest checkpoint: {result.checkpoint.path}")
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def run_script(config: dict[str, Any]) -> None:
+    """A Ray Train worker's loop (``train_loop_per_worker``): the script, as ``python SCRIPT ARGS`` runs
+    it. Usable from your own ``TorchTrainer``: ``TorchTrainer(run_script, train_loop_config={"script":
+    "train.py", "args": [...]}, ...)``."""
+    os.environ.update(config.get("environment") or {})
+    cwd = config.get("cwd")
+    if cwd and Path(cwd).is_dir():
+        os.chdir(cwd)
+    script, args, module = str(config["script"]), list(config.get("args") or []), bool(config.get("module"))
+    if not module:
+        script = str(Path(script).resolve())
+        if not Path(script).is_file():
+            raise ConfigError(f"{script}: no such script on this Ray node: put it on a folder every node mounts, "
+                              "or in the image the workers run.")
+        sys.path.insert(0, str(Path(script).parent))
+    sys.argv = [script, *args]
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            rank = int(os.environ.get("RANK", "0"))
+            raise WorkerError(f"rank {rank}: {script} exited with status {stop.code}", rank) from None
