@@ -1,7 +1,8 @@
 """A runtime-API loop that checkpoints every 3 steps with rt.save and resumes with rt.resume, paced so
 that a node can be lost mid-run: the training of checks.dist.train_lockstep (EPOCHS, default 2; 103
-samples, global batch 16, shuffled). Arguments: FOLDER OUT PROGRESS [EPOCHS]. Rank 0 writes "step world_size time" to PROGRESS after each step, and at
-the end the weights, the steps and the world size to OUT."""
+samples, global batch 16, shuffled). Arguments: FOLDER OUT PROGRESS [EPOCHS]. Rank 0 writes
+"step world_size time" to PROGRESS after each step, and at the end the weights, the steps and the
+world size to OUT."""
 
 import os
 import sys
@@ -26,7 +27,7 @@ state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
 found = rt.resume(folder, state)
 step = state["step"]
 rt.print(f"resumed from {found.path} at step {step} on {rt.world_size} processes" if found else
-         f"started on {rt.world_size} processes")
+         f"started on {rt.world_size} processes on {rt.num_nodes} node(s)")
 while step < EPOCHS * len(loader):  # each pass over the loader is the next epoch (or the rest of one)
     for x, y in loader:
         rt.backward(F.cross_entropy(model(x), y))

@@ -9,6 +9,7 @@ restarts the workers after a failure (``--max-restarts``) and resizes an elastic
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 from collections.abc import Callable
@@ -107,8 +108,12 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+    """The line of Ray's error that names the workers' own error (e.g. lockstep's, which says what to
+    change), else its first line."""
+    lines = (str(error).strip() or type(error).__name__).splitlines()
+    named = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
+    own = [line for line in named if not line.startswith("ray.")]
+    return (own or named or lines)[-1 if (own or named) else 0]
 
 
 def run_script(config: dict[str, Any]) -> None:
