@@ -90,6 +90,22 @@ class RayCluster:
                                  f"--num-cpus={self.cpus[1]}"], "node")
         return self.node
 
+    def node_id(self) -> str:
+        """The Ray node id of the worker node."""
+        code = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+                f"print([n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == {NODE!r}][0])")
+        done = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()[-1]
+
+    def drain_node(self, deadline_s: int) -> None:
+        """What a cloud does before it reclaims a spot instance: the node is drained for preemption."""
+        done = subprocess.run([str(RAY), "drain-node", f"--address={self.address}", f"--node-id={self.node_id()}",
+                               "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance reclaimed",
+                               f"--deadline-remaining-seconds={deadline_s}"],
+                              env=self.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+
     def kill_node(self) -> None:
         _signal_session(self.node.pid, signal.SIGKILL)
         self.node.wait(timeout=30)
@@ -254,3 +270,43 @@ def test_an_elastic_ray_job_loses_a_node_then_gets_it_back_and_ends_at_the_one_p
     difference = (result["weights"] - _one_process(16)).abs().max().item()
     print(f"largest difference from one process: {difference:.2e}")
     assert (result["steps"], result["world_size"]) == (112, 4) and difference <= 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_a_ray_node_drained_for_preemption_gets_a_checkpoint_at_once_and_the_restarted_job_resumes_exactly(
+        ray_cluster, tmp_path):
+    """An elastic job of 4 workers on 2 nodes; the worker node is drained for preemption with a 60 s deadline
+    (a spot reclaim, as a cloud announces it): `rt.should_checkpoint()` turns Ray's notice into one
+    checkpoint on every rank at the same step, and training goes on; then the node goes (SIGKILL of all its
+    processes), Ray re-forms the job on the head's 2 workers, which resume from the newest checkpoint
+    (the notice's or a later one) and end at the one-process weights."""
+    progress, ckpt = tmp_path / "progress", tmp_path / "ckpt"
+    job = ray_cluster.run("--devices", "2", "--nodes", "1:2", "--storage", str(tmp_path / "store"),
+                          "tests/scripts/ray_loop.py", str(ckpt), str(tmp_path / "out.pt"), str(progress), "12",
+                          timeout=300, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
+                          RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="1")
+    try:
+        _wait_until(lambda: any(s >= 5 and w == 4 for s, w, _ in _progress(progress)), job, "step 5 on 4 workers", 150)
+        ray_cluster.drain_node(deadline_s=60)
+        drained = time.time()
+        _wait_until(lambda: any((p / "lockstep.json").exists() for p in ckpt.glob("*-preempted")), job,
+                    "the checkpoint of the notice", 60)
+        saved = time.time()
+        ray_cluster.kill_node()
+        output = _finish(job, 250)
+    finally:
+        job.kill()
+        job.wait()
+    assert job.returncode == 0, output[-6000:]
+    print(f"the notice's checkpoint was committed {saved - drained:.1f} s after the drain")
+    noticed = [int(p.name.split("=")[1].split("-")[0]) for p in ckpt.glob("*-preempted")]
+    assert len(noticed) == 1, noticed  # one checkpoint per notice, taken by every rank at the same step
+    assert f"a node will be reclaimed: checkpoint at step {noticed[0]}" in output, output[-6000:]
+    steps = _progress(progress)
+    assert [w for i, (_, w, _) in enumerate(steps) if i == 0 or steps[i - 1][1] != w] == [4, 2]
+    resumed = re.search(r"resumed from \S+ at step (\d+) on 2 processes", output)
+    assert resumed and int(resumed.group(1)) >= noticed[0], output[-6000:]
+    result = torch.load(tmp_path / "out.pt")
+    difference = (result["weights"] - _one_process(12)).abs().max().item()
+    print(f"largest difference from one process: {difference:.2e}")
+    assert (result["steps"], result["world_size"]) == (84, 2) and difference <= 1e-5

@@ -2,7 +2,8 @@
 that a node can be lost mid-run: the training of checks.dist.train_lockstep (EPOCHS, default 2; 103
 samples, global batch 16, shuffled). Arguments: FOLDER OUT PROGRESS [EPOCHS]. Rank 0 writes
 "step world_size time" to PROGRESS after each step, and at the end the weights, the steps and the
-world size to OUT."""
+world size to OUT. When Ray announces that a node will be reclaimed, it checkpoints at once and
+trains on."""
 
 import os
 import sys
@@ -37,6 +38,10 @@ while step < EPOCHS * len(loader):  # each pass over the loader is the next epoc
         if step % 3 == 0:
             state["step"] = step
             rt.save(os.path.join(folder, f"step={step:04d}"), state, metadata={"step": step})
+        elif rt.should_checkpoint():  # Ray will reclaim a node: a checkpoint now, and on
+            state["step"] = step
+            rt.save(os.path.join(folder, f"step={step:04d}-preempted"), state, metadata={"step": step})
+            rt.print(f"a node will be reclaimed: checkpoint at step {step}")
         if rt.is_global_zero:
             with open(progress, "a") as handle:
                 handle.write(f"{step} {rt.world_size} {time.time():.1f}\n")

@@ -231,3 +231,61 @@ def test_a_fit_saved_after_its_last_epoch_ended_resumes_at_the_next_epoch_not_on
     _, whole = _epochs(tmp_path / "whole", epochs=4)
     assert trainer.global_step == 16 and trainer.current_epoch == 4
     assert torch.equal(tc.checks.flat_weights(resumed), tc.checks.flat_weights(whole))
+
+
+class _Record:
+    """Stands in for Ray Train's record (checkpoint/ray_record.py): what it was told, and its newest."""
+
+    newest_path = None
+
+    def __init__(self, rank, say) -> None:
+        self.reports: list[tuple[str, int]] = []
+
+    def report(self, path, metadata) -> None:
+        assert (path / "lockstep.json").exists(), "reported before its commit"
+        self.reports.append((path.name, metadata["step"]))
+
+    def newest(self):
+        return self.newest_path
+
+
+def test_under_an_engine_that_records_checkpoints_each_commit_is_reported_and_its_newest_can_win(tmp_path,
+                                                                                                monkeypatch):
+    """A route that records checkpoints (Ray Train) is told of each committed checkpoint, in order: a
+    blocking save at once, a background one when it is next waited for (every rank at the same point,
+    as Ray's report is a barrier). At a resume its newest checkpoint (Ray's copy, perhaps of a folder
+    this node never saw) is taken when it trained further than the folder's newest, and loads exactly."""
+    import lockstep
+    import lockstep.runtime.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "RayRecord", _Record)
+    env = lockstep.DistEnv(launcher="ray")
+    assert env.capabilities.records_checkpoints and not lockstep.DistEnv().capabilities.records_checkpoints
+    rt = lockstep.Runtime(accelerator="cpu", env=env, seed=0)
+    model = rt.setup(tc.checks.make_model())
+    record = rt._checkpoints.record
+    assert isinstance(record, _Record)
+    rt.save(tmp_path / "a" / "step=1", {"model": model}, metadata={"step": 1})
+    assert record.reports == [("step=1", 1)]
+    rt.save(tmp_path / "a" / "step=2", {"model": model}, blocking=False, metadata={"step": 2})
+    assert record.reports == [("step=1", 1)]  # not yet: reported when waited for
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    rt.save(tmp_path / "elsewhere" / "step=5", {"model": model}, metadata={"step": 5})  # waits for step 2 first
+    assert record.reports == [("step=1", 1), ("step=2", 2), ("step=5", 5)]
+    rt.save(tmp_path / "a" / "step=3", {"model": model}, blocking=False, metadata={"step": 3})
+    rt.wait_for_save()
+    assert record.reports[-1] == ("step=3", 3)
+    trained = {k: v.clone() for k, v in lockstep.unwrap(model).state_dict().items()}
+
+    record.newest_path = tmp_path / "elsewhere" / "step=5"  # trained further than the folder's step 3
+    fresh = rt.setup(tc.checks.make_model(seed=7))
+    found = rt.resume(tmp_path / "a", {"model": fresh})
+    assert found is not None and found.path == tmp_path / "elsewhere" / "step=5"
+    assert all(torch.equal(v, trained[k]) for k, v in lockstep.unwrap(fresh).state_dict().items())
+    record.newest_path = tmp_path / "a" / "step=2"  # older than the folder's newest: the folder wins
+    assert rt.latest_checkpoint(tmp_path / "a").path.name == "step=3"
+    record.newest_path = tmp_path / "missing"  # a record that holds nothing readable: the folder's, said
+    assert rt.latest_checkpoint(tmp_path / "a").path.name == "step=3"
+    rt.close()

@@ -1,6 +1,7 @@
 """DistEnv parsing: one case per launcher, and the inconsistent environments it must refuse."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -275,3 +276,42 @@ def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_
     assert orchestrator_defaults(plain, {}) == [] and (plain.nodes, plain.node_rank, plain.devices) == ("1", 0, "auto")
     with pytest.raises(PreflightError, match="PET_NODE_RANK"):
         orchestrator_defaults(_run_args(["train.py"]), {"PET_NODE_RANK": "one"})
+
+
+def test_a_ray_train_worker_is_the_ray_route_with_its_node_rank_and_the_nodes_of_its_placement_group(monkeypatch):
+    """Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK in each worker (a process of a Ray
+    node: RAY_RAYLET_PID). With 3 workers on one node and 1 on another, the worker alone on node 1 cannot
+    derive the node count from its own numbers (4 // 1 = 4): it is the placement group's."""
+    import lockstep.env.distenv as distenv
+
+    worker = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "1",
+              "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RAY_RAYLET_PID": "123"}
+    monkeypatch.setattr(distenv, "_ray_nodes", lambda: 2)
+    env = DistEnv.from_environ(worker)
+    assert (env.launcher, env.rank, env.local_rank, env.node_rank, env.num_nodes) == ("ray", 3, 0, 1, 2)
+    assert env.capabilities.records_checkpoints and not env.capabilities.agent_watches
+    assert DistEnv.from_environ({k: v for k, v in worker.items() if k != "RAY_RAYLET_PID"}).launcher == "env"
+    monkeypatch.setattr(distenv, "_ray_nodes", lambda: None)  # outside a placement group: its own numbers
+    assert DistEnv.from_environ(worker).num_nodes == 4
+
+
+def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_take(tmp_path):
+    from lockstep.errors import PreflightError
+    from lockstep.runtime.launch.ray_engine import plan_ray_job
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    fixed = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "2", str(script), "x"]), 3, {})
+    assert (fixed.workers, fixed.max_failures, fixed.name, fixed.script_args) == (6, 0, "train", ["x"])
+    elastic = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "1:2", "--resize-interval", "5",
+                                      "--storage", "st", "--name", "exp", str(script)]), 2, {})
+    assert (elastic.workers, elastic.max_failures, elastic.resize_interval) == ((2, 4), 3, 5.0)
+    assert (elastic.name, elastic.storage) == ("exp", str(Path("st").resolve()))
+    refused = {"--node-rank": ["--node-rank", "1"], "--master": ["--master", "h:1"],
+               "--fault-tolerant": ["--fault-tolerant"], "--resize-interval": ["--resize-interval", "5"],
+               "--nodes": ["--nodes", "2:1"]}
+    for option, argv in refused.items():
+        with pytest.raises(PreflightError, match=option):
+            plan_ray_job(_run_args(["--engine", "ray", *argv, str(script)]), 2, {})
+    with pytest.raises(PreflightError, match="at least 1 worker"):
+        plan_ray_job(_run_args(["--engine", "ray", str(script)]), 0, {})

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
-HEAVY = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
+HEAVY = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "ray")
 
 
 def _loaded_after(code: str) -> dict[str, bool]:

@@ -27,6 +27,10 @@ class Capabilities:
     #: The job can put itself back in the scheduler's queue (SLURM's ``scontrol requeue``, when the job
     #: script asked for it): ``rt.requeue`` after a preemption stop.
     requeues: bool = False
+    #: The engine gives notice before it reclaims a node of the job (Ray Train: a drain with a deadline) and
+    #: restarts the job from its newest checkpoint once the node is gone: ``rt.should_checkpoint`` is True
+    #: once per notice, and the Trainer checkpoints and trains on.
+    warns_of_reclaim: bool = False
     #: The engine keeps a record of the job's checkpoints (Ray Train: ``ray.train.report``): each committed
     #: checkpoint is reported to it, and a resume also considers the newest one it holds.
     records_checkpoints: bool = False
@@ -51,7 +55,7 @@ ROUTES: dict[str, Capabilities] = {
                                "lockstep run: --devices)", scheduler="Kubernetes"),
     # a Ray Train worker (TorchTrainer, or lockstep run --engine ray): Ray restarts the worker group after a
     # failure (FailureConfig) and resizes an elastic one; its checkpoints are reported to Ray Train
-    "ray": Capabilities(records_checkpoints=True,
+    "ray": Capabilities(records_checkpoints=True, warns_of_reclaim=True,
                         processes_per_node_setting="ScalingConfig(num_workers=...) and resources_per_worker "
                         "(lockstep run --engine ray: --devices)"),
     "mpi": Capabilities(processes_per_node_setting="mpirun's processes per node (--npernode)"),

@@ -33,7 +33,7 @@ from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
 from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
 from lockstep.runtime.faults.lifetime import as_elastic_worker
-from lockstep.runtime.faults.preemption import Preemption
+from lockstep.runtime.faults.preemption import Preemption, ReclaimNotice
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.launch.membership import report_membership
 from lockstep.runtime.optimizer_step import OptimizerStep
@@ -155,6 +155,7 @@ class Runtime:
         can = self.env.capabilities
         self.preemption = (Preemption(slurm_requeue_from_environ() if can.requeues else None, self.rank)
                            if can.preempts_with_grace else None)
+        self.reclaim = ReclaimNotice() if can.warns_of_reclaim else None
         self._logger = _RankLogger(logging.getLogger("lockstep"), {"rank": self.rank})
         self._checkpoints = self._make_checkpoints()
         self._loaders = self._make_loaders()
@@ -539,6 +540,20 @@ class Runtime:
             return False
         self.preemption.poll()
         return bool(self.all_reduce(self.preemption.local_flag, op="max"))
+
+    def should_checkpoint(self) -> bool:
+        """True on every rank, once per notice, when the engine has announced that a node of the job will
+        be reclaimed (Ray Train: a node drained for preemption, with a deadline): save a checkpoint now and
+        keep training; when the node goes, the engine restarts the job, which resumes from that checkpoint.
+        Every rank must call it at the same points (e.g. each step boundary); one small all-reduce under
+        Ray, free elsewhere (always False: there the notice is a signal, see ``should_stop``)."""
+        if self.reclaim is None:
+            return False
+        told = int(self.all_reduce(float(self.reclaim.count()), op="max"))
+        if told <= self.reclaim.handled:
+            return False
+        self.reclaim.handled = told
+        return True
 
     def requeue(self) -> str:
         """After ``should_stop``: rank 0 requeues the SLURM job when USR1 came and the job script

@@ -458,6 +458,10 @@ class Trainer:
         """After an optimizer step: preemption, mid-epoch validation; True when training is over."""
         if self.runtime.should_stop():
             self._preempted()
+        if self.runtime.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
+            path = self._preemption_checkpoint()
+            self.runtime.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
+                               f"{self.global_step}; training goes on until the node goes.")
         interval = self.config.val_check_interval
         if interval and self.global_step % interval == 0:
             self._validate_during_fit()
@@ -483,9 +487,7 @@ class Trainer:
     def _preempted(self) -> None:
         """A preemption signal reached some rank: checkpoint at this step on every rank, requeue, exit."""
         rt = self.runtime
-        folder = self.config.checkpoint_dir or self.log_dir
-        path = folder / f"epoch={self.current_epoch + 1}-step={self.global_step:08d}-preempted.ckpt"
-        self.save_checkpoint(path)
+        path = self._preemption_checkpoint()
         outcome = rt.requeue()
         # A scheduler that cannot be asked to requeue (Kubernetes' Job and JobSet) starts the job again
         # when it failed: the stop is then a failure, with TERM's exit status.
@@ -494,6 +496,13 @@ class Trainer:
         rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}{then}.")
         rt.close()  # fit's `finally` writes the reports
         raise SystemExit(code)
+
+    def _preemption_checkpoint(self) -> Path:
+        """The checkpoint of this step that a preemption asks for (every rank); its path."""
+        folder = self.config.checkpoint_dir or self.log_dir
+        path = folder / f"epoch={self.current_epoch + 1}-step={self.global_step:08d}-preempted.ckpt"
+        self.save_checkpoint(path)
+        return path
 
     # -- evaluation ------------------------------------------------------------------------------
     def _validate_during_fit(self) -> None:

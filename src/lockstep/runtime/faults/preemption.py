@@ -77,3 +77,27 @@ class Preemption:
             if done.returncode != 0:
                 return f"scontrol requeue {self.requeue_job} failed: {done.stderr.strip()}"
         return f"job {self.requeue_job} requeued"
+
+
+class ReclaimNotice:
+    """An engine's notice that nodes of the job will be reclaimed at a deadline (Ray Train: a node being
+    drained for preemption, e.g. a spot instance). The engine restarts the job from its newest checkpoint
+    once the node is gone, so the answer is a checkpoint now, and training goes on: ``count`` is how many
+    such nodes this rank has been told of; ``rt.should_checkpoint`` agrees on it across the ranks."""
+
+    def __init__(self) -> None:
+        self.handled = 0  # the notices already answered with a checkpoint (the same on every rank)
+        self.deadline_s: float | None = None
+
+    def count(self) -> int:
+        """The nodes this rank's worker has been told will be reclaimed. Ray's public
+        ``ray.train.get_preemption_info()`` is a barrier through a Ray actor at every call; the worker's
+        own copy of the notice (what that call broadcasts from rank 0) is read instead, and the ranks
+        agree with one all-reduce on the job's own process group, as a signal under SLURM is agreed."""
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        info = get_train_context().preemption_context.preemption_info
+        if info is None:
+            return 0
+        self.deadline_s = info.deadline_ms / 1000 if info.deadline_ms else None
+        return len(info.preempted_node_ids)
