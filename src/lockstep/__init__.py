@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         seed_everything,
         unwrap,
     )
+    from lockstep.runtime.launch.ray_engine import run_script
     from lockstep.runtime.launch.spawn import launch
     from lockstep.train import (
         AdvancedProfiler,
@@ -67,6 +68,7 @@ _WHERE = {
                      "Runtime", "SingleDevice", "seed_everything", "unwrap"],
                     "lockstep.runtime"),
     "launch": "lockstep.runtime.launch.spawn",  # lockstep.runtime.launch is the launcher-side subpackage
+    "run_script": "lockstep.runtime.launch.ray_engine",
     **dict.fromkeys(["AdvancedProfiler", "CSVLogger", "Callback", "EarlyStopping", "JSONLinesLogger",
                      "LearningRateMonitor", "MLflowLogger", "ModelCheckpoint", "Module", "ProgressBar",
                      "PyTorchProfiler", "SimpleProfiler", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
@@ -80,7 +82,7 @@ __all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "Coll
            "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime",
            "SimpleProfiler", "SingleDevice", "StateError", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
            "UnsafeCheckpointError", "UsageError", "WandbLogger", "WorkerError", "__version__", "launch",
-           "seed_everything", "unwrap"]
+           "run_script", "seed_everything", "unwrap"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep", _WHERE, globals(), _SUBPACKAGES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -289,3 +290,49 @@ def test_under_an_engine_that_records_checkpoints_each_commit_is_reported_and_it
     record.newest_path = tmp_path / "missing"  # a record that holds nothing readable: the folder's, said
     assert rt.latest_checkpoint(tmp_path / "a").path.name == "step=3"
     rt.close()
+
+
+def test_the_trainer_answers_an_engines_reclaim_notice_with_one_checkpoint_and_trains_on(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Under an engine that warns before it reclaims a node (Ray Train's drain notice), the Trainer saves one
+    checkpoint at the step the notice is first seen (not again while the same notice stands; again for a
+    second node), reports it, and the fit goes on to the uninterrupted weights; resuming from the notice's
+    checkpoint also ends there."""
+    import lockstep
+    import lockstep.runtime.runtime as runtime_module
+    from lockstep.runtime.faults.preemption import ReclaimNotice
+
+    monkeypatch.setattr(runtime_module, "RayRecord", _Record)
+    for name, value in {"RAY_RAYLET_PID": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)  # a Ray Train worker of one
+    told = {"nodes": 0}
+    monkeypatch.setattr(ReclaimNotice, "count", lambda self: told["nodes"])
+
+    class Notice(lockstep.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            told["nodes"] = 1 if trainer.global_step >= 3 else 0
+            told["nodes"] += trainer.global_step >= 6
+
+    def fit(folder, callbacks):
+        module = tc.Classifier(dropout=0.2)
+        trainer = tc.quiet_trainer(max_epochs=2, checkpoint_dir=folder, resume="auto", callbacks=callbacks)
+        trainer.fit(module, tc.checks.make_data(64), batch_size=16)
+        return trainer, tc.checks.flat_weights(module)
+
+    uninterrupted = tc.checks.flat_weights(_epochs(tmp_path / "plain", 2)[1])
+    trainer, weights = fit(tmp_path / "ray", [Notice()])
+    assert trainer.runtime.env.launcher == "ray"
+    noticed = sorted(p.name for p in (tmp_path / "ray").glob("*-preempted.ckpt"))
+    assert noticed == ["epoch=1-step=00000003-preempted.ckpt", "epoch=2-step=00000006-preempted.ckpt"]
+    assert [step for _, step in trainer.runtime._checkpoints.record.reports] == [3, 4, 6, 8]  # and the epochs'
+    assert torch.equal(weights, uninterrupted)
+    for later in (tmp_path / "ray").iterdir():  # the node went right after the first notice's checkpoint
+        if later.is_symlink() or not later.is_dir():
+            later.unlink()  # last.ckpt
+        elif later.name != noticed[0]:
+            shutil.rmtree(later)
+    told["nodes"] = 0
+    capsys.readouterr()
+    _, resumed = fit(tmp_path / "ray", [])
+    assert f"resumed from {tmp_path / 'ray' / noticed[0]}" in capsys.readouterr().out
+    assert torch.equal(resumed, uninterrupted)

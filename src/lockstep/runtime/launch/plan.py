@@ -47,7 +47,7 @@ def _split_host_port(value: str, option: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _parse_nodes(value: str) -> tuple[int, int]:
+def parse_nodes(value: str) -> tuple[int, int]:
     low, _, high = value.partition(":")
     try:
         nodes = (int(low), int(high or low))
@@ -169,7 +169,7 @@ def plan(args: argparse.Namespace, check_names: Callable[[], None],
     ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set)."""
     check_script(args)
     check_names()
-    nodes = _parse_nodes(str(args.nodes))
+    nodes = parse_nodes(str(args.nodes))
     elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
     if not elastic and not 0 <= args.node_rank < nodes[0]:
         raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
@@ -221,7 +221,7 @@ def plan_replica_groups(args: argparse.Namespace, nproc: int, visible: str | Non
     replicas = args.replicas
     if importlib.util.find_spec("torchft") is None:
         raise PreflightError("--fault-tolerant needs torchft: pip install 'lockstep[ft]'.")
-    nodes = _parse_nodes(str(args.nodes))
+    nodes = parse_nodes(str(args.nodes))
     if nodes[0] != nodes[1] or args.rdzv_endpoint:
         raise PreflightError("--fault-tolerant takes a fixed number of nodes (--nodes N, --master HOST:PORT): replica "
                              "groups come and go without re-forming the job, so --nodes MIN:MAX and --rdzv-endpoint "

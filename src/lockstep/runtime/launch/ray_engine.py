@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.errors import ConfigError, MissingExtraError, PreflightError, WorkerError
+from lockstep.runtime.launch.plan import parse_nodes
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,9 @@ def plan_ray_job(args: Any, devices_per_node: int, environment: dict[str, str]) 
         if value:
             raise PreflightError(f"{option} is for the torch engine; with --engine ray, Ray places the workers "
                                  "on the cluster of RAY_ADDRESS (give --devices and --nodes).")
-    low, _, high = str(args.nodes or 1).partition(":")
-    try:
-        nodes = (int(low), int(high or low))
-    except ValueError:
-        nodes = (0, 0)
     if devices_per_node < 1:
         raise PreflightError(f"--devices {devices_per_node}: give at least 1 worker per node.")
-    if not 1 <= nodes[0] <= nodes[1]:
-        raise PreflightError(f"--nodes {args.nodes}: give a count N or a range MIN:MAX with 1 <= MIN <= MAX.")
+    nodes = parse_nodes(str(args.nodes or 1))
     restarts = args.max_restarts if args.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
     if restarts < 0:
         raise PreflightError("--max-restarts must be 0 or more.")
