@@ -64,8 +64,10 @@ class RayCluster:
         self.temp = Path(tempfile.mkdtemp(prefix="lsray", dir="/tmp"))  # short: Ray's sockets live under it
         token = folder / "token"
         token.write_text(secrets.token_hex(32))
+        # A lost node is noticed after 5 missed health checks 1 s apart (Ray's default: 3 s apart).
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                    "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_failure_threshold": "5"}
         self.port = 6400 + os.getpid() % 500
         self.address = f"{HEAD}:{self.port}"
         self.nodes: list[subprocess.Popen] = []
@@ -114,7 +116,7 @@ class RayCluster:
         """Stop both nodes (the worker node first: its drain talks to the head); what remains, if any."""
         for job in reversed(self.nodes):
             _signal_session(job.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline and any(_session(job.pid) for job in self.nodes):
             time.sleep(0.2)
         for job in self.nodes:  # `ray start --block` may wait on a head that is already gone
@@ -169,13 +171,14 @@ def _ray_checkpoint(output: str) -> str:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("ray_cluster", [(3, 1)], indirect=True)
-def test_on_a_two_node_ray_cluster_the_runtime_api_and_the_trainer_match_one_process(ray_cluster, tmp_path):
+def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resumes_from_rays_copy(ray_cluster,
+                                                                                                 tmp_path):
     """On a head of 3 CPUs and a node of 1, 4 workers are placed 3 and 1 (an uneven placement):
     - the runtime API, its checkpoints reported to Ray; Ray's Result.checkpoint passes
       `lockstep checkpoint verify`;
     - the same run name again with an empty checkpoint folder and one epoch more: it resumes from Ray's
-      copy in its storage and still ends at the one-process weights;
-    - the Trainer."""
+      copy in its storage and still ends at the one-process weights.
+    The Trainer on Ray: the elastic test below."""
     storage = tmp_path / "store"
     job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
                           str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(tmp_path / "progress"), timeout=150)
@@ -204,16 +207,6 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_and_the_trainer_match_one_pro
     print(f"resumed from Ray's copy on 4 workers: largest difference from one process {difference:.2e}")
     assert result["steps"] == 21 and difference <= 1e-5
 
-    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "--name", "trainer",
-                          "tests/scripts/elastic_train.py", str(tmp_path / "tckpt"), str(tmp_path / "tout.pt"),
-                          str(tmp_path / "tprogress"), timeout=150)
-    trainer = _finish(job, 150)
-    assert job.returncode == 0, trainer[-6000:]
-    result = torch.load(tmp_path / "tout.pt")
-    difference = (result["weights"] - tc.fit_weights(epochs=3)).abs().max().item()
-    print(f"Trainer, 4 Ray workers on 2 nodes (3 + 1): largest difference from one process {difference:.2e}")
-    assert (result["steps"], result["world_size"]) == (21, 4) and difference <= 1e-5
-    assert Path(_ray_checkpoint(trainer)).parent == storage / "trainer"
 
 
 def _progress(path: Path) -> list[tuple[int, int, float]]:
@@ -232,17 +225,18 @@ def _wait_until(condition, job: subprocess.Popen, what: str, timeout: float) -> 
 
 
 @pytest.mark.timeout(500)
-def test_an_elastic_ray_job_loses_a_node_then_gets_it_back_and_ends_at_the_one_process_weights(ray_cluster,
-                                                                                            tmp_path):
+def test_an_elastic_ray_trainer_job_loses_a_node_then_gets_it_back_and_ends_at_the_one_process_weights(
+        ray_cluster, tmp_path):
     """`--nodes 1:2 --devices 2` (Ray's num_workers=(2, 4)): the worker node is killed mid-run (every
     process of it, SIGKILL), Ray re-forms the job on the head's 2 workers, lockstep resumes the
     4-process checkpoint on 2; the node is started again, Ray grows the job back to 4 workers, lockstep
-    resumes on 4; the run ends at the one-process weights. Ray's worker-group start timeout is 10 s (its
-    default, 60 s, is spent waiting for the lost node's workers) and the resize interval 5 s."""
-    progress = tmp_path / "progress"
+    resumes on 4; the Trainer (resume="auto") ends at the one-process weights. Ray's worker-group start
+    timeout is 10 s (its default, 60 s, is spent waiting for the lost node's workers) and the resize
+    interval 5 s. (The runtime API's loop re-forms in the drain test below.)"""
+    progress, epochs = tmp_path / "progress", 16
     job = ray_cluster.run("--devices", "2", "--nodes", "1:2", "--resize-interval", "5", "--storage",
-                          str(tmp_path / "store"), "tests/scripts/ray_loop.py", str(tmp_path / "ckpt"),
-                          str(tmp_path / "out.pt"), str(progress), "16", timeout=400,
+                          str(tmp_path / "store"), "tests/scripts/elastic_train.py", str(tmp_path / "ckpt"),
+                          str(tmp_path / "out.pt"), str(progress), str(epochs), timeout=400,
                           RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10")
     try:
         _wait_until(lambda: any(s >= 8 and w == 4 for s, w, _ in _progress(progress)), job, "step 8 on 4 workers", 150)
@@ -257,19 +251,20 @@ def test_an_elastic_ray_job_loses_a_node_then_gets_it_back_and_ends_at_the_one_p
         job.kill()
         job.wait()
     assert job.returncode == 0, output[-6000:]
-    steps = _progress(progress)
-    sizes = [w for i, (_, w, _) in enumerate(steps) if i == 0 or steps[i - 1][1] != w]
+    steps_seen = _progress(progress)
+    sizes = [w for i, (_, w, _) in enumerate(steps_seen) if i == 0 or steps_seen[i - 1][1] != w]
     assert sizes == [4, 2, 4], sizes
-    changes = [(steps[i - 1][2], t, w) for i, (_, w, t) in enumerate(steps) if i and steps[i - 1][1] != w]
+    changes = [(steps_seen[i - 1][2], t, w) for i, (_, w, t) in enumerate(steps_seen)
+               if i and steps_seen[i - 1][1] != w]
     print(f"4 -> 2 workers: {changes[0][1] - killed:.1f} s from the node's kill to the first step on 2 "
           f"({changes[0][1] - changes[0][0]:.1f} s without a step)")
     print(f"2 -> 4 workers: {changes[1][1] - restarted:.1f} s from the node's start to the first step on 4 "
           f"({changes[1][1] - changes[1][0]:.1f} s without a step)")
     assert output.count("resumed from") >= 2, output[-6000:]
     result = torch.load(tmp_path / "out.pt")
-    difference = (result["weights"] - _one_process(16)).abs().max().item()
-    print(f"largest difference from one process: {difference:.2e}")
-    assert (result["steps"], result["world_size"]) == (112, 4) and difference <= 1e-5
+    difference = (result["weights"] - tc.fit_weights(epochs=epochs)).abs().max().item()
+    print(f"Trainer: largest difference from one process: {difference:.2e}")
+    assert (result["steps"], result["world_size"]) == (7 * epochs, 4) and difference <= 1e-5
 
 
 @pytest.mark.timeout(400)
@@ -300,8 +295,9 @@ def test_a_ray_node_drained_for_preemption_gets_a_checkpoint_at_once_and_the_res
     assert job.returncode == 0, output[-6000:]
     print(f"the notice's checkpoint was committed {saved - drained:.1f} s after the drain")
     noticed = [int(p.name.split("=")[1].split("-")[0]) for p in ckpt.glob("*-preempted")]
-    assert len(noticed) == 1, noticed  # one checkpoint per notice, taken by every rank at the same step
-    assert f"a node will be reclaimed: checkpoint at step {noticed[0]}" in output, output[-6000:]
+    # One checkpoint per notice, committed: every rank wrote its part at the same step. (The line rank 0
+    # prints then is not looked for: rank 0 may sit on the drained node, whose log stream dies with it.)
+    assert len(noticed) == 1, noticed
     steps = _progress(progress)
     assert [w for i, (_, w, _) in enumerate(steps) if i == 0 or steps[i - 1][1] != w] == [4, 2]
     resumed = re.search(r"resumed from \S+ at step (\d+) on 2 processes", output)

@@ -1,6 +1,7 @@
 """A Trainer run for elastic jobs: checkpoints every 3 steps, resumes from the latest, paced so that a
-node can be killed mid-run. Rank 0 writes the global step to PROGRESS after each step, and at the end
-the weights, the steps and the world size to OUT."""
+node can be killed mid-run. Arguments: CHECKPOINT_DIR OUT PROGRESS [EPOCHS (3)]. Rank 0 writes the
+global step to PROGRESS after each step, and at the end the weights, the steps and the world size to
+OUT."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ from checks import dist as checks  # noqa: E402
 from checks import trainer as tc  # noqa: E402
 
 checkpoint_dir, out, progress = sys.argv[1:4]
+epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 
 
 class Pace(lockstep.Callback):
@@ -25,7 +27,7 @@ class Pace(lockstep.Callback):
 
 
 module = tc.Classifier()
-trainer = tc.quiet_trainer(max_epochs=3, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
+trainer = tc.quiet_trainer(max_epochs=epochs, checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
     lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None, save_top_k=2), Pace()])
 trainer.fit(module, checks.make_data(103), batch_size=16)
 if trainer.is_global_zero:

@@ -87,17 +87,21 @@ class ReclaimNotice:
 
     def __init__(self) -> None:
         self.handled = 0  # the notices already answered with a checkpoint (the same on every rank)
-        self.deadline_s: float | None = None
+        self.unreadable = False
 
     def count(self) -> int:
         """The nodes this rank's worker has been told will be reclaimed. Ray's public
         ``ray.train.get_preemption_info()`` is a barrier through a Ray actor at every call; the worker's
         own copy of the notice (what that call broadcasts from rank 0) is read instead, and the ranks
         agree with one all-reduce on the job's own process group, as a signal under SLURM is agreed."""
-        from ray.train.v2._internal.execution.context import get_train_context
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
 
-        info = get_train_context().preemption_context.preemption_info
-        if info is None:
+            info = get_train_context().preemption_context.preemption_info
+        except (ImportError, AttributeError, RuntimeError, ValueError) as error:  # Ray Train V1, or a Ray without it
+            if not self.unreadable:
+                print(f"lockstep: Ray's notice of a node's reclaim cannot be read here ({error}): no checkpoint will "
+                      "be taken on it (Ray Train V2, Ray 2.50 or later, has it).", file=sys.stderr, flush=True)
+            self.unreadable = True
             return 0
-        self.deadline_s = info.deadline_ms / 1000 if info.deadline_ms else None
-        return len(info.preempted_node_ids)
+        return 0 if info is None else len(info.preempted_node_ids)
