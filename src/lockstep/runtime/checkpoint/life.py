@@ -3,7 +3,8 @@ it, verifying, loading. ``rt.save``, ``rt.load``, ``rt.verify_checkpoint``, ``rt
 and ``rt.resume`` each delegate to one method here; the Trainer uses the same ones.
 
 The order of a resume, in one place (``Checkpoints.find``): list the folder's complete
-checkpoints from their metadata (each ``lockstep.json`` read once), the newest first; check that
+checkpoints from their metadata (each ``lockstep.json`` read once), with the newest one the engine
+recorded when it trained further (Ray Train's copy, ``ray_record``), the newest first; check that
 every rank sees the same list; verify each one's files in turn until one is intact; hand back its
 path with that metadata, which ``load`` then uses instead of reading it again. DCP loads at the
 first save or load (``checkpointer``), not at import.
