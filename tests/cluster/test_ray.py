@@ -178,6 +178,7 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
       `lockstep checkpoint verify`;
     - the same run name again with an empty checkpoint folder and one epoch more: it resumes from Ray's
       copy in its storage and still ends at the one-process weights.
+    - a Ray user's own TorchTrainer whose training function is a plain Runtime loop.
     The Trainer on Ray: the elastic test below."""
     storage = tmp_path / "store"
     job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
@@ -206,6 +207,15 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
     difference = (result["weights"] - _one_process(3)).abs().max().item()
     print(f"resumed from Ray's copy on 4 workers: largest difference from one process {difference:.2e}")
     assert result["steps"] == 21 and difference <= 1e-5
+
+    own = subprocess.run([sys.executable, "tests/scripts/ray_own_trainer.py", str(tmp_path / "own.pt"), "4",
+                          str(storage)], cwd=ROOT, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address},
+                         capture_output=True, text=True, timeout=150)
+    assert own.returncode == 0, own.stdout[-3000:] + own.stderr[-3000:]
+    result = torch.load(tmp_path / "own.pt")
+    difference = (result["weights"] - _one_process(2)).abs().max().item()
+    print(f"a plain Runtime loop in one's own TorchTrainer: largest difference from one process {difference:.2e}")
+    assert (result["launcher"], result["world_size"], result["num_nodes"]) == ("ray", 4, 2) and difference <= 1e-5
 
 
 
