@@ -211,3 +211,23 @@ def test_the_help_of_run_names_every_strategy():
     text = " ".join(commands.choices["run"].format_help().split())
     for name in ("ddp", "fsdp", "dp", "single"):
         assert make_strategy(name, 1).name and name in text
+
+
+def test_lockstep_run_on_ray_with_no_cluster_at_ray_address_says_so_within_seconds(tmp_path):
+    """Ray's own driver retries an unreachable address for minutes: `lockstep run --engine ray` tries it
+    first, and ends with one line naming the address and what to set."""
+    pytest.importorskip("ray")
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--engine", "ray", str(script)],
+                          cwd=ROOT, env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True,
+                          text=True, timeout=60)
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    assert f"lockstep run: cannot reach the Ray cluster at 127.0.0.1:{port}: [Errno 111] Connection refused" \
+        in done.stderr, done.stderr
+    assert "never run" not in done.stdout and took < 30, took

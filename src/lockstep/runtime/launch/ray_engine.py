@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +73,15 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
     except ImportError as error:
         raise MissingExtraError("--engine ray needs Ray Train: pip install 'lockstep[ray]'") from error
 
-    ray.init()
+    where = os.environ.get("RAY_ADDRESS") or "this machine"
+    advice = ("set RAY_ADDRESS to the head's HOST:PORT (ray start --head prints it), and its token where the "
+              "cluster asks for one (RAY_AUTH_TOKEN_PATH)")
+    try:
+        _check_reachable(os.environ.get("RAY_ADDRESS", ""))
+        ray.init()
+    except (ConnectionError, RuntimeError, OSError) as error:  # no cluster there, or one that refuses this driver
+        say(f"cannot reach the Ray cluster at {where}: {_first_line(error)}; {advice}.")
+        return 1
     try:
         gpu = job.gpu if job.gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
         config = {"script": job.script if job.module else str(Path(job.script).resolve()),
@@ -100,6 +109,16 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
         return 0
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT address must accept a connection within ``timeout_s``: Ray's own driver retries an
+    unreachable one for minutes. ``auto``, ``ray://`` and an empty address are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        pass
 
 
 def _first_line(error: BaseException) -> str:
