@@ -165,13 +165,18 @@ def run_command(args: argparse.Namespace) -> int:
 def _run_on_ray(args: argparse.Namespace) -> int:
     """``--engine ray``: the script on the workers of a Ray cluster, through Ray Train."""
     from lockstep.runtime.launch.ray_engine import plan_ray_job, run_ray_job
+    from lockstep.runtime.parallel.devices import parse_devices  # torch's import: not for --help
 
     check_script(args)
     _check_names(args.strategy, args.precision)
-    if args.devices is not None and not str(args.devices).isdigit() and args.devices != "auto":
+    try:
+        wanted = parse_devices(args.devices or "auto")
+    except ValueError as error:
+        raise PreflightError(f"--devices {args.devices}: {error}") from None
+    if isinstance(wanted, tuple):
         raise PreflightError(f"--devices {args.devices}: with --engine ray give a count of workers per node; "
                              "Ray gives each worker its GPU.")
-    per_node = int(args.devices) if args.devices and str(args.devices).isdigit() else 1
+    per_node = 1 if wanted == "auto" else int(wanted)
     environment = {RUNTIME_VARIABLES[name]: value for name in ("accelerator", "strategy", "precision")
                    if (value := getattr(args, name)) and value != "auto"}
     job = plan_ray_job(args, per_node, environment)

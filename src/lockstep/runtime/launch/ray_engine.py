@@ -68,8 +68,7 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
     0 when the script ended well on every worker, 1 after saying why not."""
     try:
         import ray
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
+        import ray.train.torch  # noqa: F401 - Ray Train itself, which the extra installs
     except ImportError as error:
         raise MissingExtraError("--engine ray needs Ray Train: pip install 'lockstep[ray]'") from error
 
@@ -84,18 +83,7 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
         return 1
     try:
         gpu = job.gpu if job.gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
-        config = {"script": job.script if job.module else str(Path(job.script).resolve()),
-                  "args": job.script_args, "module": job.module, "cwd": os.getcwd(),
-                  "environment": job.environment}
-        scaling: dict[str, Any] = {"num_workers": job.workers, "use_gpu": gpu}
-        if job.resize_interval is not None:
-            scaling["elastic_resize_monitor_interval_s"] = job.resize_interval
-        trainer = TorchTrainer(
-            run_script, train_loop_config=config,
-            scaling_config=ScalingConfig(**scaling),
-            run_config=RunConfig(name=job.name, storage_path=job.storage,
-                                 failure_config=FailureConfig(max_failures=job.max_failures),
-                                 checkpoint_config=CheckpointConfig()))
+        trainer = _torch_trainer(job, gpu)
         count = job.workers if isinstance(job.workers, int) else f"{job.workers[0]} to {job.workers[1]}"
         say(f"on Ray: {count} worker(s)"
             f"{' with a GPU each' if gpu else ''}, run {job.name!r}")
@@ -109,6 +97,22 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
         return 0
     finally:
         ray.shutdown()
+
+
+def _torch_trainer(job: RayJob, gpu: bool) -> Any:
+    """Ray Train's ``TorchTrainer`` for ``job``: each worker runs the script through ``run_script``."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    config = {"script": job.script if job.module else str(Path(job.script).resolve()),
+              "args": job.script_args, "module": job.module, "cwd": os.getcwd(), "environment": job.environment}
+    scaling: dict[str, Any] = {"num_workers": job.workers, "use_gpu": gpu}
+    if job.resize_interval is not None:
+        scaling["elastic_resize_monitor_interval_s"] = job.resize_interval
+    return TorchTrainer(run_script, train_loop_config=config, scaling_config=ScalingConfig(**scaling),
+                        run_config=RunConfig(name=job.name, storage_path=job.storage,
+                                             failure_config=FailureConfig(max_failures=job.max_failures),
+                                             checkpoint_config=CheckpointConfig()))
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -127,7 +131,9 @@ def _first_line(error: BaseException) -> str:
     lines = (str(error).strip() or type(error).__name__).splitlines()
     named = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
     own = [line for line in named if not line.startswith("ray.")]
-    return (own or named or lines)[-1 if (own or named) else 0]
+    if own or named:
+        return (own or named)[-1]
+    return lines[0]
 
 
 def run_script(config: dict[str, Any]) -> None:
