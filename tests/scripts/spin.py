@@ -16,9 +16,10 @@ with open(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), "w") as handle:
 os.replace(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), os.path.join(sys.argv[1], f"{rt.rank}.pid"))
 deadline = time.monotonic() + float(os.environ.get("SPIN_SECONDS", 60))
 step = 0
-while time.monotonic() < deadline:
+# The ranks agree on when to stop (any rank past its deadline): each reads its own clock, and a rank
+# that left the loop alone would leave the others waiting in a collective for it.
+while not rt.all_reduce(float(time.monotonic() >= deadline), "max"):
     if len(sys.argv) > 2 and sys.argv[2] == "raise" and rt.rank == 1 and step == 5:
         raise RuntimeError("rank one gives up at step 5")
-    rt.barrier()
     time.sleep(0.05)
     step += 1

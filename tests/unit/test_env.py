@@ -1,6 +1,8 @@
 """DistEnv parsing: one case per launcher, and the inconsistent environments it must refuse."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -293,6 +295,20 @@ def test_a_ray_train_worker_is_the_ray_route_with_its_node_rank_and_the_nodes_of
     assert DistEnv.from_environ({k: v for k, v in worker.items() if k != "RAY_RAYLET_PID"}).launcher == "env"
     monkeypatch.setattr(distenv, "_ray_nodes", lambda: None)  # outside a placement group: its own numbers
     assert DistEnv.from_environ(worker).num_nodes == 4
+
+
+@pytest.mark.timeout(120)
+def test_ray_variables_in_a_process_that_imported_ray_but_is_no_connected_worker_start_no_ray_cluster():
+    """Asked for its placement group outside a connected worker, Ray starts a local cluster of its own (nine
+    processes, minutes in a test session): the node count then comes from the variables alone."""
+    probe = ("import os, ray\n"
+             "from lockstep import DistEnv\n"
+             "env = DistEnv.from_environ({'RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', "
+             "'NODE_RANK': '0', 'RAY_RAYLET_PID': '1', 'MASTER_ADDR': '10.0.0.1', 'MASTER_PORT': '29500'})\n"
+             "print(env.launcher, env.num_nodes, ray.is_initialized())")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ray", "2", "False"], done.stderr
 
 
 def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_take(tmp_path):

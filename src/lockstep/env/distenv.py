@@ -220,14 +220,15 @@ def _ray_nodes() -> int | None:
     """The number of nodes this Ray worker's placement group spans (None outside one)."""
     import sys
 
-    if "ray" not in sys.modules:  # a Ray worker has imported ray; lockstep never imports it first
+    ray = sys.modules.get("ray")  # a Ray worker has imported ray; lockstep never imports it first
+    if ray is None or not ray.is_initialized():  # asked outside a connected worker, Ray would start a cluster
         return None
-    import ray.util
+    from ray.util import get_current_placement_group, placement_group_table
 
-    group = ray.util.get_current_placement_group()
+    group = get_current_placement_group()
     if group is None:
         return None
-    bundles = ray.util.placement_group_table(group).get("bundles_to_node_id") or {}
+    bundles = placement_group_table(group).get("bundles_to_node_id") or {}
     return len(set(bundles.values())) or None
 
 
