@@ -190,3 +190,70 @@ def test_float8_trains_on_the_cpu_as_a_hand_written_torchao_loop_does():
         assert torch.equal(a, b)
     bf16 = _train_with_lockstep("bf16-mixed", x, y)  # the conversion changed the arithmetic
     assert not all(torch.equal(a, b) for a, b in zip(ours.parameters(), bf16.parameters(), strict=True))
+
+
+def test_a_llama_is_cut_into_stages_by_layer_with_the_embedding_first_and_the_head_last():
+    """The blocks split evenly; a left-over block goes to a middle stage before the first or the last (those
+    also hold the embedding and the head); modules without parameters (rotary embeddings) stay everywhere."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lockstep.runtime.parallel.pipeline import Skipped, keep_stages, split_model, stage_views
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=5,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    stages = split_model(LlamaForCausalLM(config), 3)
+    assert stages == [["model.embed_tokens", "model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"],
+                      ["model.layers.4", "model.norm", "lm_head"]]
+    assert split_model(LlamaForCausalLM(config), 2) == [
+        ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"],
+        ["model.layers.3", "model.layers.4", "model.norm", "lm_head"]]
+    model = LlamaForCausalLM(config)
+    four = split_model(model, 4)
+    keep_stages(model, four, [0, 3])  # a V layout's rank 0: the first and the last stage
+    assert isinstance(model.model.layers[2], Skipped) and not isinstance(model.lm_head, Skipped)
+    first, last = stage_views(model, four, [0, 3])
+    assert isinstance(first.lm_head, Skipped) and first.model.embed_tokens is model.model.embed_tokens
+    assert isinstance(last.model.embed_tokens, Skipped) and last.lm_head is model.lm_head
+    names = {name for name, _ in model.named_parameters()}
+    assert names == {n for n, _ in first.named_parameters()} | {n for n, _ in last.named_parameters()}
+    tied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": True}))
+    with pytest.raises(lockstep.ConfigError, match="one tied parameter"):
+        keep_stages(tied, split_model(tied, 2), [0])
+
+
+def test_stage_layouts_are_looped_or_v_shaped_as_torch_schedules_expect():
+    from lockstep.runtime.parallel.pipeline import check_settings, stages_of_rank
+
+    assert [stages_of_rank(r, 4, "1F1B") for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stages_of_rank(r, 4, "Interleaved1F1B") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stages_of_rank(r, 4, "DualPipeV") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert check_settings(2, "zbvzerobubble", None, None, "FSDP") == ("ZBVZeroBubble", 4)
+    with pytest.raises(lockstep.ConfigError, match="pp_stages gives 3"):
+        check_settings(2, "GPipe", 2, (("a",), ("b",), ("c",)), "FSDP")
+    with pytest.raises(lockstep.ConfigError, match="pp_microbatches=0"):
+        check_settings(2, "GPipe", 0, None, "FSDP")
+
+
+def test_forward_backward_on_one_process_is_the_forward_the_loss_and_rt_backward():
+    """Without pipeline stages, rt.forward_backward is loss_fn(model(inputs), batch) and rt.backward: the same
+    gradients as a hand-written step, num_items included."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    reference = copy.deepcopy(net)
+    batch = {"input_ids": torch.randint(0, 16, (4, 5)), "labels": torch.randint(0, 16, (4, 5))}
+
+    def loss_fn(logits, rows):
+        return nn.functional.cross_entropy(logits.reshape(-1, 16), rows["labels"].reshape(-1))
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    loss = rt.forward_backward(model, batch, loss_fn, num_items=lambda rows: rows["labels"].numel())
+    optimizer.step()
+    expected = loss_fn(reference(batch["input_ids"]), batch)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert torch.equal(loss, expected.detach()) and not loss.requires_grad
+    for mine, theirs in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-7)
+    with pytest.raises(lockstep.ConfigError, match="unknown pipeline schedule"):
+        lockstep.FSDP(pp=2, pp_schedule="zigzag").layout(4)

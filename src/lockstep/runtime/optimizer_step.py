@@ -71,7 +71,8 @@ class OptimizerStep:
             self._reduce_over_replicas()
         self.precision.unscale_(optimizer)
         with self.watchdog.step("clip_grad_norm_"):
-            return clip_grad_norm(model.parameters(), max_norm, norm_type)  # the norm over all shards and meshes
+            # the norm over all shards, meshes and pipeline stages
+            return clip_grad_norm(model.parameters(), max_norm, norm_type, getattr(model, "norm_across_stages", None))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Route ``optimizer.step()`` through ``run``. The optimizer stays the same object, so LR

@@ -44,6 +44,20 @@ from lockstep.runtime.parallel.fsdp import FSDP
 from lockstep.runtime.parallel.mesh import Membership, Mesh
 from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
 from lockstep.runtime.parallel.num_items import ItemNormalizer
+from lockstep.runtime.parallel.pipeline import (
+    Pipeline,
+    PipelinedModule,
+    check_stages,
+    keep_stages,
+    model_inputs,
+    model_output,
+    rows,
+    split_model,
+    splits_backward,
+    stage_views,
+    stages_of_rank,
+    stages_per_rank,
+)
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.replica_groups import ReplicaGroups
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
@@ -185,7 +199,7 @@ class Runtime:
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value),
         over every live replica group of a fault-tolerant job."""
-        total = self.all_reduce(value, op="sum") / self.tensor_parallel_size if self.world_size > 1 else value
+        total = self.all_reduce(value, op="sum") / self.mesh.layout.batch_peers if self.world_size > 1 else value
         return self.replicas.sum(total) if self.replicas is not None else total
 
     def _make_recorder(self) -> StepRecorder | None:
@@ -261,6 +275,11 @@ class Runtime:
         return self.mesh.tp
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """How many ranks hold the stages of one copy of the model, one after another: ``pp``, else 1."""
+        return self.mesh.pp
+
+    @property
     def node_rank(self) -> int:
         return self.env.node_rank
 
@@ -300,6 +319,9 @@ class Runtime:
         Gradients stay those without it (docs/parallelism.md).
         """
         model, was_compiled = unwrap_compiled(model)
+        if self.mesh.pp > 1:
+            return self._setup_stages(model, optimizers, compile if compile is not None else was_compiled,
+                                      activation_checkpointing)
         before = dict(model.named_parameters())
         module = self.precision.convert_module(model)
         if is_empty(module) and not self.shards_model:
@@ -323,6 +345,90 @@ class Runtime:
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)  # its step runs OptimizerStep.run: the order of a step
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    def _setup_stages(self, model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+                      compile: bool | dict[str, Any] | None,  # noqa: A002
+                      activation_checkpointing: Policy | None) -> Any:
+        """``setup`` under pipeline parallel: the model cut into stages, this rank's kept (by the names they
+        have in the whole model), each sharded or replicated over the data-parallel ranks of its stage."""
+        assert isinstance(self.strategy, FSDP)
+        if self.mesh.tp > 1:
+            raise ConfigError("pipeline parallel with tensor parallel (pp and tp both above 1) is not built yet: "
+                              "use pp with data parallel (DDP or FSDP), or tp without pp.")
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigError(f"precision {self.precision.name!r} scales the loss with a GradScaler, which pipeline "
+                              "stages do not take yet: use bf16-mixed, bf16-true or 32-true with pp.")
+        schedule, microbatches = self.strategy.pipeline_settings()
+        unsharded = splits_backward(schedule)
+        if unsharded and (self.mesh.layout.data_parallel_size > 1 or self.precision.fsdp_policy() is not None):
+            raise ConfigError(
+                f"pipeline schedule {schedule} splits each backward into input and weight gradients, and on torch's "
+                "FSDP the weight gradients do not reach the sharded parameters (measured: weights 2e-2 away from one "
+                "process): use it with no data parallel (world size = pp) and 32-true or bf16-true precision, or "
+                "take 1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
+        num_stages = self.mesh.pp * stages_per_rank(schedule)
+        given = self.strategy.pp_stages
+        stages = check_stages(model, given) if given is not None else split_model(model, num_stages)
+        mine = stages_of_rank(self.mesh.layout.pipeline_rank(self.rank), self.mesh.pp, schedule)
+        before = dict(model.named_parameters())
+        keep_stages(model, stages, mine)
+        module = self.precision.convert_module(model)
+        checkpoint_activations(module, activation_checkpointing)
+        self.compile(module, compile)
+        views = stage_views(module, stages, mine)
+        if not unsharded:  # each stage sharded (or replicated) over its data-parallel ranks
+            for view in views:
+                self.strategy.wrap(view, self.placement, self.precision, self.mesh)
+        if is_empty(module):
+            for view in views:
+                self.strategy.materialize(view, self.placement, self.seed, self.mesh)
+        repoint_optimizers(before, module, optimizers, elsewhere=True)
+        for optimizer in optimizers:
+            self._optimizer_step.attach(optimizer)
+        pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
+                            self.all_gather)
+        wrapped = PipelinedModule(pipeline, module, self.precision)
+        self._wrapped.append(weakref.ref(module))
+        return (wrapped, *optimizers) if optimizers else wrapped
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         num_items: Callable[[Any], int | torch.Tensor] | None = None,
+                         inputs: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """One micro-step: ``loss_fn(model(inputs(batch)), batch)`` and its backward as ``rt.backward`` runs it;
+        returns the loss, detached. The same call runs a model split into pipeline stages (``pp > 1``), where
+        the first stage takes the inputs, each micro-batch's output reaches ``loss_fn`` on the last stage with
+        its own rows of ``batch``, and the loss returned is the step's on every rank.
+
+        ``inputs``: what the model is called with (default a dict batch's ``input_ids``, a tuple's first
+        item, or the batch itself); the output ``loss_fn`` receives is a Hugging Face model's ``logits``, else
+        what the model returns. ``num_items``: the items (tokens) of some rows of the batch, e.g.
+        ``lambda rows: (rows["labels"] != -100).sum()``; ``loss_fn`` then returns the mean over them, and the
+        gradients are those of the mean over every item of the step (``rt.backward(num_items=...)``).
+        """
+        take = inputs if inputs is not None else model_inputs
+        if not isinstance(model, PipelinedModule):
+            loss = loss_fn(model_output(model(take(batch))), batch)
+            self.backward(loss, num_items=num_items(batch) if num_items is not None else None)
+            return loss.detach()
+        pipeline: Pipeline = model.pipeline
+        first = take(batch)
+        count = pipeline.check(first)
+        size = pipeline.rows // pipeline.microbatches
+        spans = [(m * size, min((m + 1) * size, count)) for m in range(pipeline.microbatches)]
+        shares: list[torch.Tensor | float]
+        factors: list[torch.Tensor | float]
+        if num_items is None:
+            self._items.plain_backward()
+            shares = [max(stop - start, 0) / max(count, 1) for start, stop in spans]
+            factors = [share * self._current.loss_weight for share in shares]
+        else:
+            counts = [torch.as_tensor(num_items(rows(batch, start, stop, count)) if stop > start else 0,
+                                      device=self.device, dtype=torch.float64) for start, stop in spans]
+            factors = [self._items.loss_factor(items) for items in counts]  # every stage: the step's items
+            total = torch.stack(counts).sum().clamp(min=1.0)
+            shares = [(items / total).float() for items in counts]
+        with self._watchdog.step("pipeline step"):  # the stages' sends and receives, FSDP's collectives
+            return pipeline.run(batch, first, loss_fn, factors, shares, count)
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
         """Compile ``model`` in place as ``setup(compile=...)`` does, and return it: its repeated blocks
@@ -392,7 +498,7 @@ class Runtime:
                 f"rt.no_sync needs the model that rt.setup returned; got a {type(model).__name__} that did "
                 "not come from rt.setup, so its gradients would be all-reduced on every micro-step."
             )
-        if not enabled:
+        if not enabled or isinstance(model, PipelinedModule):  # a pipeline's schedule syncs at its last micro-batch
             return contextlib.nullcontext()
         return self.strategy.no_sync(model.forward_module)
 

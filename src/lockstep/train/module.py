@@ -84,7 +84,9 @@ class StepRouter(nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, step: str, *args: Any) -> Any:
+    def forward(self, step: str | torch.Tensor, *args: Any) -> Any:
+        if isinstance(step, torch.Tensor):  # a pipeline stage: the module's own forward on what it receives
+            return self.module(step, *args)
         return getattr(self.module, step)(*args)
 
 

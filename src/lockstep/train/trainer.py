@@ -407,19 +407,24 @@ class Trainer:
         self.fire("on_train_batch_start", batch, batch_idx)
         self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
         with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
-            with self._hook("training_step"):
-                outputs = self._wrapped("training_step", batch, batch_idx)
-            loss, items = loss_of(outputs)
+            if rt.pipeline_parallel_size > 1:
+                outputs = self._pipeline_step(batch)
+                loss, items = outputs["loss"], outputs.get("num_items")
+            else:
+                with self._hook("training_step"):
+                    outputs = self._wrapped("training_step", batch, batch_idx)
+                loss, items = loss_of(outputs)
             if items is not None:  # a device tensor: counted without waiting for the device
                 count = torch.as_tensor(items).detach().double()
                 self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
             self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
-            self.fire("on_before_backward", loss)
-            with self._hook("backward"):
-                if items is not None:  # normalised over every item of the step, accumulation included
-                    rt.backward(loss, num_items=items)
-                else:
-                    rt.backward(loss / k if k > 1 else loss)
+            if rt.pipeline_parallel_size == 1:  # a pipeline's schedule ran the backward with its forward
+                self.fire("on_before_backward", loss)
+                with self._hook("backward"):
+                    if items is not None:  # normalised over every item of the step, accumulation included
+                        rt.backward(loss, num_items=items)
+                    else:
+                        rt.backward(loss / k if k > 1 else loss)
         self._step_samples += self.train_loader.global_batch_size(batch_idx)
         self.batches_done_in_epoch = batch_idx + 1
         if self.at_step_boundary:
@@ -435,6 +440,23 @@ class Trainer:
                 self.metrics.window.reset()
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return self.at_step_boundary
+
+    def _pipeline_step(self, batch: Any) -> dict[str, Any]:
+        """A training batch on pipeline stages: the module's ``forward`` cut into stages, its ``loss_fn(output,
+        batch)`` on the last, with ``num_items(batch)`` when it defines it (docs/parallelism.md)."""
+        module, k = self._module, self.config.accumulate_grad_batches
+        loss_fn, count = getattr(module, "loss_fn", None), getattr(module, "num_items", None)
+        if loss_fn is None:
+            raise UsageError(f"{type(module).__name__} runs on pipeline stages (pp > 1), where no rank holds the whole "
+                             "model for training_step: define loss_fn(self, output, batch), the loss of the rows of "
+                             "batch from the model's output (and forward(self, inputs), the model).")
+        scaled = loss_fn if count is not None or k == 1 else (lambda output, rows: loss_fn(output, rows) / k)
+        with self._hook("training_step"):
+            loss = self.runtime.forward_backward(self._wrapped, batch, scaled, num_items=count,
+                                                 inputs=getattr(module, "inputs", None))
+        if count is None:
+            return {"loss": loss * k if k > 1 else loss}
+        return {"loss": loss, "num_items": count(batch)}
 
     def _optimizer_step(self) -> bool:
         """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:

@@ -22,6 +22,7 @@ from lockstep.errors import StateError
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.mesh import Mesh, MeshLayout
 from lockstep.runtime.parallel.meta_init import is_empty, materialize
+from lockstep.runtime.parallel.pipeline import check_settings
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.parallel.tensor_parallel import Plan, sync_replicas
 
@@ -42,7 +43,13 @@ class FSDP:
     A device mesh: ``tp`` ranks split each weight of the ``tp_plan`` (tensor parallel; a Hugging Face
     model's own plan by default), ``replicate`` groups each hold a whole sharded copy (HSDP), and
     the rest of the world size shards over data parallel. The ``tp`` ranks of a group see the same
-    batches; the data-parallel degree is ``world_size / (replicate × tp)`` (docs/parallelism.md).
+    batches; the data-parallel degree is ``world_size / (replicate × tp × pp)`` (docs/parallelism.md).
+
+    Pipeline parallel: ``pp`` ranks each hold consecutive stages of the model (cut by layer, or by module
+    names per stage in ``pp_stages``), run by torch's schedule ``pp_schedule`` (``"1F1B"``, ``"GPipe"``,
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
+    ``"DualPipeV"``) over ``pp_microbatches`` micro-batches of each rank's batch (default: the number of
+    stages). A step is then ``rt.forward_backward(model, batch, loss_fn)`` (docs/parallelism.md).
     """
 
     shard_modules: tuple[type[nn.Module], ...] = ()
@@ -51,11 +58,22 @@ class FSDP:
     tp: int = 1
     replicate: int = 1
     tp_plan: Plan | None = None
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    pp_stages: tuple[tuple[str, ...], ...] | None = None
     name: str = "fsdp"
     one_process_many_devices: bool = False
 
     def layout(self, world_size: int) -> MeshLayout:
-        return MeshLayout.for_world(world_size, self.replicate, self.tp, owner=self.name.upper())
+        layout = MeshLayout.for_world(world_size, self.replicate, self.tp, owner=self.name.upper(), pp=self.pp)
+        if layout.pp > 1:
+            self.pipeline_settings()
+        return layout
+
+    def pipeline_settings(self) -> tuple[str, int]:
+        """The pipeline schedule's name and its number of micro-batches (refused when they cannot work)."""
+        return check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, self.name.upper())
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
         """Shard ``module`` over the mesh's data-parallel dimensions (tensor parallel, if any, is
@@ -89,8 +107,10 @@ class FSDP:
     def blocks(self, module: nn.Module) -> list[nn.Module]:
         """The submodules that become their own shard groups, outermost first, root excluded."""
         if self.shard_modules:
-            return [m for m in module.modules() if m is not module and isinstance(m, self.shard_modules)]
-        return [block for m in module.modules() if isinstance(m, nn.ModuleList) for block in m]
+            found = [m for m in module.modules() if m is not module and isinstance(m, self.shard_modules)]
+        else:
+            found = [block for m in module.modules() if isinstance(m, nn.ModuleList) for block in m]
+        return [block for block in found if any(True for _ in block.parameters())]  # a pipeline's Skipped: none
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         return wrapped  # the forward all-gathers parameters: every rank runs it (the eval loader pads)

@@ -8,26 +8,30 @@ and every rank scales its own shards by the one factor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from lockstep.runtime._torch_compat import foreach_mul_, full_tensor, to_local
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                   across: Callable[[torch.Tensor, float], torch.Tensor] | None = None) -> torch.Tensor:
     """Scale the gradients so that their total ``norm_type``-norm is at most ``max_norm``; returns the
-    norm before clipping, a plain tensor equal on every rank."""
+    norm before clipping, a plain tensor equal on every rank. ``across``: the total over the ranks that
+    hold other parameters of the model (pipeline stages) from this rank's norm."""
     params = [p for p in parameters if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in params:
         by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)  # type: ignore[arg-type]
-    if len(by_mesh) <= 1:  # one mesh (or none): torch's own, which also handles DTensors of one mesh
+    if len(by_mesh) <= 1 and across is None:  # one mesh (or none): torch's own, which handles DTensors of one mesh
         return full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
     with torch.no_grad():
         norms = [full_tensor(torch.nn.utils.get_total_norm(grads, norm_type)) for grads in by_mesh.values()]
-        device = norms[0].device
+        device = norms[0].device if norms else torch.device("cpu")
         total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+        if across is not None:
+            total = across(total, norm_type)
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         local = [to_local(g) for grads in by_mesh.values() for g in grads]
         for key in {(g.device, g.dtype) for g in local}:

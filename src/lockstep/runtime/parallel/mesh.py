@@ -1,9 +1,10 @@
-"""The job's ranks on a device mesh: data parallel (replicated × sharded) × tensor parallel.
+"""The job's ranks on a device mesh: pipeline × data parallel (replicated × sharded) × tensor parallel.
 
-Rank ``r`` sits at ``(replicate, shard, tp)`` coordinates in row-major order, the tensor-parallel
+Rank ``r`` sits at ``(pp, replicate, shard, tp)`` coordinates in row-major order, the tensor-parallel
 dimension innermost: the ranks of one tensor-parallel group are consecutive, so on one node they
-share the fastest links. The data-parallel rank of ``r`` is ``r // tp``; the ``tp`` ranks of a
-group see the same batches.
+share the fastest links; the pipeline dimension is outermost, as its point-to-point sends are the
+cheapest traffic to put across nodes. The data-parallel rank of ``r`` is
+``(r // tp) % (replicate × shard)``; the ``tp × pp`` ranks that share it see the same batches.
 
 ``MeshLayout`` holds the degrees (a value: strategies compute it from their configuration);
 ``Mesh`` is the one built object of a Runtime: the layout, its ``DeviceMesh`` (made once, at the
@@ -19,7 +20,7 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 
-DIMENSIONS = ("replicate", "shard", "tp")
+DIMENSIONS = ("pp", "replicate", "shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -29,24 +30,32 @@ class MeshLayout:
     replicate: int
     shard: int
     tp: int
+    pp: int = 1
 
     @classmethod
-    def for_world(cls, world_size: int, replicate: int = 1, tp: int = 1, owner: str = "FSDP") -> MeshLayout:
-        """The layout with the given replicate and tensor-parallel degrees; the sharded degree is the rest.
-        ``owner``: the configuration the degrees come from, as errors name it."""
-        for name, degree in (("replicate", replicate), ("tp", tp)):
+    def for_world(cls, world_size: int, replicate: int = 1, tp: int = 1, owner: str = "FSDP",
+                  pp: int = 1) -> MeshLayout:
+        """The layout with the given replicate, tensor-parallel and pipeline degrees; the sharded degree is
+        the rest. ``owner``: the configuration the degrees come from, as errors name it."""
+        for name, degree in (("replicate", replicate), ("tp", tp), ("pp", pp)):
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ConfigError(f"{owner}({name}={degree!r}): a degree is a whole number of at least 1.")
-        if world_size % (replicate * tp):
+        fixed = replicate * tp * pp
+        if world_size % fixed:
             raise ConfigError(
-                f"{owner}(replicate={replicate}, tp={tp}) needs a world size divisible by {replicate * tp}, but the "
-                f"job has {world_size} process(es): launch a multiple of {replicate * tp}, or change the degrees "
-                "(the sharded data-parallel degree is the world size divided by replicate × tp).")
-        return cls(replicate, world_size // (replicate * tp), tp)
+                f"{owner}(replicate={replicate}, tp={tp}, pp={pp}) needs a world size divisible by {fixed}, but the "
+                f"job has {world_size} process(es): launch a multiple of {fixed}, or change the degrees "
+                "(the sharded data-parallel degree is the world size divided by replicate × tp × pp).")
+        return cls(replicate, world_size // fixed, tp, pp)
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.tp
+
+    @property
+    def batch_peers(self) -> int:
+        """How many ranks see the same batches: the tensor-parallel peers of each pipeline stage."""
+        return self.tp * self.pp
 
     @property
     def data_parallel_size(self) -> int:
@@ -54,12 +63,16 @@ class MeshLayout:
         return self.replicate * self.shard
 
     def data_parallel_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.data_parallel_size
+
+    def pipeline_rank(self, rank: int) -> int:
+        """Which of the ``pp`` pipeline ranks ``rank`` is (the stages it holds follow from it)."""
+        return rank // (self.data_parallel_size * self.tp)
 
     @property
     def trivial(self) -> bool:
         """One data-parallel dimension and nothing else: plain DDP or FSDP over every rank."""
-        return self.tp == 1 and self.replicate == 1
+        return self.tp == 1 and self.replicate == 1 and self.pp == 1
 
 
 class Mesh:
@@ -76,17 +89,26 @@ class Mesh:
         """How many ranks share one batch, each computing part of every layer."""
         return self.layout.tp
 
+    @property
+    def pp(self) -> int:
+        """How many pipeline ranks hold the stages of the model, one after another."""
+        return self.layout.pp
+
     def device_mesh(self) -> Any:
-        """The ``DeviceMesh`` over every rank, its dimensions named ``replicate``, ``shard``, ``tp``
+        """The ``DeviceMesh`` over every rank, its dimensions named ``pp``, ``replicate``, ``shard``, ``tp``
         (a trivial layout: one unnamed dimension)."""
         if self._built is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             layout = self.layout
             self._built = (init_device_mesh(self.device_type, (layout.world_size,)) if layout.trivial else
-                           init_device_mesh(self.device_type, (layout.replicate, layout.shard, layout.tp),
+                           init_device_mesh(self.device_type, (layout.pp, layout.replicate, layout.shard, layout.tp),
                                             mesh_dim_names=DIMENSIONS))
         return self._built
+
+    def pp_group(self) -> Any:
+        """The process group of this rank's pipeline: the ``pp`` ranks that hold the stages of its copy."""
+        return self.device_mesh()["pp"].get_group()
 
     def tp_mesh(self) -> Any:
         """The tensor-parallel dimension (this rank's group of ``tp`` peers)."""

@@ -55,16 +55,20 @@ def _owns_tensors(module: nn.Module) -> bool:
 
 def repoint_optimizers(
     before: dict[str, nn.Parameter], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+    elsewhere: bool = False,
 ) -> None:
     """Make optimizers built from the model's parameters before setup hold the parameters it has now.
 
     Sharding and materialising replace parameter objects; the names stay. Group hyperparameters
     are kept. An optimizer that has already stepped (its state is keyed by the old parameters), or
-    that holds tensors that are not the model's parameters, cannot be re-pointed.
+    that holds tensors that are not the model's parameters, cannot be re-pointed. ``elsewhere``: the
+    parameters that ``module`` no longer has are held by other ranks (pipeline stages) and leave the
+    optimizers.
     """
     now = dict(module.named_parameters())
     by_id = {id(param): now[name] for name, param in before.items() if name in now}
-    if all(by_id.get(id(p)) is p for p in before.values()):
+    gone = {id(param) for name, param in before.items() if name not in now} if elsewhere else set()
+    if not gone and all(by_id.get(id(p)) is p for p in before.values()):
         return  # nothing was replaced (DDP, one device)
     for optimizer in optimizers:
         if optimizer.state:
@@ -73,6 +77,7 @@ def repoint_optimizers(
                 "(FSDP shards them): build the optimizer after rt.setup, from the model it returns."
             )
         for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in gone]
             stray = [p for p in group["params"] if id(p) not in by_id]
             if stray:
                 raise ConfigError(

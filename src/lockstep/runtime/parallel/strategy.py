@@ -94,6 +94,10 @@ class DDP(_Replicated):
     sync_batchnorm: bool = False
     tp: int = 1
     tp_plan: Plan | None = None
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    pp_stages: tuple[tuple[str, ...], ...] | None = None
     name: str = "ddp"
     one_process_many_devices: bool = False
 
@@ -160,17 +164,20 @@ STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 
 
 def _replicated_on_a_mesh(ddp: DDP, world_size: int) -> FSDP:
-    """``DDP(tp=k)``: FSDP2 over a ``(replicate = world / k, shard = 1)`` mesh with tensor parallel
-    inside: gradients all-reduced across the groups, nothing sharded (see ``DDP``)."""
+    """``DDP(tp=k, pp=p)``: FSDP2 over a ``(pp = p, replicate = world / (k × p), shard = 1, tp = k)`` mesh:
+    gradients all-reduced across the data-parallel groups, nothing sharded (see ``DDP``)."""
     unsupported = [name for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
                                      "sync_batchnorm") if getattr(ddp, name)]
+    degrees = f"tp={ddp.tp!r}, pp={ddp.pp!r}"
     if unsupported:
-        raise ConfigError(f"DDP(tp={ddp.tp}) takes none of {', '.join(unsupported)} (options of "
-                          "DistributedDataParallel, which tensor parallel does not use): leave them out.")
-    if not isinstance(ddp.tp, int) or ddp.tp < 1 or world_size % ddp.tp:
-        raise ConfigError(f"DDP(tp={ddp.tp!r}) needs a whole tensor-parallel degree that divides the world size, "
-                          f"but the job has {world_size} process(es): launch a multiple of tp, or change tp.")
-    return FSDP(replicate=world_size // ddp.tp, tp=ddp.tp, tp_plan=ddp.tp_plan, reshard_after_forward=False,
+        raise ConfigError(f"DDP({degrees}) takes none of {', '.join(unsupported)} (options of "
+                          "DistributedDataParallel, which a mesh does not use): leave them out.")
+    fixed = ddp.tp * ddp.pp if all(isinstance(d, int) and d >= 1 for d in (ddp.tp, ddp.pp)) else 0
+    if not fixed or world_size % fixed:
+        raise ConfigError(f"DDP({degrees}) needs whole degrees whose product divides the world size, but the job "
+                          f"has {world_size} process(es): launch a multiple of tp × pp, or change the degrees.")
+    return FSDP(replicate=world_size // fixed, tp=ddp.tp, tp_plan=ddp.tp_plan, pp=ddp.pp, pp_schedule=ddp.pp_schedule,
+                pp_microbatches=ddp.pp_microbatches, pp_stages=ddp.pp_stages, reshard_after_forward=False,
                 name="ddp")
 
 
@@ -183,14 +190,14 @@ def make_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
     trained, so it stays FSDP, over a group of one process.
     """
     if not isinstance(strategy, str):
-        if world_size == 1 and (getattr(strategy, "tp", 1) > 1 or getattr(strategy, "replicate", 1) > 1):
+        meshed = [k for k in ("tp", "replicate", "pp") if getattr(strategy, k, 1) > 1]
+        if world_size == 1 and meshed:
             # the same script on one process as on the mesh: `lockstep verify`'s reference, a debug run
-            degrees = ", ".join(f"{k}={getattr(strategy, k)}" for k in ("tp", "replicate") if hasattr(strategy, k))
+            degrees = ", ".join(f"{k}={getattr(strategy, k)}" for k in meshed)
             print(f"lockstep: {type(strategy).__name__}({degrees}) on one process: the model runs unsplit, as the "
                   "one-process reference of the mesh.", flush=True)
-            one: dict[str, int] = {"tp": 1, **({"replicate": 1} if isinstance(strategy, FSDP) else {})}
-            strategy = dataclasses.replace(strategy, **one)  # type: ignore[type-var]
-        if isinstance(strategy, DDP) and strategy.tp != 1:
+            strategy = dataclasses.replace(strategy, **dict.fromkeys(meshed, 1))  # type: ignore[type-var]
+        if isinstance(strategy, DDP) and (strategy.tp != 1 or strategy.pp != 1):
             strategy = _replicated_on_a_mesh(strategy, world_size)
         if isinstance(strategy, FSDP):
             strategy.layout(world_size)  # degrees that do not fit the world size are refused here

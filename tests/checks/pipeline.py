@@ -1,0 +1,195 @@
+"""A small Llama (``transformers``, built from a config) cut into pipeline stages: rank functions for the
+pipeline tests, and their one-process references (hand-written loops)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import lockstep
+from checks import hf as hc
+from checks import mesh as mc
+
+VOCAB = mc.VOCAB
+
+
+def llama(layers: int = 4, seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+LENGTH = 20  # every row padded to the longest of hf_checks.sequences: pipeline stages take one shape
+
+
+def collate(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    batch = hc.pad([torch.cat([row, row.new_zeros(LENGTH - len(row))]) for row, _ in items])
+    valid = torch.stack([torch.arange(LENGTH) < len(row) for row, _ in items])
+    batch["labels"] = batch["labels"].masked_fill(~valid, hc.IGNORE)
+    batch["index"] = torch.tensor([index for _, index in items])
+    return batch
+
+
+def token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean cross-entropy over the valid next tokens of these rows."""
+    targets = batch["labels"][:, 1:]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), ignore_index=hc.IGNORE,
+                           reduction="sum") / (targets != hc.IGNORE).sum().clamp(min=1)
+
+
+def row_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean over rows of each row's summed cross-entropy (a plain per-row mean, no item count)."""
+    targets = batch["labels"][:, 1:]
+    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), ignore_index=hc.IGNORE,
+                                reduction="none")
+    return per_token.reshape(targets.shape).sum(1).mean()
+
+
+def reference(steps: int = 4, batch_size: int = 8, clip: float | None = None, lr: float = 0.5, rows: int = 40,
+              items: bool = True) -> torch.Tensor:
+    """A hand-written one-process loop: SGD on the mean over the global batch's valid tokens (or rows)."""
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = hc.sequences(rows)
+    for step in range(steps):
+        batch = hc.pad(data[step * batch_size:(step + 1) * batch_size])
+        logits = model(input_ids=batch["input_ids"]).logits
+        (token_loss if items else row_loss)(logits, batch).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat_named({n: p.detach() for n, p in model.named_parameters()})
+
+
+def flat_named(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The whole model's weights in one vector, in the order of a fresh model's parameters."""
+    return torch.cat([weights[name].float().reshape(-1) for name, _ in llama().named_parameters()])
+
+
+def whole_weights(rt, named) -> torch.Tensor:
+    """Every rank's stage weights (shards gathered; ``named``: a model, or its named parameters), put
+    together into the whole model's vector."""
+    mine = {}
+    if isinstance(named, nn.Module):
+        named = lockstep.unwrap(named).named_parameters()
+    for name, param in named:
+        value = param.detach()
+        mine[name] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+    parts = [mine]
+    if rt.world_size > 1:  # each rank holds other names: gathered as objects
+        parts = [None] * rt.world_size
+        torch.distributed.all_gather_object(parts, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return flat_named(merged)
+
+
+def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float | None = None, lr: float = 0.5,
+                     rows: int = 40, items: bool = True, batch_size: int = 8) -> dict:
+    """The same run through ``rt.forward_backward`` on ``strategy``."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(mc.Rows(rows), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
+    losses = []
+    for i, batch in enumerate(loader):
+        last = (i + 1) % accumulate == 0 or i + 1 == len(loader)  # a short last step: its micro-batches alone
+        with rt.no_sync(model, enabled=not last):
+            loss = rt.forward_backward(model, batch, token_loss if items else row_loss,
+                                       num_items=hc.valid_tokens if items else None)
+        losses.append(float(loss))
+        if last:
+            if clip is not None:
+                rt.clip_grad_norm_(model, optimizer, clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        if i + 1 == steps * accumulate:
+            break
+    return {"weights": whole_weights(rt, model), "losses": losses, "pp": rt.pipeline_parallel_size,
+            "data": (rt.data_parallel_rank, rt.data_parallel_size)}
+
+
+def _run(strategy, folder: str | None, resume: bool, steps: int, save_after: int | None = None) -> dict:
+    """Two epochs of 32 rows (global batch 8) through ``rt.forward_backward``; saves after ``save_after``
+    steps of the first epoch when given, resumes from ``folder`` first when ``resume``."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(mc.Rows(32), batch_size=8, shuffle=True, collate_fn=collate, num_workers=0)
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    if resume:
+        rt.load(folder, state)
+    done = 0
+    for _ in range(2):
+        for batch in loader:
+            rt.forward_backward(model, batch, token_loss, num_items=hc.valid_tokens)
+            rt.clip_grad_norm_(model, optimizer, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if save_after is not None and done == save_after:
+                rt.save(folder, state)
+        if done >= steps:
+            break
+    return {"weights": whole_weights(rt, model)}
+
+
+def save_and_finish(strategy, folder: str) -> dict:
+    return _run(strategy, folder, False, 8, save_after=3)
+
+
+def resume_and_finish(strategy, folder: str) -> dict:
+    return _run(strategy, folder, True, 8)
+
+
+class LlamaModule(lockstep.Module):
+    """A Trainer module on pipeline stages: ``forward`` is the model, ``loss_fn`` the loss of some rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch, batch_idx):  # what pp = 1 runs
+        return {"loss": token_loss(self(batch["input_ids"]), batch), "num_items": hc.valid_tokens(batch)}
+
+    def loss_fn(self, output, batch):
+        return token_loss(output, batch)
+
+    def num_items(self, batch):
+        return hc.valid_tokens(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def trainer_weights(strategy) -> dict:
+    """The Trainer on ``strategy``: 39 rows, global batch 16 (a short last step), clipping, num_items."""
+    module = LlamaModule()
+    trainer = lockstep.Trainer(accelerator="cpu", strategy=strategy, max_steps=3, seed=0, gradient_clip_val=0.5,
+                               enable_progress_bar=False, loggers=())
+    data = torch.utils.data.DataLoader(mc.Rows(39), batch_size=16, collate_fn=collate)  # in order, as the reference
+    trainer.fit(module, data)
+    named = ((name.removeprefix("model."), param) for name, param in module.named_parameters())
+    return {"weights": whole_weights(trainer.runtime, named)}
+
+
+def refused(strategy, layers: int) -> None:
+    """One step of a layout that cannot work (``layers=0``: a model with no repeated blocks)."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = llama(layers) if layers else nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    model = rt.setup(model)
+    loader = rt.loader(mc.Rows(32), batch_size=8 * rt.data_parallel_size, collate_fn=collate, num_workers=0)
+    rt.forward_backward(model, next(iter(loader)), token_loss, num_items=hc.valid_tokens)

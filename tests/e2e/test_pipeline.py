@@ -1,0 +1,79 @@
+"""Pipeline parallel on CPU processes: a Llama (``transformers``, from a config) cut into stages reaches the
+one-process weights of a hand-written loop under every torch schedule, with data parallel, accumulation,
+clipping and token-averaged losses; its checkpoints resume on other layouts; bad layouts are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lockstep
+from checks import pipeline as pc
+from lockstep.testing import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+TOLERANCE = 1e-5
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _close(results, reference) -> None:
+    for result in results:
+        assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0), \
+            float((result["weights"] - reference).abs().max())
+
+
+def test_every_schedule_on_two_pipeline_ranks_reaches_the_one_process_weights():
+    """pp = 2: the one-stage schedules on 2 stages, the interleaved and V-shaped ones on 4 (2 per rank);
+    clipping over both stages and a token-averaged loss on rows of 2 to 20 tokens."""
+    reference = pc.reference(steps=3, clip=0.5)
+    untrained = pc.flat_named(dict(pc.llama().named_parameters()))
+    for schedule in SCHEDULES:
+        results = run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5)
+        _close(results, reference)
+        assert results[0]["losses"] == results[1]["losses"]  # the step's loss reaches the first stage too
+        assert not torch.allclose(results[0]["weights"], untrained.detach(), atol=1e-3)
+
+
+@pytest.mark.parametrize("strategy, items", [(lockstep.FSDP(pp=2, pp_schedule="1F1B"), True),
+                                             (lockstep.DDP(pp=2, pp_schedule="Interleaved1F1B"), True),
+                                             (lockstep.FSDP(pp=2, pp_schedule="GPipe", pp_microbatches=4), False)])
+def test_pipeline_times_data_parallel_with_accumulation_and_a_short_last_step(strategy, items):
+    """pp2 × dp2 on 4 processes: 39 rows in global batches of 16 accumulated over 2 micro-steps (the last
+    step's 7 rows split 4 + 3 over the data-parallel ranks, the 3 padded to 4 in the pipeline), clipped;
+    token-averaged (num_items) or a plain per-row mean."""
+    reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16, items=items)
+    results = run_ranks(pc.pipeline_weights, 4, strategy, 3, 2, 0.5, 0.5, 39, items, 16)
+    _close(results, reference)
+    assert [r["data"] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]  # pp outermost: ranks 0, 2 are a pipeline
+
+
+def test_the_trainer_on_pipeline_stages_reaches_the_one_process_weights():
+    reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
+    _close(run_ranks(pc.trainer_weights, 2, lockstep.FSDP(pp=2)), reference)
+    _close(run_ranks(pc.trainer_weights, 1, "single"), reference)  # training_step on one process: the same
+
+
+def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_path):
+    """Saved by pp2 × dp2 mid-epoch (each stage's parameters under the whole model's names), resumed on
+    FSDP over 4 processes and on one process: the uninterrupted weights."""
+    folder = str(tmp_path / "step-3")
+    whole = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]["weights"]
+    for strategy, world in (("fsdp", 4), ("single", 1), (lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2)):
+        resumed = run_ranks(pc.resume_and_finish, world, strategy, folder)[0]["weights"]
+        assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), (strategy, float((resumed - whole).abs().max()))
+
+
+@pytest.mark.parametrize("world, strategy, layers, message", [
+    (2, lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
+    (2, lockstep.FSDP(pp=3), 4, r"FSDP\(replicate=1, tp=1, pp=3\) needs a world size divisible by 3"),
+    (2, lockstep.FSDP(pp=2, pp_microbatches=3), 4, "3 pipeline micro-batches do not divide this rank's batch of 8"),
+    (2, lockstep.FSDP(pp=2, pp_schedule="Zigzag"), 4, "unknown pipeline schedule 'Zigzag'"),
+    (4, lockstep.FSDP(pp=2, pp_schedule="ZBVZeroBubble"), 4, "splits each backward into input and weight"),
+    (2, lockstep.FSDP(pp=2, pp_stages=(("model.embed_tokens",), ("lm_head",))), 4,
+     r"leaves \d+ parameter\(s\) in no stage"),
+    (2, lockstep.FSDP(pp=2), 0, "found no repeated blocks"),
+])
+def test_bad_layouts_are_refused_before_any_stage_sends(world, strategy, layers, message):
+    with pytest.raises(RanksFailed, match=message):
+        run_ranks(pc.refused, world, strategy, layers, timeout=120)
