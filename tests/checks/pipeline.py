@@ -129,7 +129,7 @@ def _run(strategy, folder: str | None, resume: bool, steps: int, save_after: int
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     if resume:
         rt.load(folder, state)
-    done = 0
+    done, saved = 0, None
     for _ in range(2):
         for batch in loader:
             rt.forward_backward(model, batch, token_loss, num_items=hc.valid_tokens)
@@ -139,9 +139,10 @@ def _run(strategy, folder: str | None, resume: bool, steps: int, save_after: int
             done += 1
             if save_after is not None and done == save_after:
                 rt.save(folder, state)
+                saved = whole_weights(rt, model)
         if done >= steps:
             break
-    return {"weights": whole_weights(rt, model)}
+    return {"weights": whole_weights(rt, model), "saved": saved}
 
 
 def save_and_finish(strategy, folder: str) -> dict:

@@ -4,11 +4,16 @@ clipping and token-averaged losses; its checkpoints resume on other layouts; bad
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import lockstep
 from checks import pipeline as pc
+from lockstep.runtime.checkpoint.consolidate import model_weights
 from lockstep.testing import RanksFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,10 +63,20 @@ def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_p
     """Saved by pp2 × dp2 mid-epoch (each stage's parameters under the whole model's names), resumed on
     FSDP over 4 processes and on one process: the uninterrupted weights."""
     folder = str(tmp_path / "step-3")
-    whole = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]["weights"]
+    run = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]
+    whole = run["weights"]
     for strategy, world in (("fsdp", 4), ("single", 1), (lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2)):
         resumed = run_ranks(pc.resume_and_finish, world, strategy, folder)[0]["weights"]
         assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), (strategy, float((resumed - whole).abs().max()))
+    assert torch.equal(pc.flat_named(model_weights(Path(folder))), run["saved"])  # both stages' shards joined
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "export", folder, str(out), "--hf"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(out)
+    assert torch.equal(pc.flat_named(dict(exported.named_parameters())).detach(), run["saved"])
 
 
 @pytest.mark.parametrize("world, strategy, layers, message", [
