@@ -69,10 +69,10 @@ def test_ddp_with_tensor_parallel_reaches_the_one_process_weights_and_its_checkp
 
 
 def test_ddp_with_tensor_parallel_that_does_not_fit_or_takes_ddp_only_options_is_refused():
-    with pytest.raises(RanksFailed, match=r"DDP\(tp=4\) needs a whole tensor-parallel degree that divides the world "
+    with pytest.raises(RanksFailed, match=r"DDP\(tp=4, pp=1\) needs whole degrees whose product divides the world "
                                           r"size, but the job has 2 process"):
         run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=4))
-    with pytest.raises(RanksFailed, match=r"DDP\(tp=2\) takes none of find_unused_parameters"):
+    with pytest.raises(RanksFailed, match=r"DDP\(tp=2, pp=1\) takes none of find_unused_parameters"):
         run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=2, find_unused_parameters=True))
 
 
