@@ -92,3 +92,32 @@ def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_p
 def test_bad_layouts_are_refused_before_any_stage_sends(world, strategy, layers, message):
     with pytest.raises(RanksFailed, match=message):
         run_ranks(pc.refused, world, strategy, layers, timeout=120)
+
+
+def _trainer_job(folder, out, strategy: str, devices: int, kill_at: int = -1) -> subprocess.CompletedProcess:
+    command = ([sys.executable, "tests/scripts/pipeline_trainer.py"] if devices == 1 else
+               [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices), "--accelerator", "cpu",
+                "tests/scripts/pipeline_trainer.py"])
+    return subprocess.run([*command, str(folder), str(out), strategy, str(kill_at)], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_trainer_run_killed_mid_epoch_resumes_on_data_parallel_and_on_one_process(tmp_path):
+    """pp2 × dp2, rank 1 SIGKILLed at step 3 (checkpoints every 2 steps): the job ends; resumed from its
+    step-2 checkpoint by FSDP on 4 processes and by one process, each reaches the uninterrupted weights."""
+    uninterrupted = _trainer_job(tmp_path / "plain", tmp_path / "plain.pt", "single", 1)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    reference = torch.load(tmp_path / "plain.pt")
+    killed = _trainer_job(tmp_path / "pp", tmp_path / "killed.pt", "pp2", 4, kill_at=3)
+    assert killed.returncode != 0 and not (tmp_path / "killed.pt").exists()
+    for strategy, devices in (("fsdp", 4), ("single", 1)):
+        folder = tmp_path / f"resumed-{strategy}"
+        subprocess.run(["cp", "-r", str(tmp_path / "pp"), str(folder)], check=True)
+        done = _trainer_job(folder, tmp_path / f"{strategy}.pt", strategy, devices)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "resumed from" in done.stdout + done.stderr and "step=00000002" in done.stdout + done.stderr
+        resumed = torch.load(tmp_path / f"{strategy}.pt")
+        assert resumed["steps"] == reference["steps"] == 8
+        assert torch.allclose(resumed["weights"], reference["weights"], atol=TOLERANCE, rtol=0), \
+            float((resumed["weights"] - reference["weights"]).abs().max())

@@ -336,3 +336,29 @@ def test_the_trainer_answers_an_engines_reclaim_notice_with_one_checkpoint_and_t
     _, resumed = fit(tmp_path / "ray", [])
     assert f"resumed from {tmp_path / 'ray' / noticed[0]}" in capsys.readouterr().out
     assert torch.equal(resumed, uninterrupted)
+
+
+def test_a_checkpoint_whose_optimizer_groups_list_their_parameters_as_before_still_loads(tmp_path, monkeypatch):
+    """Checkpoints store each optimizer hyperparameter per parameter name (pipeline stages each hold other
+    parameters); one written before that, with a list of names per group, loads as it was written."""
+    import json
+
+    import lockstep
+    import lockstep.runtime.checkpoint.parts as parts
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model, optimizer = rt.setup(model := torch.nn.Linear(4, 3), torch.optim.Adam(model.parameters(), lr=0.1))
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    init = parts.ModelState.__init__
+    with monkeypatch.context() as before:
+        before.setattr(parts, "OPTIMIZERS_BY_PARAMETER", "by_group")
+        before.setattr(parts.ModelState, "__init__", lambda self, m, o=(), by_parameter=True: init(self, m, o, False))
+        rt.save(tmp_path / "old", {"model": model, "optimizer": optimizer})
+    assert json.loads((tmp_path / "old" / "lockstep.json").read_text())["optimizer_layout"] == "by_group"
+    fresh, again = rt.setup(new := torch.nn.Linear(4, 3), torch.optim.Adam(new.parameters(), lr=0.5))
+    rt.load(tmp_path / "old", {"model": fresh, "optimizer": again})
+    assert again.param_groups[0]["lr"] == 0.1
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(again.state[again.param_groups[0]["params"][0]][name],
+                           optimizer.state[optimizer.param_groups[0]["params"][0]][name])

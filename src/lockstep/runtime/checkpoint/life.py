@@ -106,14 +106,15 @@ class Checkpoints:
     def save(self, path: Path | str, state: dict[str, Any], blocking: bool, metadata: dict[str, Any] | None,
              on_commit: Callable[[], None] | None) -> float:
         from lockstep.runtime.checkpoint.hf_export import describe
-        from lockstep.runtime.checkpoint.parts import split_state
+        from lockstep.runtime.checkpoint.parts import OPTIMIZERS_BY_PARAMETER, split_state
 
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
             self.ranks.sync_buffers(part.model)
         hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
         info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
-                "optimizers": optimizer_of, **({"hf_models": hf_models} if hf_models else {})}
+                "optimizers": optimizer_of, "optimizer_layout": OPTIMIZERS_BY_PARAMETER,
+                **({"hf_models": hf_models} if hf_models else {})}
         reported = self.wait() if self.record is not None else 0.0  # the record hears of saves in order
         with self.ranks.watchdog.watch("checkpoint save"):
             blocked = self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
@@ -224,10 +225,11 @@ class Checkpoints:
             return self._files().verify(path, metadata)
 
     def load(self, source: Path | str | Checkpoint, state: dict[str, Any], verify: bool) -> dict[str, Any]:
-        from lockstep.runtime.checkpoint.parts import is_stateful, split_state
+        from lockstep.runtime.checkpoint.parts import OPTIMIZERS_BY_PARAMETER, is_stateful, split_state
 
         checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.read(source)
-        sharded, _, optimizer_of = split_state(state)
+        by_parameter = checkpoint.metadata.get("optimizer_layout") == OPTIMIZERS_BY_PARAMETER
+        sharded, _, optimizer_of = split_state(state, by_parameter)
         with self.ranks.watchdog.watch("checkpoint load"):
             objects = self._files().load(checkpoint.path, sharded, checkpoint.metadata, verify_files=verify)
         for name, value in state.items():

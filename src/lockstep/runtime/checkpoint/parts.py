@@ -20,23 +20,33 @@ from lockstep.errors import CheckpointError
 from lockstep.runtime.parallel.wrappers import unwrap
 
 
+OPTIMIZERS_BY_PARAMETER = "by_parameter"  # lockstep.json's "optimizer_layout" since pipeline parallel
+
+
 class ModelState:
     """A model and the optimizers over its parameters, as DCP saves them: keyed by parameter names,
-    so they load into any sharding (FSDP on any number of ranks, DDP, one process)."""
+    so they load into any sharding (FSDP on any number of ranks, DDP, one process, pipeline stages).
 
-    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+    ``by_parameter``: the optimizers' hyperparameters too are stored per parameter name
+    (``flatten_optimizer_state_dict``), not as lists of names per group: on pipeline stages each rank's
+    groups list only its own parameters, and one list per group would keep one rank's. Checkpoints
+    written before (without ``optimizer_layout`` in ``lockstep.json``) load with ``by_parameter=False``."""
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
+                 by_parameter: bool = True) -> None:
         self.model, self.optimizers = unwrap(model), list(optimizers)
+        self.options = StateDictOptions(flatten_optimizer_state_dict=by_parameter)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         if self.optimizers:
-            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers)
+            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state["model"])
         if self.optimizers:
-            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"])
+            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"], options=self.options)
 
 
 def is_stateful(value: Any) -> bool:
@@ -44,9 +54,11 @@ def is_stateful(value: Any) -> bool:
     return hasattr(value, "state_dict") and not isinstance(value, torch.Tensor)
 
 
-def split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
+def split_state(state: dict[str, Any], by_parameter: bool = True,
+                ) -> tuple[dict[str, ModelState], dict[str, Any], dict[str, str]]:
     """A dict given to ``rt.save``/``rt.load`` as: each model with the optimizers over its parameters
-    (sharded parts), the other values' states (rank 0's), and which model each optimizer belongs to."""
+    (sharded parts; ``by_parameter``: see ``ModelState``), the other values' states (rank 0's), and which
+    model each optimizer belongs to."""
     models = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
     owners = {name: {id(p) for p in unwrap(model).parameters()} for name, model in models.items()}
     optimizer_of: dict[str, str] = {}
@@ -60,8 +72,8 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, ModelState], dict[str,
                     "together with its model (e.g. {'model': model, 'optimizer': optimizer})."
                 )
             optimizer_of[name] = owner
-    sharded = {name: ModelState(model, [state[o] for o in sorted(optimizer_of) if optimizer_of[o] == name])
-               for name, model in models.items()}
+    sharded = {name: ModelState(model, [state[o] for o in sorted(optimizer_of) if optimizer_of[o] == name],
+                                by_parameter) for name, model in models.items()}
     objects = {name: value.state_dict() if is_stateful(value) else value
                for name, value in state.items() if name not in models and name not in optimizer_of}
     return sharded, objects, optimizer_of
