@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
 from lockstep.errors import CheckpointError
 from lockstep.runtime.parallel.wrappers import unwrap
 
-
 OPTIMIZERS_BY_PARAMETER = "by_parameter"  # lockstep.json's "optimizer_layout" since pipeline parallel
 
 
