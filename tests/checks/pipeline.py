@@ -194,3 +194,22 @@ def refused(strategy, layers: int) -> None:
     model = rt.setup(model)
     loader = rt.loader(mc.Rows(32), batch_size=8 * rt.data_parallel_size, collate_fn=collate, num_workers=0)
     rt.forward_backward(model, next(iter(loader)), token_loss, num_items=hc.valid_tokens)
+
+
+def gathered_logits(strategy) -> dict:
+    """Evaluation over 13 rows (uneven over the data-parallel ranks: zero-row padding batches), the first
+    position's logits gathered in dataset order."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    model = rt.setup(llama())
+    outputs, indices = [], []
+    with torch.no_grad():
+        for batch in rt.eval_loader(mc.Rows(13), batch_size=4, collate_fn=collate, num_workers=0):
+            outputs.append(model(batch["input_ids"])[:, 0])
+            indices.append(batch["index"])
+    return {"logits": rt.gather(outputs), "indices": rt.gather(indices)}
+
+
+def reference_logits() -> torch.Tensor:
+    model, rows = llama(), mc.Rows(13)
+    with torch.no_grad():
+        return torch.cat([model(input_ids=collate([rows[i]])["input_ids"]).logits[:, 0] for i in range(13)])

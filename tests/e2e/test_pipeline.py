@@ -79,6 +79,28 @@ def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_p
     assert torch.equal(pc.flat_named(dict(exported.named_parameters())).detach(), run["saved"])
 
 
+@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 4),
+                                             (lockstep.FSDP(pp=2, pp_schedule="DualPipeV"), 2)])
+def test_evaluation_on_pipeline_stages_gathers_each_row_once_in_dataset_order(strategy, world):
+    """model(inputs) under torch.no_grad runs every stage in turn; every rank gets the output, rt.gather keeps
+    one copy per data-parallel rank: 13 rows (zero-row padding batches on pp2 x dp2), one process's logits."""
+    reference = pc.reference_logits()
+    for result in run_ranks(pc.gathered_logits, world, strategy):
+        assert result["indices"].tolist() == list(range(13))
+        assert torch.allclose(result["logits"], reference, atol=1e-5, rtol=0)
+
+
+def test_pipeline_times_tensor_parallel_reaches_the_one_process_weights_and_resumes_a_pp_dp_checkpoint(tmp_path):
+    """pp2 x tp2 on 4 processes (the model's own tensor-parallel plan inside each stage): the one-process
+    weights; a pp2 x dp2 checkpoint resumes on it to the uninterrupted weights."""
+    reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
+    _close(run_ranks(pc.pipeline_weights, 4, lockstep.FSDP(pp=2, tp=2), 3, 2, 0.5, 0.5, 39, True, 16), reference)
+    folder = str(tmp_path / "step-3")
+    whole = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]["weights"]
+    resumed = run_ranks(pc.resume_and_finish, 4, lockstep.FSDP(pp=2, tp=2), folder)[0]["weights"]
+    assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), float((resumed - whole).abs().max())
+
+
 @pytest.mark.parametrize("world, strategy, layers, message", [
     (2, lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
     (2, lockstep.FSDP(pp=3), 4, r"FSDP\(replicate=1, tp=1, pp=3\) needs a world size divisible by 3"),

@@ -352,9 +352,6 @@ class Runtime:
         """``setup`` under pipeline parallel: the model cut into stages, this rank's kept (by the names they
         have in the whole model), each sharded or replicated over the data-parallel ranks of its stage."""
         assert isinstance(self.strategy, FSDP)
-        if self.mesh.tp > 1:
-            raise ConfigError("pipeline parallel with tensor parallel (pp and tp both above 1) is not built yet: "
-                              "use pp with data parallel (DDP or FSDP), or tp without pp.")
         if getattr(self.precision, "scaler", None) is not None:
             raise ConfigError(f"precision {self.precision.name!r} scales the loss with a GradScaler, which pipeline "
                               "stages do not take yet: use bf16-mixed, bf16-true or 32-true with pp.")
@@ -377,6 +374,10 @@ class Runtime:
         checkpoint_activations(module, activation_checkpointing)
         self.compile(module, compile)
         views = stage_views(module, stages, mine)
+        if self.mesh.tp > 1:  # tensor parallel inside each stage: the plan's modules that the stage holds
+            plan = plan_of(module, self.strategy.tp_plan, self.strategy.name.upper())
+            for view in views:
+                apply_plan(view, self.mesh.tp_mesh(), plan, stage=True)
         if not unsharded:  # each stage sharded (or replicated) over its data-parallel ranks
             for view in views:
                 self.strategy.wrap(view, self.placement, self.precision, self.mesh)
@@ -388,7 +389,8 @@ class Runtime:
             self._optimizer_step.attach(optimizer)
         pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
                             self.all_gather)
-        wrapped = PipelinedModule(pipeline, module, self.precision)
+        stand_in = (lambda: self._current.stand_in) if self.shards_model else None
+        wrapped = PipelinedModule(pipeline, module, self.precision, stand_in, self._watchdog)
         self._wrapped.append(weakref.ref(module))
         return (wrapped, *optimizers) if optimizers else wrapped
 
@@ -596,7 +598,8 @@ class Runtime:
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader or self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
-        replica = self.rank % self.tensor_parallel_size != 0  # a tensor-parallel peer of the one that keeps them
+        # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
+        replica = self.rank % self.tensor_parallel_size != 0 or self.mesh.layout.pipeline_rank(self.rank) != 0
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices, replica=replica)
 

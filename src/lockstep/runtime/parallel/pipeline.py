@@ -37,6 +37,9 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE + LOOPED + V_SHAPED
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
 def splits_backward(schedule: str) -> bool:
     """Whether the schedule computes input and weight gradients apart (the zero-bubble family)."""
     return schedule in ("InterleavedZeroBubble", *V_SHAPED)
@@ -263,15 +266,27 @@ def check_settings(pp: int, schedule: str, microbatches: int | None, stages: Any
 
 class PipelinedModule(WrappedModule):
     """What ``rt.setup`` returns under pipeline parallel: this rank's stages of the model (``state_dict``
-    and checkpoints by the whole model's names), run only through ``rt.forward_backward``."""
+    and checkpoints by the whole model's names). Training steps run through ``rt.forward_backward``;
+    called with gradients off (evaluation, ``predict``), it runs its input through every stage, one
+    after another, and every rank of the pipeline gets the last stage's output."""
 
-    def __init__(self, pipeline: Pipeline, module: nn.Module, precision: Precision) -> None:
-        super().__init__(module, module, module, precision)
+    def __init__(self, pipeline: Pipeline, module: nn.Module, precision: Precision,
+                 stand_in: Callable[[], dict[int, torch.Tensor]] | None = None, watchdog: Any = None) -> None:
+        super().__init__(module, module, module, precision, stand_in, watchdog)
         self.__dict__["pipeline"] = pipeline
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise UsageError("a model split into pipeline stages holds only some of its layers on each rank: run a "
-                         "training step with rt.forward_backward(model, batch, loss_fn), not model(...).")
+        if torch.is_grad_enabled():
+            raise UsageError("a model split into pipeline stages holds only some of its layers on each rank: run a "
+                             "training step with rt.forward_backward(model, batch, loss_fn), not model(...) (which "
+                             "runs under torch.no_grad(), for evaluation).")
+        return super().forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise UsageError("a model on pipeline stages is called with one tensor, its first stage's input (e.g. "
+                             "model(batch['input_ids'])); the later stages receive what the one before returns.")
+        return self.__dict__["pipeline"].forward(args[0])
 
     def norm_across_stages(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The gradient norm of the whole model from this rank's (``rt.clip_grad_norm_``)."""
@@ -376,6 +391,61 @@ class Pipeline:
         source = next(r for r in range(dist.get_world_size(self.group)) if last in stages_of_rank(
             r, dist.get_world_size(self.group), self.schedule_name))
         dist.broadcast(value, src=dist.get_global_rank(self.group, source), group=self.group)
+        return value
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output on ``inputs`` (gradients off), every stage in turn, on every rank of the pipeline."""
+        import torch.distributed as dist
+
+        size, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        holder = {stage: r for r in range(size) for stage in stages_of_rank(r, size, self.schedule_name)}
+        views = dict(zip(self.mine, self.views, strict=True))
+        value: torch.Tensor | None = inputs
+        for stage in range(self.num_stages):
+            if holder[stage] != me:
+                continue
+            if stage and holder[stage - 1] != me:
+                value = self._exchange(None, holder[stage - 1], me)
+            value = views[stage](value)
+            if not isinstance(value, torch.Tensor):
+                raise UsageError(f"pipeline stage {stage} returned a {type(value).__name__}: a stage hands on one "
+                                 "tensor (a Hugging Face model's logits are taken from its output).")
+            if stage + 1 < self.num_stages and holder[stage + 1] != me:
+                self._exchange(value, me, holder[stage + 1])
+        last = holder[self.num_stages - 1]
+        return self._exchange(value if me == last else None, last, None)
+
+    def _exchange(self, value: torch.Tensor | None, source: int, target: int | None) -> torch.Tensor:
+        """``value`` from pipeline rank ``source`` to ``target`` (None: to every rank), shape and dtype first."""
+        import torch.distributed as dist
+
+        me = dist.get_rank(self.group)
+        header = torch.zeros(10, dtype=torch.int64, device=self.device)
+        if me == source:
+            assert value is not None
+            if value.dim() > 8 or value.dtype not in _DTYPES:
+                raise UsageError(f"a pipeline stage's output of shape {tuple(value.shape)} and dtype {value.dtype} "
+                                 "cannot be passed on: at most 8 dimensions, a float, integer or bool dtype.")
+            header[0], header[1] = value.dim(), _DTYPES.index(value.dtype)
+            header[2:2 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
+        source_rank = dist.get_global_rank(self.group, source)
+        if target is None:
+            dist.broadcast(header, src=source_rank, group=self.group)
+        elif me == source:
+            dist.send(header, dist.get_global_rank(self.group, target), group=self.group)
+        else:
+            dist.recv(header, source_rank, group=self.group)
+        if me != source:
+            dims = int(header[0])
+            value = torch.empty([int(d) for d in header[2:2 + dims]], dtype=_DTYPES[int(header[1])], device=self.device)
+        assert value is not None
+        value = value.contiguous()
+        if target is None:
+            dist.broadcast(value, src=source_rank, group=self.group)
+        elif me == source:
+            dist.send(value, dist.get_global_rank(self.group, target), group=self.group)
+        else:
+            dist.recv(value, source_rank, group=self.group)
         return value
 
     def norm_across(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:

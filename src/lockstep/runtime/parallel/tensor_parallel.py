@@ -60,18 +60,20 @@ def plan_of(module: nn.Module, plan: Plan | None, owner: str = "FSDP") -> Plan:
         "function parallelize(model, tp_mesh).")
 
 
-def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan) -> None:
-    """Split ``module``'s weights over ``tp_mesh`` as ``plan`` says, after checking that it fits."""
+def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False) -> None:
+    """Split ``module``'s weights over ``tp_mesh`` as ``plan`` says, after checking that it fits. ``stage``:
+    ``module`` is a pipeline stage, whose other stages' modules hold no parameters and are left alone."""
     if callable(plan) and not isinstance(plan, Mapping):
         plan(module, tp_mesh)
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(module, tp_mesh, resolve_plan(module, plan, tp_mesh.size()))
+    parallelize_module(module, tp_mesh, resolve_plan(module, plan, tp_mesh.size(), stage))
 
 
-def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Any]:
-    """Module name → style object for every module a pattern matches; refuses a plan that does not fit."""
+def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int, stage: bool = False) -> dict[str, Any]:
+    """Module name → style object for every module a pattern matches; refuses a plan that does not fit.
+    ``stage``: modules without parameters (another pipeline stage's) are not split."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     named = dict(module.named_modules())
@@ -90,6 +92,8 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[st
             raise ConfigError(f"tensor-parallel plan: {pattern!r} matches no module of {type(module).__name__} "
                               f"(its modules include {_some_names(named)}).")
         for name in names:
+            if stage and not any(True for _ in named[name].parameters()):
+                continue
             if name in matched_by:
                 raise ConfigError(f"tensor-parallel plan: module {name!r} is matched by both {matched_by[name]!r} "
                                   f"and {pattern!r}; give each module one style.")
