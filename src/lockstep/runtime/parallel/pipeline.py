@@ -428,25 +428,26 @@ class Pipeline:
                                  "cannot be passed on: at most 8 dimensions, a float, integer or bool dtype.")
             header[0], header[1] = value.dim(), _DTYPES.index(value.dtype)
             header[2:2 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-        source_rank = dist.get_global_rank(self.group, source)
-        if target is None:
-            dist.broadcast(header, src=source_rank, group=self.group)
-        elif me == source:
-            dist.send(header, dist.get_global_rank(self.group, target), group=self.group)
-        else:
-            dist.recv(header, source_rank, group=self.group)
+        self._move(header, source, target)
         if me != source:
             dims = int(header[0])
             value = torch.empty([int(d) for d in header[2:2 + dims]], dtype=_DTYPES[int(header[1])], device=self.device)
         assert value is not None
         value = value.contiguous()
-        if target is None:
-            dist.broadcast(value, src=source_rank, group=self.group)
-        elif me == source:
-            dist.send(value, dist.get_global_rank(self.group, target), group=self.group)
-        else:
-            dist.recv(value, source_rank, group=self.group)
+        self._move(value, source, target)
         return value
+
+    def _move(self, tensor: torch.Tensor, source: int, target: int | None) -> None:
+        """``tensor`` (filled in place on the receivers) from pipeline rank ``source`` to ``target`` or to all."""
+        import torch.distributed as dist
+
+        source_rank = dist.get_global_rank(self.group, source)
+        if target is None:
+            dist.broadcast(tensor, src=source_rank, group=self.group)
+        elif dist.get_rank(self.group) == source:
+            dist.send(tensor, dist.get_global_rank(self.group, target), group=self.group)
+        else:
+            dist.recv(tensor, source_rank, group=self.group)
 
     def norm_across(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
         import torch.distributed as dist
