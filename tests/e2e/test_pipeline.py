@@ -143,3 +143,18 @@ def test_a_pipeline_trainer_run_killed_mid_epoch_resumes_on_data_parallel_and_on
         assert resumed["steps"] == reference["steps"] == 8
         assert torch.allclose(resumed["weights"], reference["weights"], atol=TOLERANCE, rtol=0), \
             float((resumed["weights"] - reference["weights"]).abs().max())
+
+
+def test_lockstep_verify_checks_a_pipeline_run_and_names_where_it_diverges():
+    """On one process the script runs unsplit; on 2, pp2 with interleaved stages: 3 steps agree. A loss
+    scaled by the rank that computes it (the last stage's) is named at step 1 with a parameter."""
+    def verify(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "verify", "tests/scripts/pipeline_verify.py",
+                               "--devices", "2", "--accelerator", "cpu", "--steps", "3", mode],
+                              cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=240)
+
+    done = verify("ok")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the run on 2 processes computes what one process computes: 3 steps agree" in done.stdout
+    planted = verify("bug")
+    assert planted.returncode == 1 and "DIVERGES at step 1" in planted.stderr, planted.stdout + planted.stderr

@@ -207,8 +207,9 @@ class Runtime:
         verifying = verify_from_environ()
         if verifying is None:
             return None
+        holders = self.world_size // self.mesh.pp if self.mesh.pp > 1 else 0  # each stage's parameters: its ranks'
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
-                            self.full_state_dict, self.barrier)
+                            self.full_state_dict, self.barrier, holders)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
@@ -385,6 +386,8 @@ class Runtime:
             for view in views:
                 self.strategy.materialize(view, self.placement, self.seed, self.mesh)
         repoint_optimizers(before, module, optimizers, elsewhere=True)
+        if self._recorder is not None:
+            self._recorder.watch(module, optimizers)
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)
         pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
@@ -431,7 +434,11 @@ class Runtime:
             total = torch.stack(counts).sum().clamp(min=1.0)
             shares = [(items / total).float() for items in counts]
         with self._watchdog.step("pipeline step"):  # the stages' sends and receives, FSDP's collectives
-            return pipeline.run(batch, first, loss_fn, factors, shares, count)
+            loss = pipeline.run(batch, first, loss_fn, factors, shares, count)
+        if self._recorder is not None:  # the step's loss, standing for this rank's samples or items
+            weight = self._current.loss_weight if num_items is None else torch.stack(counts).sum()
+            self._recorder.backward(loss, weight)
+        return loss
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
         """Compile ``model`` in place as ``setup(compile=...)`` does, and return it: its repeated blocks
@@ -616,7 +623,25 @@ class Runtime:
 
         self.sync_buffers(module)
         with self._watchdog.watch("full_state_dict"):
-            return full_state_dict(module, rank0_only)
+            if self.mesh.pp == 1:
+                return full_state_dict(module, rank0_only)
+            return self._stages_joined(full_state_dict(module, False), rank0_only)
+
+    def _stages_joined(self, stage: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
+        """The whole model's state from each pipeline stage's (sent by one rank of each stage)."""
+        import torch.distributed as dist
+
+        first = self.data_parallel_rank == 0 and self.rank % self.tensor_parallel_size == 0
+        mine = stage if first else {}
+        parts: list[Any] = [None] * self.world_size
+        if rank0_only:
+            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+        else:
+            dist.all_gather_object(parts, mine)
+        whole: dict[str, torch.Tensor] = {}
+        for part in parts if (self.rank == 0 or not rank0_only) else ():
+            whole.update(part)
+        return whole
 
     def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
         """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
@@ -628,7 +653,13 @@ class Runtime:
         evaluation, prediction and checkpoints) call it for you. Every rank must call it.
         """
         buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
-        if buffers and self.world_size > 1:
+        if self.world_size == 1:
+            return
+        if self.mesh.pp > 1:  # each stage's own buffers: from its first rank, to the ranks that hold it
+            with self._watchdog.watch("sync_buffers"):
+                first = self.mesh.layout.pipeline_rank(self.rank) * (self.world_size // self.mesh.pp)
+                collectives.broadcast_in_place(buffers, first, self.mesh.stage_group())
+        elif buffers:
             with self._watchdog.watch("sync_buffers"):
                 collectives.broadcast_in_place(buffers, src)
 

@@ -30,8 +30,10 @@ class StepRecorder:
     """Losses, gradient norms and weights of the first ``steps`` optimizer steps (see the module text)."""
 
     def __init__(self, folder: Path, steps: int, rank: int, all_reduce_sum: Callable[[torch.Tensor], Any],
-                 full_state_dict: Callable[[nn.Module], dict[str, torch.Tensor]], barrier: Callable[[], None]) -> None:
+                 full_state_dict: Callable[[nn.Module], dict[str, torch.Tensor]], barrier: Callable[[], None],
+                 holders: int = 0) -> None:
         self.folder, self.steps, self.rank = folder, steps, rank
+        self.holders = holders  # pipeline stages: how many ranks hold each parameter (0: every rank all)
         self._all_reduce_sum, self._full_state_dict, self._barrier = all_reduce_sum, full_state_dict, barrier
         self.models: list[nn.Module] = []
         self.optimizers: list[str] = []
@@ -58,6 +60,8 @@ class StepRecorder:
                 if param.grad is not None:
                     grad = full_tensor(param.grad)
                     squares += grad.detach().double().pow(2).sum().cpu()
+        if self.holders:  # each rank holds its stage's parameters: the sum over every rank, each counted once
+            squares = self._all_reduce_sum(squares) / self.holders
         self._grad_norm = float(squares.sqrt())
 
     def after_step(self) -> None:

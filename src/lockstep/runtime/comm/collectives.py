@@ -79,19 +79,20 @@ def broadcast(data: Any, src: int, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), box[0])
 
 
-def broadcast_in_place(tensors: list[torch.Tensor], src: int) -> None:
-    """Rank ``src``'s values into ``tensors`` on every rank, one broadcast per dtype and device
-    (the ranks must hold tensors of the same shapes, in the same order: a module's buffers)."""
+def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None) -> None:
+    """Rank ``src``'s values into ``tensors`` on every rank (of ``group``; ``src`` a global rank), one
+    broadcast per dtype and device (the ranks must hold tensors of the same shapes, in the same order: a
+    module's buffers)."""
     if not active():
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for group in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, src=src)
+    for same in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
         with torch.no_grad():
-            for tensor, values in zip(group, flat.split([t.numel() for t in group]), strict=True):
+            for tensor, values in zip(same, flat.split([t.numel() for t in same]), strict=True):
                 tensor.copy_(values.view_as(tensor))
 
 

@@ -83,6 +83,7 @@ class Mesh:
         self.layout, self.device_type = layout, device_type
         self.membership = Membership(layout.data_parallel_rank(rank), layout.data_parallel_size)
         self._built: Any = None
+        self._stage_group: Any = None
 
     @property
     def tp(self) -> int:
@@ -105,6 +106,17 @@ class Mesh:
                            init_device_mesh(self.device_type, (layout.pp, layout.replicate, layout.shard, layout.tp),
                                             mesh_dim_names=DIMENSIONS))
         return self._built
+
+    def stage_group(self) -> Any:
+        """The process group of the ranks that hold this rank's pipeline stages (its data-parallel and
+        tensor-parallel peers), made at the first call, which every rank must make."""
+        if self._stage_group is None:
+            import torch.distributed as dist
+
+            size = self.layout.world_size // self.layout.pp
+            self._stage_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(p * size, (p + 1) * size)) for p in range(self.layout.pp)])
+        return self._stage_group
 
     def pp_group(self) -> Any:
         """The process group of this rank's pipeline: the ``pp`` ranks that hold the stages of its copy."""
