@@ -36,6 +36,18 @@ def collate(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def gpt2(seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    return GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
 def token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The mean cross-entropy over the valid next tokens of these rows."""
     targets = batch["labels"][:, 1:]
@@ -52,9 +64,9 @@ def row_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def reference(steps: int = 4, batch_size: int = 8, clip: float | None = None, lr: float = 0.5, rows: int = 40,
-              items: bool = True) -> torch.Tensor:
+              items: bool = True, kind: str = "llama") -> torch.Tensor:
     """A hand-written one-process loop: SGD on the mean over the global batch's valid tokens (or rows)."""
-    model = llama()
+    model = MODELS[kind]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     data = hc.sequences(rows)
     for step in range(steps):
@@ -65,15 +77,15 @@ def reference(steps: int = 4, batch_size: int = 8, clip: float | None = None, lr
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    return flat_named({n: p.detach() for n, p in model.named_parameters()})
+    return flat_named({n: p.detach() for n, p in model.named_parameters()}, kind)
 
 
-def flat_named(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+def flat_named(weights: dict[str, torch.Tensor], kind: str = "llama") -> torch.Tensor:
     """The whole model's weights in one vector, in the order of a fresh model's parameters."""
-    return torch.cat([weights[name].float().reshape(-1) for name, _ in llama().named_parameters()])
+    return torch.cat([weights[name].float().reshape(-1) for name, _ in MODELS[kind]().named_parameters()])
 
 
-def whole_weights(rt, named) -> torch.Tensor:
+def whole_weights(rt, named, kind: str = "llama") -> torch.Tensor:
     """Every rank's stage weights (shards gathered; ``named``: a model, or its named parameters), put
     together into the whole model's vector."""
     mine = {}
@@ -89,14 +101,14 @@ def whole_weights(rt, named) -> torch.Tensor:
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
-    return flat_named(merged)
+    return flat_named(merged, kind)
 
 
 def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float | None = None, lr: float = 0.5,
-                     rows: int = 40, items: bool = True, batch_size: int = 8) -> dict:
+                     rows: int = 40, items: bool = True, batch_size: int = 8, kind: str = "llama") -> dict:
     """The same run through ``rt.forward_backward`` on ``strategy``."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
-    model = llama()
+    model = MODELS[kind]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(mc.Rows(rows), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
@@ -114,7 +126,7 @@ def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float 
             optimizer.zero_grad()
         if i + 1 == steps * accumulate:
             break
-    return {"weights": whole_weights(rt, model), "losses": losses, "pp": rt.pipeline_parallel_size,
+    return {"weights": whole_weights(rt, model, kind), "losses": losses, "pp": rt.pipeline_parallel_size,
             "data": (rt.data_parallel_rank, rt.data_parallel_size)}
 
 

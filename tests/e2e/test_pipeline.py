@@ -40,6 +40,15 @@ def test_every_schedule_on_two_pipeline_ranks_reaches_the_one_process_weights():
         assert not torch.allclose(results[0]["weights"], untrained.detach(), atol=1e-3)
 
 
+def test_a_gpt2_splits_into_stages_without_stage_code():
+    """GPT-2 adds position embeddings to what its transformer receives: its later stages take the hidden
+    state as inputs_embeds, and the skipped position embedding adds zeros. Untied embeddings."""
+    reference = pc.reference(steps=3, clip=0.5, kind="gpt2")
+    for schedule in ("1F1B", "DualPipeV"):
+        _close(run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5, 0.5, 40,
+                         True, 8, "gpt2"), reference)
+
+
 @pytest.mark.parametrize("strategy, items", [(lockstep.FSDP(pp=2, pp_schedule="1F1B"), True),
                                              (lockstep.DDP(pp=2, pp_schedule="Interleaved1F1B"), True),
                                              (lockstep.FSDP(pp=2, pp_schedule="GPipe", pp_microbatches=4), False)])

@@ -17,6 +17,7 @@ last computes the loss of each micro-batch from its rows.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +69,21 @@ def stages_of_rank(pp_rank: int, pp: int, schedule: str) -> list[int]:
 
 class Skipped(nn.Module):
     """Stands in for a module that another stage holds: hands its first input on unchanged, so the model's
-    own forward runs from the stage's first module to its last."""
+    own forward runs from the stage's first module to its last. In place of an embedding that a later stage's
+    forward still calls with token or position ids (GPT-2 adds position embeddings to what it receives),
+    it gives zeros of the embedding's width: nothing added twice."""
+
+    def __init__(self, width: int | None = None) -> None:
+        super().__init__()
+        self.width = width  # an embedding's: ids in, zeros of this width out
+        if width is not None:  # its dtype follows the model's (bf16-true converts it too); never saved
+            self.register_buffer("dtype_of_zeros", torch.empty(0), persistent=False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
+        first = args[0] if args else next(iter(kwargs.values()))
+        if self.width is not None and isinstance(first, torch.Tensor) and not first.is_floating_point():
+            return torch.zeros(*first.shape, self.width, device=first.device, dtype=self.dtype_of_zeros.dtype)
+        return first
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -128,6 +140,8 @@ def _outside_blocks(module: nn.Module, prefix: str, blocks: str, before: list[st
             _outside_blocks(child, full + ".", blocks, before, after)
         elif _has_parameters(child):
             (after if after else before).append(full)
+        elif not after:  # without parameters, before the blocks (GPT-2's embedding dropout): the first stage's
+            before.append(full)
     if not prefix:
         after[:] = [name for name in after if name]
 
@@ -183,7 +197,8 @@ def keep_stages(model: nn.Module, stages: list[list[str]], mine: list[int]) -> N
     for index, names in enumerate(stages):
         if index not in mine:
             for name in names:
-                _replace(model, name, Skipped())
+                module = model.get_submodule(name)
+                _replace(model, name, Skipped(module.embedding_dim if isinstance(module, nn.Embedding) else None))
     for module in model.modules():  # a Hugging Face model, also inside a lockstep.Module: no key/value cache
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
@@ -201,7 +216,8 @@ def stage_views(model: nn.Module, stages: list[list[str]], mine: list[int]) -> l
         for other in mine:
             for name in stages[other]:
                 module = model.get_submodule(name)
-                memo[id(module)] = module if other == index else Skipped()
+                memo[id(module)] = module if other == index else Skipped(
+                    module.embedding_dim if isinstance(module, nn.Embedding) else None)
         views.append(copy.deepcopy(model, memo))
     return views
 
@@ -211,6 +227,14 @@ def model_output(output: Any) -> Any:
     output itself."""
     logits = getattr(output, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else output
+
+
+def _as_embeddings(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A later stage of a Hugging Face model: what it receives is the hidden state, given as
+    ``inputs_embeds`` (the model then computes positions from its shape and skips the token embedding)."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        return (), {"inputs_embeds": args[0]}
+    return None
 
 
 def _sent(output: Any) -> Any:
@@ -307,8 +331,10 @@ class Pipeline:
         self._schedule: Any = None
         self._step: Step | None = None
         self._first_step = True  # the schedule's first step also infers the shapes of the gradients
-        for view in views:
+        for view, index in zip(views, mine, strict=True):
             view.register_forward_hook(lambda _module, _args, output: _sent(model_output(output)))
+            if index and "inputs_embeds" in inspect.signature(view.forward).parameters:
+                view.register_forward_pre_hook(_as_embeddings, with_kwargs=True)
 
     @property
     def holds_last(self) -> bool:
