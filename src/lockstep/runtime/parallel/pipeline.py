@@ -82,7 +82,8 @@ class Skipped(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
         if self.width is not None and isinstance(first, torch.Tensor) and not first.is_floating_point():
-            return torch.zeros(*first.shape, self.width, device=first.device, dtype=self.dtype_of_zeros.dtype)
+            probe: torch.Tensor = self.get_buffer("dtype_of_zeros")
+            return torch.zeros(*first.shape, self.width, device=first.device, dtype=probe.dtype)
         return first
 
 
