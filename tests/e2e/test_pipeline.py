@@ -62,6 +62,19 @@ def test_pipeline_times_data_parallel_with_accumulation_and_a_short_last_step(st
     assert [r["data"] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]  # pp outermost: ranks 0, 2 are a pipeline
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_every_schedule_on_pipeline_times_data_or_tensor_parallel_reaches_the_one_process_weights(layout):
+    """Every schedule on 4 processes: pp2 x dp2 (DDP: the zero-bubble schedules' stages replicated and their
+    gradients averaged by lockstep) and pp2 x tp2 (FSDP), with accumulation, clipping, num_items, a short
+    last step."""
+    reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
+    for schedule in SCHEDULES:
+        strategy = (lockstep.DDP(pp=2, pp_schedule=schedule) if layout == "dp" else
+                    lockstep.FSDP(pp=2, tp=2, pp_schedule=schedule))
+        _close(run_ranks(pc.pipeline_weights, 4, strategy, 3, 2, 0.5, 0.5, 39, True, 16), reference)
+
+
 def test_the_trainer_on_pipeline_stages_reaches_the_one_process_weights():
     reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
     _close(run_ranks(pc.trainer_weights, 2, lockstep.FSDP(pp=2)), reference)

@@ -357,14 +357,21 @@ class Runtime:
             raise ConfigError(f"precision {self.precision.name!r} scales the loss with a GradScaler, which pipeline "
                               "stages do not take yet: use bf16-mixed, bf16-true or 32-true with pp.")
         schedule, microbatches = self.strategy.pipeline_settings()
-        alone = self.mesh.layout.data_parallel_size == 1 and self.precision.fsdp_policy() is None
-        unsharded = alone or splits_backward(schedule)  # FSDP over one rank tripled a CPU step (pipeline_bubble.py)
-        if unsharded and not alone:
+        data_parallel = self.mesh.layout.data_parallel_size > 1
+        # Stages outside FSDP: without data parallel (FSDP over one rank tripled a CPU step, pipeline_bubble.py),
+        # and for the zero-bubble schedules, whose weight gradients miss FSDP's sharded parameters (DDP(pp=...)
+        # then averages each step's gradients over the stage's data-parallel ranks itself).
+        unsharded = not data_parallel or splits_backward(schedule)
+        if unsharded and self.precision.fsdp_policy() is not None and (data_parallel or splits_backward(schedule)):
+            raise ConfigError(f"pipeline schedule {schedule} with precision {self.precision.name!r}: its stages run "
+                              "outside FSDP, whose policy makes the mixed precision; use bf16-true or 32-true, or "
+                              "1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
+        if unsharded and data_parallel and self.strategy.name != "ddp":
             raise ConfigError(
                 f"pipeline schedule {schedule} splits each backward into input and weight gradients, and on torch's "
                 "FSDP the weight gradients do not reach the sharded parameters (measured: weights 2e-2 away from one "
-                "process): use it with no data parallel (world size = pp) and 32-true or bf16-true precision, or "
-                "take 1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
+                f"process): use lockstep.DDP(pp={self.mesh.pp}, pp_schedule={schedule!r}) (stages replicated over "
+                "data parallel), or 1F1B, GPipe, Interleaved1F1B or LoopedBFS with FSDP.")
         num_stages = self.mesh.pp * stages_per_rank(schedule)
         given = self.strategy.pp_stages
         stages = check_stages(model, given) if given is not None else split_model(model, num_stages)
@@ -391,7 +398,8 @@ class Runtime:
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)
         pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
-                            self.all_gather)
+                            self.all_gather,  # DDP(pp): the data-parallel ranks are the "replicate" dimension
+                            self.mesh.device_mesh()["replicate"].get_group() if unsharded and data_parallel else None)
         stand_in = (lambda: self._current.stand_in) if self.shards_model else None
         wrapped = PipelinedModule(pipeline, module, self.precision, stand_in, self._watchdog)
         self._wrapped.append(weakref.ref(module))

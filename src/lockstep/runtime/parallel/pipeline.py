@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
+from lockstep.runtime._torch_compat import to_local
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.parallel.wrappers import WrappedModule
 from lockstep.runtime.tree import map_tensors
@@ -324,8 +325,10 @@ class Pipeline:
     every step of every rank runs micro-batches of one shape: the first step's, agreed by all ranks."""
 
     def __init__(self, views: list[nn.Module], mine: list[int], num_stages: int, schedule: str, microbatches: int,
-                 device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]]) -> None:
+                 device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]],
+                 averaged_over: Any = None) -> None:
         self.views, self.mine, self.num_stages = views, mine, num_stages
+        self.averaged_over = averaged_over  # stages replicated outside FSDP: their data-parallel group
         self.schedule_name, self.microbatches, self.device, self.group = schedule, microbatches, device, group
         self._all_gather = all_gather
         self.shape: tuple[int, ...] | None = None  # the inputs of every step: the first step's, on every rank
@@ -405,9 +408,27 @@ class Pipeline:
                 self._schedule.step(inputs, target=target if self.holds_last else None)
             else:
                 self._schedule.step(target=target if self.holds_last else None)
+            if self.averaged_over is not None:
+                self._average_gradients()
             return self._on_every_stage(self._step.total)
         finally:
             self._step = None
+
+    def _average_gradients(self) -> None:
+        """The mean of each gradient over the stage's data-parallel ranks, as DDP's all-reduce gives it (after
+        every step: the mean of the earlier steps' sum, already equal on every rank, is itself)."""
+        import torch.distributed as dist
+
+        grads = [to_local(p.grad) for view in self.views for p in view.parameters() if p.grad is not None]
+        unique = list({id(g): g for g in grads}.values())
+        if not unique:
+            return
+        flat = torch.cat([g.reshape(-1) for g in unique])
+        dist.all_reduce(flat, group=self.averaged_over)
+        flat /= dist.get_world_size(self.averaged_over)
+        with torch.no_grad():
+            for grad, values in zip(unique, flat.split([g.numel() for g in unique]), strict=True):
+                grad.copy_(values.view_as(grad))
 
     def _on_every_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The step's loss, from the rank of the last stage to every rank of the pipeline."""
