@@ -77,7 +77,8 @@ def test_every_schedule_on_pipeline_times_data_or_tensor_parallel_reaches_the_on
 
 def test_the_trainer_on_pipeline_stages_reaches_the_one_process_weights():
     reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
-    _close(run_ranks(pc.trainer_weights, 2, lockstep.FSDP(pp=2)), reference)
+    for strategy, world in ((lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2), 4), (lockstep.FSDP(pp=2, tp=2), 4)):
+        _close(run_ranks(pc.trainer_weights, world, strategy), reference)
     _close(run_ranks(pc.trainer_weights, 1, "single"), reference)  # training_step on one process: the same
 
 
@@ -149,13 +150,14 @@ def _trainer_job(folder, out, strategy: str, devices: int, kill_at: int = -1) ->
 @pytest.mark.timeout(600)
 def test_a_pipeline_trainer_run_killed_mid_epoch_resumes_on_data_parallel_and_on_one_process(tmp_path):
     """pp2 × dp2, rank 1 SIGKILLed at step 3 (checkpoints every 2 steps): the job ends; resumed from its
-    step-2 checkpoint by FSDP on 4 processes and by one process, each reaches the uninterrupted weights."""
+    step-2 checkpoint by FSDP on 4 processes, by pp2 × tp2 and by one process, each reaches the uninterrupted
+    weights."""
     uninterrupted = _trainer_job(tmp_path / "plain", tmp_path / "plain.pt", "single", 1)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     reference = torch.load(tmp_path / "plain.pt")
     killed = _trainer_job(tmp_path / "pp", tmp_path / "killed.pt", "pp2", 4, kill_at=3)
     assert killed.returncode != 0 and not (tmp_path / "killed.pt").exists()
-    for strategy, devices in (("fsdp", 4), ("single", 1)):
+    for strategy, devices in (("fsdp", 4), ("pp2tp2", 4), ("single", 1)):
         folder = tmp_path / f"resumed-{strategy}"
         subprocess.run(["cp", "-r", str(tmp_path / "pp"), str(folder)], check=True)
         done = _trainer_job(folder, tmp_path / f"{strategy}.pt", strategy, devices)

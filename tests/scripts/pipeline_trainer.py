@@ -1,5 +1,5 @@
 """The Trainer on a small Llama, checkpoints every 2 steps, resume="auto"; rank 1 SIGKILLs itself at a chosen
-step. argv: CHECKPOINT_DIR OUT STRATEGY (pp2 | fsdp | single) KILL_AT (-1: never)."""
+step. argv: CHECKPOINT_DIR OUT STRATEGY (pp2 | pp2tp2 | fsdp | single) KILL_AT (-1: never)."""
 
 import os
 import signal
@@ -13,7 +13,7 @@ from checks import mesh as mc  # noqa: E402
 from checks import pipeline as pc  # noqa: E402
 
 checkpoint_dir, out, name, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-strategy = {"pp2": lockstep.FSDP(pp=2), "fsdp": "fsdp", "single": "single"}[name]
+strategy = {"pp2": lockstep.FSDP(pp=2), "pp2tp2": lockstep.FSDP(pp=2, tp=2), "fsdp": "fsdp", "single": "single"}[name]
 
 
 class KillAt(lockstep.Callback):
