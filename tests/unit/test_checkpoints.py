@@ -302,7 +302,10 @@ def test_the_trainer_answers_an_engines_reclaim_notice_with_one_checkpoint_and_t
     import lockstep.runtime.runtime as runtime_module
     from lockstep.runtime.faults.preemption import ReclaimNotice
 
+    import lockstep.env.distenv as distenv
+
     monkeypatch.setattr(runtime_module, "RayRecord", _Record)
+    monkeypatch.setattr(distenv, "_ray_nodes", lambda: None)  # no Ray is asked anything, whatever was imported
     for name, value in {"RAY_RAYLET_PID": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)  # a Ray Train worker of one
     told = {"nodes": 0}
