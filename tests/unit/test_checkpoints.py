@@ -299,10 +299,9 @@ def test_the_trainer_answers_an_engines_reclaim_notice_with_one_checkpoint_and_t
     second node), reports it, and the fit goes on to the uninterrupted weights; resuming from the notice's
     checkpoint also ends there."""
     import lockstep
+    import lockstep.env.distenv as distenv
     import lockstep.runtime.runtime as runtime_module
     from lockstep.runtime.faults.preemption import ReclaimNotice
-
-    import lockstep.env.distenv as distenv
 
     monkeypatch.setattr(runtime_module, "RayRecord", _Record)
     monkeypatch.setattr(distenv, "_ray_nodes", lambda: None)  # no Ray is asked anything, whatever was imported
