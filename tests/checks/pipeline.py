@@ -225,3 +225,11 @@ def reference_logits() -> torch.Tensor:
     model, rows = llama(), mc.Rows(13)
     with torch.no_grad():
         return torch.cat([model(input_ids=collate([rows[i]])["input_ids"]).logits[:, 0] for i in range(13)])
+
+
+def stage_under_fsdp(strategy, precision: str) -> bool:
+    """Whether this rank's stage runs under FSDP (whose policy makes a mixed precision)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision=precision)
+    return isinstance(lockstep.unwrap(rt.setup(llama())), FSDPModule)

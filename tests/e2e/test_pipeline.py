@@ -124,6 +124,13 @@ def test_pipeline_times_tensor_parallel_reaches_the_one_process_weights_and_resu
     assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), float((resumed - whole).abs().max())
 
 
+def test_stages_without_data_parallel_leave_fsdp_out_unless_a_mixed_precision_needs_its_policy():
+    """FSDP over one rank only adds all-gathers (32-true: no FSDP); bf16-mixed is FSDP's policy, so its stages
+    keep FSDP."""
+    assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), "32-true") == [False, False]
+    assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), "bf16-mixed") == [True, True]
+
+
 @pytest.mark.parametrize("world, strategy, layers, message", [
     (2, lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
     (2, lockstep.FSDP(pp=3), 4, r"FSDP\(replicate=1, tp=1, pp=3\) needs a world size divisible by 3"),

@@ -357,16 +357,17 @@ class Runtime:
             raise ConfigError(f"precision {self.precision.name!r} scales the loss with a GradScaler, which pipeline "
                               "stages do not take yet: use bf16-mixed, bf16-true or 32-true with pp.")
         schedule, microbatches = self.strategy.pipeline_settings()
-        data_parallel = self.mesh.layout.data_parallel_size > 1
-        # Stages outside FSDP: without data parallel (FSDP over one rank tripled a CPU step, pipeline_bubble.py),
-        # and for the zero-bubble schedules, whose weight gradients miss FSDP's sharded parameters (DDP(pp=...)
-        # then averages each step's gradients over the stage's data-parallel ranks itself).
-        unsharded = not data_parallel or splits_backward(schedule)
-        if unsharded and self.precision.fsdp_policy() is not None and (data_parallel or splits_backward(schedule)):
+        data_parallel, zero_bubble = self.mesh.layout.data_parallel_size > 1, splits_backward(schedule)
+        mixed = self.precision.fsdp_policy() is not None  # FSDP's policy makes the mixed precision
+        # Stages outside FSDP: the zero-bubble schedules, whose weight gradients miss FSDP's sharded parameters
+        # (DDP(pp=...) then averages each step's gradients over the stage's data-parallel ranks itself), and
+        # stages with nothing for FSDP to do (FSDP over one rank tripled a CPU step, pipeline_bubble.py).
+        unsharded = zero_bubble or not (data_parallel or mixed)
+        if zero_bubble and mixed:
             raise ConfigError(f"pipeline schedule {schedule} with precision {self.precision.name!r}: its stages run "
                               "outside FSDP, whose policy makes the mixed precision; use bf16-true or 32-true, or "
                               "1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
-        if unsharded and data_parallel and self.strategy.name != "ddp":
+        if zero_bubble and data_parallel and self.strategy.name != "ddp":
             raise ConfigError(
                 f"pipeline schedule {schedule} splits each backward into input and weight gradients, and on torch's "
                 "FSDP the weight gradients do not reach the sharded parameters (measured: weights 2e-2 away from one "
