@@ -440,13 +440,12 @@ class Runtime:
             counts = [torch.as_tensor(num_items(rows(batch, start, stop, count)) if stop > start else 0,
                                       device=self.device, dtype=torch.float64) for start, stop in spans]
             factors = [self._items.loss_factor(items) for items in counts]  # every stage: the step's items
-            total = torch.stack(counts).sum().clamp(min=1.0)
-            shares = [(items / total).float() for items in counts]
+            total = torch.stack(counts).sum()
+            shares = [(items / total.clamp(min=1.0)).float() for items in counts]
         with self._watchdog.step("pipeline step"):  # the stages' sends and receives, FSDP's collectives
             loss = pipeline.run(batch, first, loss_fn, factors, shares, count)
         if self._recorder is not None:  # the step's loss, standing for this rank's samples or items
-            weight = self._current.loss_weight if num_items is None else torch.stack(counts).sum()
-            self._recorder.backward(loss, weight)
+            self._recorder.backward(loss, self._current.loss_weight if num_items is None else total)
         return loss
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002

@@ -1,12 +1,14 @@
 """Collectives over nested data (tensors, numbers, dicts, lists, picklable objects).
 
-Every function here must be called by every rank of the default group, in the same order; each
+Every function here must be called by every rank of the default group (or of the group it is given), in
+the same order; each
 blocks until all ranks arrive (bounded by the group's timeout). Without a process group, or with
 one rank, each is the identity.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,14 +85,31 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
     """Rank ``src``'s values into ``tensors`` on every rank (of ``group``; ``src`` a global rank), one
     broadcast per dtype and device (the ranks must hold tensors of the same shapes, in the same order: a
     module's buffers)."""
-    if not active():
-        return
+    if active():
+        _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
+def average_in_place(tensors: list[torch.Tensor], group: Any) -> None:
+    """Each tensor replaced by its mean over the ranks of ``group``, one all-reduce per dtype and device (the
+    ranks must hold tensors of the same shapes, in the same order: a module's gradients)."""
+    size = dist.get_world_size(group)
+
+    def mean(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=group)
+        flat /= size
+
+    _flat_in_place(tensors, mean)
+
+
+def _flat_in_place(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
+    """``collective`` on the tensors of each dtype and device, joined into one flat tensor, and the result
+    copied back into them."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
+        collective(flat)
         with torch.no_grad():
             for tensor, values in zip(same, flat.split([t.numel() for t in same]), strict=True):
                 tensor.copy_(values.view_as(tensor))

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime._torch_compat import to_local
+from lockstep.runtime.comm.collectives import average_in_place
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.parallel.wrappers import WrappedModule
 from lockstep.runtime.tree import map_tensors
@@ -79,6 +81,10 @@ class Skipped(nn.Module):
         self.width = width  # an embedding's: ids in, zeros of this width out
         if width is not None:  # its dtype follows the model's (bf16-true converts it too); never saved
             self.register_buffer("dtype_of_zeros", torch.empty(0), persistent=False)
+
+    @classmethod
+    def standing_for(cls, module: nn.Module) -> Skipped:
+        return cls(module.embedding_dim if isinstance(module, nn.Embedding) else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
@@ -199,8 +205,7 @@ def keep_stages(model: nn.Module, stages: list[list[str]], mine: list[int]) -> N
     for index, names in enumerate(stages):
         if index not in mine:
             for name in names:
-                module = model.get_submodule(name)
-                _replace(model, name, Skipped(module.embedding_dim if isinstance(module, nn.Embedding) else None))
+                _replace(model, name, Skipped.standing_for(model.get_submodule(name)))
     for module in model.modules():  # a Hugging Face model, also inside a lockstep.Module: no key/value cache
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
@@ -218,8 +223,7 @@ def stage_views(model: nn.Module, stages: list[list[str]], mine: list[int]) -> l
         for other in mine:
             for name in stages[other]:
                 module = model.get_submodule(name)
-                memo[id(module)] = module if other == index else Skipped(
-                    module.embedding_dim if isinstance(module, nn.Embedding) else None)
+                memo[id(module)] = module if other == index else Skipped.standing_for(module)
         views.append(copy.deepcopy(model, memo))
     return views
 
@@ -335,6 +339,8 @@ class Pipeline:
         self._schedule: Any = None
         self._step: Step | None = None
         self._first_step = True  # the schedule's first step also infers the shapes of the gradients
+        size = dist.get_world_size(group)
+        self.holder = {stage: r for r in range(size) for stage in stages_of_rank(r, size, schedule)}  # stage → rank
         for view, index in zip(views, mine, strict=True):
             view.register_forward_hook(lambda _module, _args, output: _sent(model_output(output)))
             if index and "inputs_embeds" in inspect.signature(view.forward).parameters:
@@ -417,36 +423,18 @@ class Pipeline:
     def _average_gradients(self) -> None:
         """The mean of each gradient over the stage's data-parallel ranks, as DDP's all-reduce gives it (after
         every step: the mean of the earlier steps' sum, already equal on every rank, is itself)."""
-        import torch.distributed as dist
-
-        grads = [to_local(p.grad) for view in self.views for p in view.parameters() if p.grad is not None]
-        unique = list({id(g): g for g in grads}.values())
-        if not unique:
-            return
-        flat = torch.cat([g.reshape(-1) for g in unique])
-        dist.all_reduce(flat, group=self.averaged_over)
-        flat /= dist.get_world_size(self.averaged_over)
-        with torch.no_grad():
-            for grad, values in zip(unique, flat.split([g.numel() for g in unique]), strict=True):
-                grad.copy_(values.view_as(grad))
+        grads = {id(p.grad): to_local(p.grad) for view in self.views for p in view.parameters() if p.grad is not None}
+        average_in_place(list(grads.values()), self.averaged_over)
 
     def _on_every_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The step's loss, from the rank of the last stage to every rank of the pipeline."""
-        import torch.distributed as dist
-
         value = (loss.detach().float() if loss is not None else torch.zeros((), device=self.device)).reshape(())
-        last = self.num_stages - 1
-        source = next(r for r in range(dist.get_world_size(self.group)) if last in stages_of_rank(
-            r, dist.get_world_size(self.group), self.schedule_name))
-        dist.broadcast(value, src=dist.get_global_rank(self.group, source), group=self.group)
+        self._move(value, self.holder[self.num_stages - 1], None)
         return value
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output on ``inputs`` (gradients off), every stage in turn, on every rank of the pipeline."""
-        import torch.distributed as dist
-
-        size, me = dist.get_world_size(self.group), dist.get_rank(self.group)
-        holder = {stage: r for r in range(size) for stage in stages_of_rank(r, size, self.schedule_name)}
+        me, holder = dist.get_rank(self.group), self.holder
         views = dict(zip(self.mine, self.views, strict=True))
         value: torch.Tensor | None = inputs
         for stage in range(self.num_stages):
@@ -465,8 +453,6 @@ class Pipeline:
 
     def _exchange(self, value: torch.Tensor | None, source: int, target: int | None) -> torch.Tensor:
         """``value`` from pipeline rank ``source`` to ``target`` (None: to every rank), shape and dtype first."""
-        import torch.distributed as dist
-
         me = dist.get_rank(self.group)
         header = torch.zeros(10, dtype=torch.int64, device=self.device)
         if me == source:
@@ -487,8 +473,6 @@ class Pipeline:
 
     def _move(self, tensor: torch.Tensor, source: int, target: int | None) -> None:
         """``tensor`` (filled in place on the receivers) from pipeline rank ``source`` to ``target`` or to all."""
-        import torch.distributed as dist
-
         source_rank = dist.get_global_rank(self.group, source)
         if target is None:
             dist.broadcast(tensor, src=source_rank, group=self.group)
@@ -498,8 +482,6 @@ class Pipeline:
             dist.recv(tensor, source_rank, group=self.group)
 
     def norm_across(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        import torch.distributed as dist
-
         if norm_type == float("inf"):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
             return norm
