@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 def test_every_wait_derives_from_the_one_step_timeout():
     timeouts = FaultTolerance(step_timeout=30).timeouts()
     assert (timeouts.quorum, timeouts.collective, timeouts.connect) == (30.0, 30.0, 30.0)
-    assert (timeouts.heartbeat, timeouts.join) == (1.5, 0.75)
+    assert (timeouts.heartbeat, timeouts.join) == (1.5, 15.0)
     assert FaultTolerance(step_timeout=10).timeouts().heartbeat == 1.0  # at least 1 s
     assert FaultTolerance(step_timeout=600).timeouts().heartbeat == 5.0  # at most 5 s
 
@@ -178,3 +179,49 @@ def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random
     assert torch.allclose(ft_weights, weights, atol=1e-6)
     assert trainer.callback_metrics["train_loss_epoch"] == pytest.approx(reference.callback_metrics["train_loss_epoch"],
                                                                          rel=1e-6)
+
+
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
+def test_a_group_left_out_of_one_quorum_does_not_leave_out_another_at_the_next():
+    """The lighthouse's wait for live groups counts from the first that asked. Group c, left out of
+    the last quorum, asked long before the others finished their step (0.7 s here): with a wait
+    shorter than a step, a and c would form the quorum at once and b would be left out, then another
+    group at every step after. Every live group is in it."""
+    import threading
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    from lockstep.runtime.launch.replicas import Lighthouse
+
+    house = Lighthouse(FaultTolerance(min_replicas=1, step_timeout=10))
+    client = LighthouseClient(house.address, connect_timeout=timedelta(seconds=5))
+    names, done, quorums = ["a", "b", "c"], threading.Event(), {}
+
+    def beat() -> None:
+        while not done.is_set():
+            for name in names:
+                client.heartbeat(name)
+            time.sleep(0.1)
+
+    def ask(name: str, after: float) -> None:
+        time.sleep(after)
+        quorum = client.quorum(replica_id=name, timeout=timedelta(seconds=20), address="", store_address="",
+                               step=1, world_size=1, shrink_only=False)
+        quorums[name] = sorted(member.replica_id for member in quorum.participants)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        time.sleep(0.3)  # every group heartbeats
+        asking = [threading.Thread(target=ask, args=(name, after)) for name, after in (("c", 0.0), ("a", 0.7),
+                                                                                        ("b", 0.8))]
+        for thread in asking:
+            thread.start()
+        for thread in asking:
+            thread.join(timeout=30)
+    finally:
+        done.set()
+        beating.join(timeout=5)
+        house.shutdown()
+    assert quorums == {name: names for name in names}

@@ -28,7 +28,7 @@ class Timeouts:
     collective: float  # the cross-group all-reduce, the commit vote and a state transfer to a joining group
     connect: float    # reaching the lighthouse and the group's manager
     heartbeat: float  # a group whose heartbeats stop this long is dropped from the next quorum
-    join: float       # the lighthouse waits this long for groups that were not in the last quorum
+    join: float       # the lighthouse waits this long for a live group that has not asked for the quorum
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,18 @@ class FaultTolerance:
     def timeouts(self) -> Timeouts:
         """The derivation: every wait that can end a step is the step timeout itself; a dead group is
         found by its heartbeats (sent every 0.1 s), within a twentieth of it (at least 1 s, at most
-        5 s: 1.5 s for the default 30 s), which is most of the stall a death costs the others; the
-        lighthouse waits for newcomers half that long, so a group that starts while a quorum forms
-        usually joins it."""
+        5 s: 1.5 s for the default 30 s), which is most of the stall a death costs the others.
+
+        The lighthouse waits up to half the step timeout for every live (heartbeating) group to ask for
+        the quorum, and forms it at once when all have. Its wait counts from the first group that asked,
+        which may be one left out of the last quorum and waiting since: with a wait shorter than a step,
+        that group and the first other to ask would form the next quorum at once, leaving out the third,
+        and so on at every step (each step a group healing from a peer; seen with a wait of 0.5 s and
+        steps of 0.6 s). Steps must therefore be shorter than half the step timeout, as they are with
+        any sensible one; a group still not asking after that is left out and heals at the next step."""
         step = float(self.step_timeout)
         heartbeat = min(max(step / 20, 1.0), 5.0)
-        return Timeouts(quorum=step, collective=step, connect=step, heartbeat=heartbeat, join=heartbeat / 2)
+        return Timeouts(quorum=step, collective=step, connect=step, heartbeat=heartbeat, join=step / 2)
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> FaultTolerance:
         """With the replica group and the lighthouse filled in from the environment; an error naming
