@@ -45,7 +45,17 @@ def gpt2(seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+def qwen2(seed: int = 0) -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
 
 
 def token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -80,6 +90,48 @@ def reference(steps: int = 4, batch_size: int = 8, clip: float | None = None, lr
     return flat_named({n: p.detach() for n, p in model.named_parameters()}, kind)
 
 
+def mixed_reference(precision: str, steps: int = 3, clip: float = 0.5, microbatches: int = 2
+                    ) -> tuple[torch.Tensor, list[float]]:
+    """A hand-written one-process loop under autocast (``bf16-mixed``; ``16-mixed`` with a GradScaler), each
+    global batch of 8 rows padded to LENGTH as the pipeline runs it and cut into the same micro-batches: the
+    mean over the batch's valid tokens, as num_items computes it so that the low-precision backward rounds the
+    same: each micro-batch's backward on its token sum divided by a power of two ``c`` (the first micro-batch's
+    tokens, then the last step's, rounded down to a power of two), the gradients times ``c`` over the batch's
+    tokens before clipping."""
+    dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+    model, data = llama(), mc.Rows(40)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    losses: list[float] = []
+    c = None
+    for step in range(steps):
+        batch = collate([data[i] for i in range(step * 8, step * 8 + 8)])
+        total, losses = int(hc.valid_tokens(batch)), [*losses, 0.0]
+        for part in range(microbatches):
+            rows = {key: value.chunk(microbatches)[part] for key, value in batch.items()}
+            items = int(hc.valid_tokens(rows))
+            c = c or 2 ** (items.bit_length() - 1)
+            with torch.autocast("cpu", dtype=dtype):
+                logits = model(input_ids=rows["input_ids"]).logits
+            mean = token_loss(logits.float(), rows)
+            loss = mean * torch.tensor(items / c, dtype=torch.float32)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            losses[-1] += float(mean) * items / total
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        for param in model.parameters():
+            param.grad.mul_(torch.tensor(c / total, dtype=torch.float64).float())
+        c = 2 ** (total.bit_length() - 1)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    return flat_named({n: p.detach() for n, p in model.named_parameters()}), losses
+
+
 def flat_named(weights: dict[str, torch.Tensor], kind: str = "llama") -> torch.Tensor:
     """The whole model's weights in one vector, in the order of a fresh model's parameters."""
     return torch.cat([weights[name].float().reshape(-1) for name, _ in MODELS[kind]().named_parameters()])
@@ -105,9 +157,10 @@ def whole_weights(rt, named, kind: str = "llama") -> torch.Tensor:
 
 
 def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float | None = None, lr: float = 0.5,
-                     rows: int = 40, items: bool = True, batch_size: int = 8, kind: str = "llama") -> dict:
+                     rows: int = 40, items: bool = True, batch_size: int = 8, kind: str = "llama",
+                     precision: str = "32-true") -> dict:
     """The same run through ``rt.forward_backward`` on ``strategy``."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision=precision)
     model = MODELS[kind]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer)
@@ -184,6 +237,12 @@ class LlamaModule(lockstep.Module):
     def num_items(self, batch):
         return hc.valid_tokens(batch)
 
+    def validation_step(self, batch, batch_idx):  # self(...) runs every stage in turn
+        self.log("val_loss", token_loss(self(batch["input_ids"]), batch), batch_size=hc.valid_tokens(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return {"index": batch["index"], "first": self(batch["input_ids"])[:, 0]}
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
@@ -197,6 +256,49 @@ def trainer_weights(strategy) -> dict:
     trainer.fit(module, data)
     named = ((name.removeprefix("model."), param) for name, param in module.named_parameters())
     return {"weights": whole_weights(trainer.runtime, named)}
+
+
+def trainer_evaluation(strategy) -> dict:
+    """The Trainer's validate and predict over 13 rows (4 per batch: uneven over 2 data-parallel ranks)."""
+    module = LlamaModule()
+    trainer = lockstep.Trainer(accelerator="cpu", strategy=strategy, seed=0, enable_progress_bar=False, loggers=())
+    options = {"collate_fn": collate, "num_workers": 0}
+    metrics = trainer.validate(module, mc.Rows(13), batch_size=4, loader_options=options)
+    predictions = trainer.predict(module, mc.Rows(13), batch_size=4, loader_options=options)
+    return {"val_loss": metrics["val_loss"], "index": predictions["index"], "first": predictions["first"]}
+
+
+def reference_validation() -> float:
+    """The mean cross-entropy over every valid next token of the 13 rows, by hand."""
+    model, rows = llama(), mc.Rows(13)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(13):
+            batch = collate([rows[i]])
+            tokens = int(hc.valid_tokens(batch))
+            total += float(token_loss(model(input_ids=batch["input_ids"]).logits, batch)) * tokens
+            count += tokens
+    return total / count
+
+
+def skipped_on_every_stage(strategy) -> dict:
+    """16-mixed: an inf planted in one gradient of the first stage's rank at step 2 only; every rank must skip
+    that step (the GradScaler's inf check agreed over every stage)."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision="16-mixed")
+    model = llama()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    loader = rt.loader(mc.Rows(32), batch_size=8, collate_fn=collate, num_workers=0)
+    skipped = []
+    for step, batch in enumerate(loader):
+        rt.forward_backward(model, batch, token_loss, num_items=hc.valid_tokens)
+        if step == 2 and rt.rank == 0:  # this rank's shard of the first gradient it holds
+            grad = next(p for p in lockstep.unwrap(model).parameters() if p.grad is not None).grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+        before = whole_weights(rt, model)
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append((rt.step_was_skipped, bool(torch.equal(before, whole_weights(rt, model)))))
+    return {"skipped": skipped}
 
 
 def refused(strategy, layers: int) -> None:

@@ -40,13 +40,45 @@ def test_every_schedule_on_two_pipeline_ranks_reaches_the_one_process_weights():
         assert not torch.allclose(results[0]["weights"], untrained.detach(), atol=1e-3)
 
 
-def test_a_gpt2_splits_into_stages_without_stage_code():
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_gpt2_and_qwen2_split_into_stages_without_stage_code(kind):
     """GPT-2 adds position embeddings to what its transformer receives: its later stages take the hidden
-    state as inputs_embeds, and the skipped position embedding adds zeros. Untied embeddings."""
-    reference = pc.reference(steps=3, clip=0.5, kind="gpt2")
+    state as inputs_embeds, and the skipped position embedding adds zeros. Qwen2 is cut as Llama is.
+    Untied embeddings."""
+    reference = pc.reference(steps=3, clip=0.5, kind=kind)
     for schedule in ("1F1B", "DualPipeV"):
         _close(run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5, 0.5, 40,
-                         True, 8, "gpt2"), reference)
+                         True, 8, kind), reference)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_on_stages_equals_a_hand_written_autocast_loop(precision):
+    """Stages outside FSDP run under autocast (16-mixed: the GradScaler's scaled loss through the schedule):
+    one step equals a hand-written one-process autocast loop on the same micro-batches, where the mixed
+    precision alone moves the weights 1e-5 to 1e-4 from float32. Under FSDP's policy (pp2 x dp2), one step
+    equals FSDP without pp on the same rows per rank."""
+    args = (1, 1, 0.5, 0.5, 40, True, 8, "llama", precision)
+    float32 = pc.reference(steps=1, clip=0.5)
+    for strategy, microbatches in ((lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2, pp_schedule="ZBVZeroBubble"), 4),
+                                   (lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=2), 2)):
+        reference, _ = pc.mixed_reference(precision, steps=1, microbatches=microbatches)
+        assert float((reference - float32).abs().max()) > 1e-5
+        weights = run_ranks(pc.pipeline_weights, 2, strategy, *args)[0]["weights"]
+        assert float((weights - reference).abs().max()) < 1e-7, (strategy, float((weights - reference).abs().max()))
+    if precision == "bf16-mixed":
+        fsdp = run_ranks(pc.pipeline_weights, 2, "fsdp", *args)[0]["weights"]
+        staged = run_ranks(pc.pipeline_weights, 4, lockstep.FSDP(pp=2, pp_schedule="GPipe", pp_microbatches=1), *args)
+        assert float((staged[0]["weights"] - fsdp).abs().max()) < 1e-7
+
+
+@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2), 4),
+                                             (lockstep.DDP(pp=2, pp_schedule="ZBVZeroBubble"), 4)])
+def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_rank(strategy, world):
+    """16-mixed: rank 0 (the first stage) alone holds an inf gradient at step 2; every rank skips that step."""
+    results = [r["skipped"] for r in run_ranks(pc.skipped_on_every_stage, world, strategy)]
+    assert all(result == results[0] for result in results), results
+    assert results[0][2] == (True, True), results[0]
+    assert all(skipped == unchanged for skipped, unchanged in results[0])  # a skipped step leaves the weights
 
 
 @pytest.mark.parametrize("strategy, items", [(lockstep.FSDP(pp=2, pp_schedule="1F1B"), True),
@@ -124,11 +156,24 @@ def test_pipeline_times_tensor_parallel_reaches_the_one_process_weights_and_resu
     assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), float((resumed - whole).abs().max())
 
 
-def test_stages_without_data_parallel_leave_fsdp_out_unless_a_mixed_precision_needs_its_policy():
-    """FSDP over one rank only adds all-gathers (32-true: no FSDP); bf16-mixed is FSDP's policy, so its stages
-    keep FSDP."""
-    assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), "32-true") == [False, False]
-    assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), "bf16-mixed") == [True, True]
+def test_stages_without_data_parallel_run_outside_fsdp_in_any_precision():
+    """FSDP over one rank only adds all-gathers; a mixed precision there is autocast's, as on one process."""
+    for precision in ("32-true", "bf16-mixed"):
+        assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), precision) == [False, False]
+    assert run_ranks(pc.stage_under_fsdp, 4, lockstep.FSDP(pp=2), "bf16-mixed") == [True] * 4
+
+
+@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 4),
+                                             (lockstep.FSDP(pp=2, pp_schedule="DualPipeV"), 2)])
+def test_the_trainer_validates_and_predicts_on_pipeline_stages(strategy, world):
+    """validate and predict as on one process: the steps run as written, self(inputs) runs every stage; the
+    token-mean loss over 13 rows (zero-row padding batches on pp2 x dp2) as computed by hand, every row's
+    prediction once, in dataset order, the one-process logits."""
+    loss, logits = pc.reference_validation(), pc.reference_logits()
+    for result in run_ranks(pc.trainer_evaluation, world, strategy):
+        assert abs(result["val_loss"] - loss) < 1e-6
+        assert result["index"].tolist() == list(range(13))
+        assert torch.allclose(result["first"], logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("world, strategy, layers, message", [

@@ -353,20 +353,13 @@ class Runtime:
         """``setup`` under pipeline parallel: the model cut into stages, this rank's kept (by the names they
         have in the whole model), each sharded or replicated over the data-parallel ranks of its stage."""
         assert isinstance(self.strategy, FSDP)
-        if getattr(self.precision, "scaler", None) is not None:
-            raise ConfigError(f"precision {self.precision.name!r} scales the loss with a GradScaler, which pipeline "
-                              "stages do not take yet: use bf16-mixed, bf16-true or 32-true with pp.")
         schedule, microbatches = self.strategy.pipeline_settings()
         data_parallel, zero_bubble = self.mesh.layout.data_parallel_size > 1, splits_backward(schedule)
-        mixed = self.precision.fsdp_policy() is not None  # FSDP's policy makes the mixed precision
-        # Stages outside FSDP: the zero-bubble schedules, whose weight gradients miss FSDP's sharded parameters
-        # (DDP(pp=...) then averages each step's gradients over the stage's data-parallel ranks itself), and
-        # stages with nothing for FSDP to do (FSDP over one rank tripled a CPU step, pipeline_bubble.py).
-        unsharded = zero_bubble or not (data_parallel or mixed)
-        if zero_bubble and mixed:
-            raise ConfigError(f"pipeline schedule {schedule} with precision {self.precision.name!r}: its stages run "
-                              "outside FSDP, whose policy makes the mixed precision; use bf16-true or 32-true, or "
-                              "1F1B, GPipe, Interleaved1F1B or LoopedBFS.")
+        # Stages outside FSDP (a mixed precision then runs under autocast): the zero-bubble schedules, whose
+        # weight gradients miss FSDP's sharded parameters (DDP(pp=...) then averages each step's gradients over
+        # the stage's data-parallel ranks itself), and stages with nothing for FSDP to do (FSDP over one rank
+        # tripled a CPU step, pipeline_bubble.py).
+        unsharded = zero_bubble or not data_parallel
         if zero_bubble and data_parallel and self.strategy.name != "ddp":
             raise ConfigError(
                 f"pipeline schedule {schedule} splits each backward into input and weight gradients, and on torch's "
@@ -399,7 +392,8 @@ class Runtime:
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)
         pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
-                            self.all_gather,  # DDP(pp): the data-parallel ranks are the "replicate" dimension
+                            self.all_gather, self.precision, unsharded,
+                            # DDP(pp): the data-parallel ranks are the "replicate" dimension
                             self.mesh.device_mesh()["replicate"].get_group() if unsharded and data_parallel else None)
         stand_in = (lambda: self._current.stand_in) if self.shards_model else None
         wrapped = PipelinedModule(pipeline, module, self.precision, stand_in, self._watchdog)
@@ -426,7 +420,7 @@ class Runtime:
             self.backward(loss, num_items=num_items(batch) if num_items is not None else None)
             return loss.detach()
         pipeline: Pipeline = model.pipeline
-        first = take(batch)
+        first = self.precision.convert_input(take(batch))
         count = pipeline.check(first)
         size = pipeline.rows // pipeline.microbatches
         spans = [(m * size, min((m + 1) * size, count)) for m in range(pipeline.microbatches)]

@@ -35,11 +35,25 @@ class Module(nn.Module):
       ``([optimizers], [schedulers])``.
 
     The steps run on every rank, inside the precision's autocast, on this rank's share of the batch.
+
+    On pipeline stages (``pp > 1``) no rank holds the whole model, so training runs ``forward(inputs)``
+    cut into stages and ``loss_fn(output, batch)`` (optionally ``num_items(batch)``) instead of
+    ``training_step``; the evaluation steps run as they are, and ``self(inputs)`` inside them runs the
+    input through every stage (docs/parallelism.md).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._trainer_ref: weakref.ref[Trainer] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        through = self.__dict__.pop("_lockstep_pipeline", None)  # an evaluation step on pipeline stages
+        if through is None:
+            return super().__call__(*args, **kwargs)
+        try:  # through every stage, whose own call of this module (a stage of one rank is the model) is its forward
+            return through(*args, **kwargs)
+        finally:
+            self.__dict__["_lockstep_pipeline"] = through
 
     def attach(self, trainer: Trainer) -> None:
         """Called by the Trainer that runs this module; ``self.trainer`` and ``self.log`` then reach it.

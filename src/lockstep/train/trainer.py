@@ -227,7 +227,7 @@ class Trainer:
         rt.sync_buffers(self._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
         self._wrapped.eval()
         with torch.no_grad():
-            outputs = [self._wrapped("predict_step", batch, i) for i, batch in enumerate(loader)]
+            outputs = [self._evaluation_step("predict_step", batch, i) for i, batch in enumerate(loader)]
         _check_not_empty(loader, "predict", bool(outputs))
         return rt.gather(outputs, loader=loader)
 
@@ -441,6 +441,19 @@ class Trainer:
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return self.at_step_boundary
 
+    def _evaluation_step(self, step: str, batch: Any, batch_idx: int) -> Any:
+        """``validation_step``, ``test_step`` or ``predict_step`` (under ``torch.no_grad``). On pipeline stages the
+        module's step runs as it is, and its calls of the module itself (``self(inputs)``) run the input through
+        every stage in turn: every rank of the pipeline gets the model's output (docs/parallelism.md)."""
+        if self.runtime.pipeline_parallel_size == 1:
+            return self._wrapped(step, batch, batch_idx)
+        module = self.module
+        module.__dict__["_lockstep_pipeline"] = self._wrapped
+        try:
+            return getattr(module, step)(batch, batch_idx)
+        finally:
+            del module.__dict__["_lockstep_pipeline"]
+
     def _pipeline_step(self, batch: Any) -> dict[str, Any]:
         """A training batch on pipeline stages: the module's ``forward`` cut into stages, its ``loss_fn(output,
         batch)`` on the last, with ``num_items(batch)`` when it defines it (docs/parallelism.md)."""
@@ -546,7 +559,7 @@ class Trainer:
             for batch_idx, batch in enumerate(loader):
                 self._batch_samples = loader.local_batch_size(batch_idx)
                 with self._hook(step):
-                    self._wrapped(step, batch, batch_idx)
+                    self._evaluation_step(step, batch, batch_idx)
         _check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
         metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
         self._stores = []

@@ -243,6 +243,20 @@ def _as_embeddings(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return None
 
 
+def _under_autocast(view: nn.Module, precision: Precision) -> None:
+    """A stage outside FSDP under a mixed precision: its forward under autocast, as one process runs the whole
+    model's, and its output handed on in float32 (the dtype torch's stage infers for it on the meta device,
+    where autocast casts nothing)."""
+    forward = view.forward
+
+    def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with precision.autocast():
+            output = forward(*args, **kwargs)
+        return precision.convert_output(output)
+
+    view.forward = forward_under_autocast  # type: ignore[method-assign]
+
+
 def _sent(output: Any) -> Any:
     """A stage's output as it is sent on: not a view (a Skipped head hands on a slice of its input, and the
     zero-bubble schedules detach a stage's outputs in place)."""
@@ -318,6 +332,13 @@ class PipelinedModule(WrappedModule):
                              "model(batch['input_ids'])); the later stages receive what the one before returns.")
         return self.__dict__["pipeline"].forward(args[0])
 
+    def train(self, mode: bool = True) -> PipelinedModule:
+        """The mode of the model and of this rank's stages (copies of its structure when it holds several)."""
+        super().train(mode)
+        for view in self.__dict__["pipeline"].views:
+            view.train(mode)
+        return self
+
     def norm_across_stages(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The gradient norm of the whole model from this rank's (``rt.clip_grad_norm_``)."""
         return self.__dict__["pipeline"].norm_across(norm, norm_type)
@@ -329,10 +350,12 @@ class Pipeline:
     every step of every rank runs micro-batches of one shape: the first step's, agreed by all ranks."""
 
     def __init__(self, views: list[nn.Module], mine: list[int], num_stages: int, schedule: str, microbatches: int,
-                 device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]],
-                 averaged_over: Any = None) -> None:
+                 device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]], precision: Precision,
+                 outside_fsdp: bool, averaged_over: Any = None) -> None:
         self.views, self.mine, self.num_stages = views, mine, num_stages
         self.averaged_over = averaged_over  # stages replicated outside FSDP: their data-parallel group
+        self._scale, self._zero = precision.scale, torch.zeros((), device=device)
+        self._loss_input = precision.convert_output  # the loss sees float32 logits, as without pp
         self.schedule_name, self.microbatches, self.device, self.group = schedule, microbatches, device, group
         self._all_gather = all_gather
         self.shape: tuple[int, ...] | None = None  # the inputs of every step: the first step's, on every rank
@@ -345,6 +368,8 @@ class Pipeline:
             view.register_forward_hook(lambda _module, _args, output: _sent(model_output(output)))
             if index and "inputs_embeds" in inspect.signature(view.forward).parameters:
                 view.register_forward_pre_hook(_as_embeddings, with_kwargs=True)
+            if outside_fsdp and precision.fsdp_policy() is not None:  # no FSDP policy makes the mixed precision
+                _under_autocast(view, precision)
 
     @property
     def holds_last(self) -> bool:
@@ -409,6 +434,7 @@ class Pipeline:
         # each row's micro-batch, on the host: the schedule cuts it as it cuts the inputs, and the loss
         # function reads which micro-batch it has without waiting for the device
         target = torch.arange(self.rows) // size
+        self._scale(self._zero)  # 16-mixed: the GradScaler's scale exists on every stage, which unscales
         try:
             if 0 in self.mine:
                 self._schedule.step(inputs, target=target if self.holds_last else None)
@@ -500,8 +526,8 @@ class Pipeline:
         start, stop = index * step.size, min((index + 1) * step.size, step.count)
         if stop <= start:  # padding only: a loss of zero that still reaches every parameter of the stage
             return output.sum() * 0.0
-        loss = step.loss_fn(output[: stop - start], rows(step.batch, start, stop, step.count))
+        loss = step.loss_fn(self._loss_input(output[: stop - start]), rows(step.batch, start, stop, step.count))
         weighted = loss * step.factors[index]
         share = loss.detach() * step.shares[index]
         step.total = share if step.total is None else step.total + share
-        return weighted
+        return self._scale(weighted)

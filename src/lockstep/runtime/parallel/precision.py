@@ -25,6 +25,8 @@ class Precision(Protocol):
     def convert_input(self, data: Any) -> Any: ...
     def convert_output(self, data: Any) -> Any: ...
     def forward_context(self) -> contextlib.AbstractContextManager[Any]: ...
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any: ...
@@ -60,6 +62,14 @@ class TruePrecision:
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         return self._nothing
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed precision of a forward that no FSDP policy casts (a pipeline stage outside FSDP)."""
+        return self._nothing
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as its backward must see it (times the GradScaler's scale with ``16-mixed``)."""
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -119,7 +129,13 @@ class MixedPrecision(TruePrecision):
         )
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return self._nothing if self.sharded else torch.autocast(self.device_type, dtype=self.dtype)
+        return self._nothing if self.sharded else self.autocast()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     def fsdp_policy(self) -> MixedPrecisionPolicy | None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -127,10 +143,7 @@ class MixedPrecision(TruePrecision):
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        self.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
