@@ -71,6 +71,16 @@ def test_mixed_precision_on_stages_equals_a_hand_written_autocast_loop(precision
         assert float((staged[0]["weights"] - fsdp).abs().max()) < 1e-7
 
 
+def test_float8_on_stages_equals_one_process_on_the_same_micro_batches():
+    """float8 (torchao's float8 linears under bf16 autocast) on pp2: one step equals one process accumulating
+    the same two micro-batches (one process's float8 is compared with a hand-written torchao loop in
+    tests/unit/test_parallel_options.py)."""
+    one = run_ranks(pc.pipeline_weights, 1, "single", 1, 2, 0.5, 0.5, 40, True, 8, "llama", "float8")[0]["weights"]
+    staged = run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2), 1, 1, 0.5, 0.5, 40, True, 8, "llama", "float8")
+    assert float((one - pc.reference(steps=1, clip=0.5)).abs().max()) > 1e-4
+    assert float((staged[0]["weights"] - one).abs().max()) < 1e-7
+
+
 @pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2), 4),
                                              (lockstep.DDP(pp=2, pp_schedule="ZBVZeroBubble"), 4)])
 def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_rank(strategy, world):
