@@ -53,7 +53,6 @@ from lockstep.runtime.parallel.pipeline import (
     model_output,
     rows,
     split_model,
-    splits_backward,
     stage_views,
     stages_of_rank,
     stages_per_rank,
@@ -354,18 +353,9 @@ class Runtime:
         have in the whole model), each sharded or replicated over the data-parallel ranks of its stage."""
         assert isinstance(self.strategy, FSDP)
         schedule, microbatches = self.strategy.pipeline_settings()
-        data_parallel, zero_bubble = self.mesh.layout.data_parallel_size > 1, splits_backward(schedule)
-        # Stages outside FSDP (a mixed precision then runs under autocast): the zero-bubble schedules, whose
-        # weight gradients miss FSDP's sharded parameters (DDP(pp=...) then averages each step's gradients over
-        # the stage's data-parallel ranks itself), and stages with nothing for FSDP to do (FSDP over one rank
-        # tripled a CPU step, pipeline_bubble.py).
-        unsharded = zero_bubble or not data_parallel
-        if zero_bubble and data_parallel and self.strategy.name != "ddp":
-            raise ConfigError(
-                f"pipeline schedule {schedule} splits each backward into input and weight gradients, and on torch's "
-                "FSDP the weight gradients do not reach the sharded parameters (measured: weights 2e-2 away from one "
-                f"process): use lockstep.DDP(pp={self.mesh.pp}, pp_schedule={schedule!r}) (stages replicated over "
-                "data parallel), or 1F1B, GPipe, Interleaved1F1B or LoopedBFS with FSDP.")
+        # Without data parallel the stages stay outside FSDP (which over one rank tripled a CPU step,
+        # pipeline_bubble.py), a mixed precision then running under autocast.
+        unsharded = self.mesh.layout.data_parallel_size == 1
         num_stages = self.mesh.pp * stages_per_rank(schedule)
         given = self.strategy.pp_stages
         stages = check_stages(model, given) if given is not None else split_model(model, num_stages)
@@ -392,9 +382,7 @@ class Runtime:
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)
         pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
-                            self.all_gather, self.precision, unsharded,
-                            # DDP(pp): the data-parallel ranks are the "replicate" dimension
-                            self.mesh.device_mesh()["replicate"].get_group() if unsharded and data_parallel else None)
+                            self.all_gather, self.precision, unsharded)
         stand_in = (lambda: self._current.stand_in) if self.shards_model else None
         wrapped = PipelinedModule(pipeline, module, self.precision, stand_in, self._watchdog)
         self._wrapped.append(weakref.ref(module))

@@ -89,18 +89,6 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
         _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
 
 
-def average_in_place(tensors: list[torch.Tensor], group: Any) -> None:
-    """Each tensor replaced by its mean over the ranks of ``group``, one all-reduce per dtype and device (the
-    ranks must hold tensors of the same shapes, in the same order: a module's gradients)."""
-    size = dist.get_world_size(group)
-
-    def mean(flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, group=group)
-        flat /= size
-
-    _flat_in_place(tensors, mean)
-
-
 def _flat_in_place(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
     """``collective`` on the tensors of each dtype and device, joined into one flat tensor, and the result
     copied back into them."""

@@ -49,7 +49,11 @@ class FSDP:
     names per stage in ``pp_stages``), run by torch's schedule ``pp_schedule`` (``"1F1B"``, ``"GPipe"``,
     ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
     ``"DualPipeV"``) over ``pp_microbatches`` micro-batches of each rank's batch (default: the number of
-    stages). A step is then ``rt.forward_backward(model, batch, loss_fn)`` (docs/parallelism.md).
+    stages). A step is then ``rt.forward_backward(model, batch, loss_fn)`` (docs/parallelism.md). A stage
+    keeps its parameters gathered from its first micro-batch's forward until the schedule reduces the
+    step's gradients, whatever ``reshard_after_forward`` says: one all-gather per stage per step, not one
+    per micro-batch, and the zero-bubble schedules need it (their input-gradient pass collects the
+    parameters the forward used; resharded, it finds none and the weight gradients are lost).
     """
 
     shard_modules: tuple[type[nn.Module], ...] = ()
@@ -83,7 +87,7 @@ class FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         options: dict[str, Any] = {
-            "mesh": mesh.data_mesh(), "reshard_after_forward": self.reshard_after_forward,
+            "mesh": mesh.data_mesh(), "reshard_after_forward": self.reshard_after_forward and self.pp == 1,
             "mp_policy": precision.fsdp_policy() or MixedPrecisionPolicy(),
             # pinned host memory needs an accelerator: on a CPU-only job the shards stay unpinned
             "offload_policy": (CPUOffloadPolicy(pin_memory=placement.device.type != "cpu") if self.cpu_offload

@@ -27,8 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
-from lockstep.runtime._torch_compat import to_local
-from lockstep.runtime.comm.collectives import average_in_place
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.parallel.wrappers import WrappedModule
 from lockstep.runtime.tree import map_tensors
@@ -42,11 +40,6 @@ SCHEDULES = SINGLE + LOOPED + V_SHAPED
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
-
-
-def splits_backward(schedule: str) -> bool:
-    """Whether the schedule computes input and weight gradients apart (the zero-bubble family)."""
-    return schedule in ("InterleavedZeroBubble", *V_SHAPED)
 
 
 def schedule_name(name: str) -> str:
@@ -351,9 +344,8 @@ class Pipeline:
 
     def __init__(self, views: list[nn.Module], mine: list[int], num_stages: int, schedule: str, microbatches: int,
                  device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]], precision: Precision,
-                 outside_fsdp: bool, averaged_over: Any = None) -> None:
+                 outside_fsdp: bool) -> None:
         self.views, self.mine, self.num_stages = views, mine, num_stages
-        self.averaged_over = averaged_over  # stages replicated outside FSDP: their data-parallel group
         self._scale, self._zero = precision.scale, torch.zeros((), device=device)
         self._loss_input = precision.convert_output  # the loss sees float32 logits, as without pp
         self.schedule_name, self.microbatches, self.device, self.group = schedule, microbatches, device, group
@@ -440,17 +432,9 @@ class Pipeline:
                 self._schedule.step(inputs, target=target if self.holds_last else None)
             else:
                 self._schedule.step(target=target if self.holds_last else None)
-            if self.averaged_over is not None:
-                self._average_gradients()
             return self._on_every_stage(self._step.total)
         finally:
             self._step = None
-
-    def _average_gradients(self) -> None:
-        """The mean of each gradient over the stage's data-parallel ranks, as DDP's all-reduce gives it (after
-        every step: the mean of the earlier steps' sum, already equal on every rank, is itself)."""
-        grads = {id(p.grad): to_local(p.grad) for view in self.views for p in view.parameters() if p.grad is not None}
-        average_in_place(list(grads.values()), self.averaged_over)
 
     def _on_every_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The step's loss, from the rank of the last stage to every rank of the pipeline."""
