@@ -55,7 +55,39 @@ def qwen2(seed: int = 0) -> nn.Module:
     return Qwen2ForCausalLM(config)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+class DictBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.RMSNorm(width), nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(),
+                                                               nn.Linear(2 * width, width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+class DictNet(nn.Module):
+    """Layers in an ``nn.ModuleDict`` keyed "0", "1", ... and called in a loop over its values, as
+    torchtitan's models keep them; a per-token model (no attention), returning the logits."""
+
+    def __init__(self, layers: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleDict({str(i): DictBlock(width) for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(width), nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids) if not input_ids.is_floating_point() else input_ids
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def dict_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return DictNet()
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "dict": dict_net}
 
 
 def token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -81,8 +113,8 @@ def reference(steps: int = 4, batch_size: int = 8, clip: float | None = None, lr
     data = hc.sequences(rows)
     for step in range(steps):
         batch = hc.pad(data[step * batch_size:(step + 1) * batch_size])
-        logits = model(input_ids=batch["input_ids"]).logits
-        (token_loss if items else row_loss)(logits, batch).backward()
+        output = model(input_ids=batch["input_ids"])
+        (token_loss if items else row_loss)(getattr(output, "logits", output), batch).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

@@ -40,11 +40,11 @@ def test_every_schedule_on_two_pipeline_ranks_reaches_the_one_process_weights():
         assert not torch.allclose(results[0]["weights"], untrained.detach(), atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
-def test_gpt2_and_qwen2_split_into_stages_without_stage_code(kind):
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2", "dict"])
+def test_gpt2_qwen2_and_a_module_dict_of_layers_split_into_stages_without_stage_code(kind):
     """GPT-2 adds position embeddings to what its transformer receives: its later stages take the hidden
     state as inputs_embeds, and the skipped position embedding adds zeros. Qwen2 is cut as Llama is.
-    Untied embeddings."""
+    Untied embeddings. A model whose layers are an nn.ModuleDict (as torchtitan's) is cut by its keys."""
     reference = pc.reference(steps=3, clip=0.5, kind=kind)
     for schedule in ("1F1B", "DualPipeV"):
         _close(run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5, 0.5, 40,

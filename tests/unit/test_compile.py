@@ -18,6 +18,20 @@ def test_repeated_blocks_are_the_layers_of_a_module_list_of_one_own_class():
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))) == []
 
 
+def test_repeated_blocks_are_found_in_a_module_dict_too():
+    """torchtitan's models keep their layers in an nn.ModuleDict: compile, activation checkpointing, FSDP's
+    shard groups and the pipeline's cut all find them."""
+    from checks import pipeline as pc
+    from lockstep.runtime.parallel.fsdp import FSDP
+    from lockstep.runtime.parallel.pipeline import split_model
+
+    model = pc.dict_net()
+    assert [name for name, _ in repeated_blocks(model)] == [f"layers.{i}" for i in range(4)]
+    assert FSDP().blocks(model) == list(model.layers.values())
+    assert split_model(model, 2) == [["tok_embeddings", "layers.0", "layers.1"],
+                                     ["layers.2", "layers.3", "norm", "output"]]
+
+
 def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(tmp_path):
     eager = tc.Classifier()
     tc.quiet_trainer(max_epochs=1).fit(eager, tc.checks.make_data(64), batch_size=16)

@@ -47,7 +47,7 @@ def checkpoint_activations(module: nn.Module, policy: Policy | None) -> list[str
         if not chosen:
             raise ConfigError(
                 f"activation_checkpointing={policy!r} found no repeated blocks in {type(module).__name__} (the "
-                "children of a ModuleList or Sequential that share a class of your own): pass a function "
+                "children of a ModuleList, Sequential or ModuleDict that share a class of your own): pass a function "
                 "(name, module) -> bool that picks the modules to checkpoint.")
         context = _selective_context if policy == "selective" else None
     elif callable(policy):

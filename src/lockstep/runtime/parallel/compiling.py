@@ -2,7 +2,7 @@
 
 Compiling the DDP wrapper breaks the graph at DDP's hooks, and ``torch.compile(model)`` returns a
 wrapper whose ``state_dict`` keys gain ``_orig_mod.``. Here each repeated block (the layers of a
-transformer: children of one ``ModuleList`` or ``Sequential`` sharing a class of your own) is
+transformer: children of one ``ModuleList``, ``Sequential`` or ``ModuleDict`` sharing a class of your own) is
 compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP's gradient hooks
 and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
 once and reused by every layer (regional compilation: compile time of one block, not of the model).
@@ -38,19 +38,25 @@ def compile_options(value: bool | dict[str, Any] | None) -> dict[str, Any] | Non
                      f"dynamic=, backend=, regional=); got {type(value).__name__}.")
 
 
+#: What holds a model's repeated blocks: a list of layers, or a dict of them (torchtitan's models keep
+#: their layers in an ``nn.ModuleDict`` keyed "0", "1", ..., so that a pipeline stage keeps the names).
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of each ModuleList/Sequential that holds two or more modules of one class of
-    your own (not a torch.nn built-in such as Linear), by qualified name."""
+    """The children of each ModuleList/Sequential/ModuleDict that holds two or more modules of one class
+    of your own (not a torch.nn built-in such as Linear), by qualified name."""
     found: list[tuple[str, nn.Module]] = []
     for name, container in module.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in found):
             continue  # inside a block already found: compiled with it
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+        if not isinstance(container, CONTAINERS) or len(container) < 2:
             continue
-        classes = Counter(type(child) for child in container)
+        children = list(container.named_children())
+        classes = Counter(type(child) for _, child in children)
         (cls, count), = classes.most_common(1)
         if count >= 2 and len(classes) == 1 and not cls.__module__.startswith("torch."):
-            found += [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(container)]
+            found += [(f"{name}.{key}" if name else key, child) for key, child in children]
     return found
 
 

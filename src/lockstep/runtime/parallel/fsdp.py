@@ -35,7 +35,7 @@ class FSDP:
     state do not fit on one device.
 
     Each repeated block becomes one shard group, then the root takes the rest. The blocks are the
-    children of every ``nn.ModuleList`` (a transformer's layers), or the instances of
+    children of every ``nn.ModuleList`` or ``nn.ModuleDict`` (a transformer's layers), or the instances of
     ``shard_modules`` when given. ``reshard_after_forward=False`` keeps the root-less blocks
     gathered between forward and backward (more memory, one all-gather less); ``cpu_offload`` keeps
     the shards, their gradients and the optimizer step on the CPU.
@@ -113,7 +113,8 @@ class FSDP:
         if self.shard_modules:
             found = [m for m in module.modules() if m is not module and isinstance(m, self.shard_modules)]
         else:
-            found = [block for m in module.modules() if isinstance(m, nn.ModuleList) for block in m]
+            found = [block for m in module.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+                     for block in m.children()]
         return [block for block in found if any(True for _ in block.parameters())]  # a pipeline's Skipped: none
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:

@@ -91,12 +91,15 @@ def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: its ``nn.ModuleList`` with the most entries."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+def _blocks(model: nn.Module) -> tuple[str, list[str]]:
+    """The model's repeated blocks: its ``nn.ModuleList`` (or ``nn.ModuleDict``) with the most entries, and
+    their names in it."""
+    lists = [(name, [key for key, _ in m.named_children()]) for name, m in model.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
         raise ConfigError(f"pipeline parallel found no repeated blocks in {type(model).__name__} (no nn.ModuleList "
-                          "of layers) to cut into stages: give the modules of each stage by name (pp_stages=...).")
+                          "or nn.ModuleDict of layers) to cut into stages: give the modules of each stage by name "
+                          "(pp_stages=...).")
     return max(lists, key=lambda item: len(item[1]))
 
 
@@ -119,7 +122,7 @@ def split_model(model: nn.Module, num_stages: int) -> list[list[str]]:
     stages: list[list[str]] = []
     start = 0
     for size in sizes:
-        stages.append([f"{name}.{i}" for i in range(start, start + size)])
+        stages.append([f"{name}.{key}" for key in blocks[start:start + size]])
         start += size
     stages[0][:0] = before
     stages[-1].extend(after)
