@@ -1,0 +1,266 @@
+"""lockstep's Trainer against torchtitan, on torchtitan's own Llama 3: tokens/s, MFU and peak memory, one GPU,
+in alternating rounds.
+
+Both sides train the same model definition, torchtitan's ``Transformer`` (``torchtitan.models.llama3``),
+shaped as Llama 3.2 1B (16 layers, width 2048, 32 heads, 8 KV heads, MLP 8192, vocabulary 128256, an
+untied output layer: 1.50 B parameters), on the same random tokens (a fixed seed, no tokenizer or data
+set), batch, sequence length, AdamW (fused on CUDA, lr 3e-4), gradient clipping at 1.0 (torchtitan's
+default) and bf16:
+
+- **torchtitan**: its own ``parallelize_llama`` (activation checkpointing, per-block ``torch.compile``
+  and, with several GPUs, FSDP2, as its trainer applies them), its float8 model converter, its weight
+  initialisation, bf16 autocast (what torchtitan uses on one GPU, where it applies no FSDP), its loss
+  (cross-entropy on float32 logits, compiled with the model) and a plain loop;
+- **lockstep**: ``lockstep.Trainer(compile=..., activation_checkpointing=..., precision="bf16-mixed" or
+  "float8", gradient_clip_val=1.0)`` on a ``lockstep.Module`` holding the same ``Transformer``.
+
+Modes: ``eager``, ``compile``, ``compile+ac`` (full activation checkpointing), ``compile+ac+float8``
+(torchao's float8 linears, compute capability 8.9+). Each (side, mode) runs in a fresh process, so that
+its peak memory is its own; a round runs every mode on both sides, the side that goes first alternating
+from round to round. Reported per mode: the median tokens/s of each side over the rounds (with the
+rounds' range), lockstep's ratio to torchtitan paired by round, the MFU by torchtitan's formula
+(``6 (N - N_embedding) + 12 L d T`` FLOPs per token over the device's dense bf16 peak) on each side, the
+MFU the Trainer logged and its ratio to the formula's, and ``torch.cuda.max_memory_allocated``.
+
+torchtitan version: 0.2.2 (PyPI, 2026-02-20), the release developed against torch 2.11's line; 0.3.0
+came later, for newer torch, and needs packages (``spmd_types``, ``torch_checkpointing``, ``grain``)
+that 0.2.2 does not. Only its model, parallelize, config, model-converter and distributed modules are
+imported, without its package ``__init__`` files (which import every model and its trainer's parts);
+its model module still imports its train-spec protocol, and with it ``tokenizers``, ``torchdata``,
+``tensorboard`` and ``datasets`` (with ``pyarrow`` and ``pandas``). ``benchmarks/gpu/wheels.sh`` downloads
+these wheels and ``tyro``'s for the GPU machine; ``triton`` comes with every CUDA build of torch (torchtitan's
+MoE kernels import it).
+
+    python benchmarks/gpu/torchtitan_side_by_side.py [--modes compile,compile+ac] [--rounds 2] [--steps 20]
+    python benchmarks/gpu/torchtitan_side_by_side.py --tiny   # a 2-layer model on the CPU: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import statistics
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import lockstep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Clock, Watch, data  # noqa: E402  (benchmarks/gpu/llama.py: the same clock and data)
+from rounds import measured, report, spread  # noqa: E402
+
+MODES = ("eager", "compile", "compile+ac", "compile+ac+float8")
+SIDES = ("torchtitan", "lockstep")
+SIZES = {  # dim, layers, heads, kv heads, vocabulary (the MLP: 8192 for 1b from torchtitan's rounding)
+    "1b": (2048, 16, 32, 8, 128256),
+    "tiny": (64, 2, 4, 2, 512),
+}
+
+
+def import_torchtitan(where: str | None) -> types.SimpleNamespace:
+    """torchtitan's Llama 3 model, its parallelize function, its job config, its parallel dimensions and its
+    model converters. ``where``: the folder holding the ``torchtitan`` package (default: the installed one).
+    The packages on the way are registered bare, so their ``__init__`` files (which import torchtitan's data
+    pipeline and every model) do not run."""
+    if where is None:
+        spec = importlib.util.find_spec("torchtitan")
+        if spec is None or spec.origin is None:
+            raise SystemExit("torchtitan is not installed: pip install --no-deps torchtitan==0.2.2 tyro "
+                             "docstring_parser typeguard, or give --torchtitan FOLDER.")
+        where = os.path.dirname(os.path.dirname(spec.origin))
+    for name in ("torchtitan", "torchtitan.models", "torchtitan.models.llama3"):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(where, *name.split("."))]
+            sys.modules[name] = package
+    load = importlib.import_module
+    model, config = load("torchtitan.models.llama3.model.model"), load("torchtitan.config")
+    return types.SimpleNamespace(
+        Transformer=model.Transformer, ModelArgs=load("torchtitan.models.llama3.model.args").TransformerModelArgs,
+        parallelize=load("torchtitan.models.llama3.infra.parallelize").parallelize_llama, JobConfig=config.JobConfig,
+        ParallelDims=load("torchtitan.distributed").ParallelDims,
+        converters=load("torchtitan.protocols.model_converter").build_model_converters,
+        register_float8=lambda: load("torchtitan.components.quantization"))
+
+
+def model_args(tt: types.SimpleNamespace, size: str, seq: int) -> Any:
+    dim, layers, heads, kv_heads, vocab = SIZES[size]
+    return tt.ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=vocab,
+                        multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000, max_seq_len=seq)
+
+
+def formula_flops_per_token(model: torch.nn.Module, seq: int) -> float:
+    """torchtitan's count: 6 (N - N_embedding) + 12 L d T (attention's QK^T and AV, forward and backward)."""
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_embeddings.weight.numel()
+    args = model.model_args
+    return 6 * (params - embedding) + 12 * args.n_layers * args.dim * seq
+
+
+def cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's loss: the mean cross-entropy over float32 logits."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def run_torchtitan(args: argparse.Namespace, device: str) -> tuple[Clock, list[float], torch.nn.Module]:
+    tt = import_torchtitan(args.torchtitan)
+    job = tt.JobConfig()
+    job.training.seq_len = args.seq
+    job.compile.enable = "compile" in args.mode
+    job.activation_checkpoint.mode = "full" if "+ac" in args.mode else "none"
+    if "float8" in args.mode:
+        tt.register_float8()
+        job.model.converters = ["quantize.linear.float8"]
+    dims = tt.ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    with torch.device("meta"):
+        model = tt.Transformer(model_args(tt, args.size, args.seq))
+    tt.converters(job, dims).convert(model)
+    tt.parallelize(model, dims, job)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
+    loss_fn = torch.compile(cross_entropy) if job.compile.enable else cross_entropy
+    clock = Clock(device, args.warmup)
+    clock.tick()
+    loader = torch.utils.data.DataLoader(data(args.warmup + args.steps, args.batch, args.seq, SIZES[args.size][4]),
+                                         batch_size=args.batch, pin_memory=device == "cuda", num_workers=2)
+    for (tokens,) in loader:
+        tokens = tokens.to(device, non_blocking=True)
+        with torch.autocast(device, dtype=torch.bfloat16):  # torchtitan's maybe_enable_amp without FSDP
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock, [], model
+
+
+class TitanLM(lockstep.Module):
+    """torchtitan's Transformer in a lockstep Module: the same loss, the same optimizer."""
+
+    def __init__(self, model: torch.nn.Module, device: str) -> None:
+        super().__init__()
+        self.model, self.device_type = model, device
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        return cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=self.device_type == "cuda")
+
+
+def run_lockstep(args: argparse.Namespace, device: str) -> tuple[Clock, list[float], torch.nn.Module]:
+    tt = import_torchtitan(args.torchtitan)
+    with torch.device(device):
+        model = tt.Transformer(model_args(tt, args.size, args.seq))
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    clock = Clock(device, args.warmup)
+    watch = Watch(clock)
+    trainer = lockstep.Trainer(accelerator=device, precision="float8" if "float8" in args.mode else "bf16-mixed",
+                               compile="compile" in args.mode,
+                               activation_checkpointing="full" if "+ac" in args.mode else None,
+                               gradient_clip_val=1.0, max_epochs=1, seed=0, log_every_n_steps=2 if args.tiny else 5,
+                               loggers=(), enable_progress_bar=False, num_workers=2, callbacks=[watch],
+                               log_dir=args.log_dir)
+    trainer.fit(TitanLM(model, device), data(args.warmup + args.steps, args.batch, args.seq, SIZES[args.size][4]),
+                batch_size=args.batch)
+    return clock, watch.mfu, model
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """One side and mode in this process: its measurements."""
+    from lockstep.train.flops import peak_flops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    clock, trainer_mfu, model = (run_torchtitan if args.side == "torchtitan" else run_lockstep)(args, device)
+    tokens_per_s = args.batch * args.seq / statistics.median(clock.steps)
+    peak = peak_flops(torch.device(device), "bf16-mixed")
+    return {"side": args.side, "mode": args.mode, "tokens_per_s": tokens_per_s,
+            "formula_mfu": tokens_per_s * formula_flops_per_token(model, args.seq) / peak if peak else None,
+            "trainer_mfu": statistics.median(trainer_mfu) if trainer_mfu else None,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def child(args: argparse.Namespace, side: str, mode: str) -> dict[str, Any] | None:
+    command = [sys.executable, __file__, "--side", side, "--mode", mode, "--steps", str(args.steps), "--warmup",
+               str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch), "--log-dir", args.log_dir,
+               *(["--tiny"] if args.tiny else []), *(["--torchtitan", args.torchtitan] if args.torchtitan else [])]
+    result = measured(command, f"{side} {mode}")
+    if result is not None:
+        print(f"{side} {mode}: {result['tokens_per_s']:.0f} tokens/s", flush=True)
+    return result
+
+
+def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    first = next(iter(rounds[0].values()), None) if rounds else None
+    if first is None:
+        return
+    print(f"\n{device}, torch {torch.__version__}; torchtitan's Llama 3, {first['params'] / 1e9:.2f} B parameters, "
+          f"batch {args.batch} x {args.seq} tokens, {args.steps} timed steps after {args.warmup}, "
+          f"{len(rounds)} round(s) (median [range])")
+    print(f"{'mode':<19}{'torchtitan tok/s':>27}{'lockstep tok/s':>27}{'lockstep/tt':>24}{'MFU tt':>9}"
+          f"{'MFU ls':>9}{'Trainer MFU/formula':>22}{'GiB tt':>9}{'GiB ls':>9}")
+    for mode in args.modes.split(","):
+        got = {side: [r[(side, mode)] for r in rounds if (side, mode) in r] for side in SIDES}
+        paired = [r[("lockstep", mode)]["tokens_per_s"] / r[("torchtitan", mode)]["tokens_per_s"]
+                  for r in rounds if ("lockstep", mode) in r and ("torchtitan", mode) in r]
+
+        def values(side: str, key: str) -> list[float]:
+            return [x[key] for x in got[side] if x[key] is not None]  # noqa: B023 - used at once
+
+        agree = [x["trainer_mfu"] / x["formula_mfu"] for x in got["lockstep"] if x["trainer_mfu"] and x["formula_mfu"]]
+        print(f"{mode:<19}{spread(values('torchtitan', 'tokens_per_s'), '.0f'):>27}"
+              f"{spread(values('lockstep', 'tokens_per_s'), '.0f'):>27}{spread(paired, '.3f'):>24}"
+              f"{spread(values('torchtitan', 'formula_mfu'), '.3f'):>9}"
+              f"{spread(values('lockstep', 'formula_mfu'), '.3f'):>9}"
+              f"{spread(agree, '.3f'):>22}{spread(values('torchtitan', 'peak_gib'), '.1f'):>9}"
+              f"{spread(values('lockstep', 'peak_gib'), '.1f'):>9}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="compile,compile+ac,compile+ac+float8")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model, sequence 64: checks the script runs")
+    parser.add_argument("--torchtitan", help="the folder that holds the torchtitan package (default: installed)")
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # one side and mode, in a child process
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp") + "/lockstep-torchtitan-bench")
+    args = parser.parse_args()
+    args.size = "tiny" if args.tiny else "1b"
+    if args.tiny:
+        args.seq, args.batch, args.steps, args.warmup = 64, 2, min(args.steps, 6), min(args.warmup, 2)
+    if args.side:
+        report(lambda: run_one(args))
+        return
+    rounds = []
+    for index in range(args.rounds):
+        measured = {}
+        for mode in args.modes.split(","):
+            for side in SIDES if index % 2 == 0 else SIDES[::-1]:
+                result = child(args, side, mode)
+                if result is not None:
+                    measured[(side, mode)] = result
+        rounds.append(measured)
+    print_table(args, rounds)
+
+
+if __name__ == "__main__":
+    main()
