@@ -360,7 +360,8 @@ class Pipeline:
         size = dist.get_world_size(group)
         self.holder = {stage: r for r in range(size) for stage in stages_of_rank(r, size, schedule)}  # stage → rank
         for view, index in zip(views, mine, strict=True):
-            view.register_forward_hook(lambda _module, _args, output: _sent(model_output(output)))
+            # first of the forward hooks: FSDP's, which follow, then see no view (they warn of one)
+            view.register_forward_hook(lambda _module, _args, output: _sent(model_output(output)), prepend=True)
             if index and "inputs_embeds" in inspect.signature(view.forward).parameters:
                 view.register_forward_pre_hook(_as_embeddings, with_kwargs=True)
             if outside_fsdp and precision.fsdp_policy() is not None:  # no FSDP policy makes the mixed precision
