@@ -1,14 +1,12 @@
 """Collectives over nested data (tensors, numbers, dicts, lists, picklable objects).
 
 Every function here must be called by every rank of the default group (or of the group it is given), in
-the same order; each
-blocks until all ranks arrive (bounded by the group's timeout). Without a process group, or with
-one rank, each is the identity.
+the same order; each blocks until all ranks arrive (bounded by the group's timeout). Without a process
+group, or with one rank, each is the identity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,19 +83,14 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
     """Rank ``src``'s values into ``tensors`` on every rank (of ``group``; ``src`` a global rank), one
     broadcast per dtype and device (the ranks must hold tensors of the same shapes, in the same order: a
     module's buffers)."""
-    if active():
-        _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
-
-
-def _flat_in_place(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
-    """``collective`` on the tensors of each dtype and device, joined into one flat tensor, and the result
-    copied back into them."""
+    if not active():
+        return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        collective(flat)
+        dist.broadcast(flat, src=src, group=group)
         with torch.no_grad():
             for tensor, values in zip(same, flat.split([t.numel() for t in same]), strict=True):
                 tensor.copy_(values.view_as(tensor))
