@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -13,6 +14,10 @@ from lockstep.errors import ConfigError, StateError, UsageError
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
+
+
+#: Where ``Module._calls_through`` keeps the model that ``self(...)`` calls instead (not a submodule).
+_THROUGH = "_lockstep_pipeline"
 
 
 class MetricSink(Protocol):
@@ -47,13 +52,23 @@ class Module(nn.Module):
         self._trainer_ref: weakref.ref[Trainer] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        through = self.__dict__.pop("_lockstep_pipeline", None)  # an evaluation step on pipeline stages
+        through = self.__dict__.pop(_THROUGH, None)  # an evaluation step on pipeline stages
         if through is None:
             return super().__call__(*args, **kwargs)
         try:  # through every stage, whose own call of this module (a stage of one rank is the model) is its forward
             return through(*args, **kwargs)
         finally:
-            self.__dict__["_lockstep_pipeline"] = through
+            self.__dict__[_THROUGH] = through
+
+    @contextlib.contextmanager
+    def _calls_through(self, model: nn.Module) -> Iterator[None]:
+        """Inside the block, ``self(...)`` calls ``model`` (the Trainer's evaluation steps on pipeline stages:
+        the model that runs every stage in turn)."""
+        self.__dict__[_THROUGH] = model
+        try:
+            yield
+        finally:
+            del self.__dict__[_THROUGH]
 
     def attach(self, trainer: Trainer) -> None:
         """Called by the Trainer that runs this module; ``self.trainer`` and ``self.log`` then reach it.

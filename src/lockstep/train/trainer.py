@@ -447,12 +447,8 @@ class Trainer:
         every stage in turn: every rank of the pipeline gets the model's output (docs/parallelism.md)."""
         if self.runtime.pipeline_parallel_size == 1:
             return self._wrapped(step, batch, batch_idx)
-        module = self.module
-        module.__dict__["_lockstep_pipeline"] = self._wrapped
-        try:
-            return getattr(module, step)(batch, batch_idx)
-        finally:
-            del module.__dict__["_lockstep_pipeline"]
+        with self.module._calls_through(self._wrapped):
+            return getattr(self.module, step)(batch, batch_idx)
 
     def _pipeline_step(self, batch: Any) -> dict[str, Any]:
         """A training batch on pipeline stages: the module's ``forward`` cut into stages, its ``loss_fn(output,
