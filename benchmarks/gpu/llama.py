@@ -25,10 +25,8 @@ logged (its own FLOP count) and their ratio, and ``torch.cuda.max_memory_allocat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -37,6 +35,9 @@ import torch
 import torch.nn.functional as F
 
 import lockstep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import measured, report  # noqa: E402
 
 MODES = ("hand-written", "compile", "compile+ac", "compile+selective", "compile+ac+float8")
 SIZES = {  # hidden, layers, heads, kv heads, MLP, vocabulary
@@ -187,21 +188,17 @@ def main() -> None:
     if args.tiny:
         args.seq, args.batch, args.steps, args.warmup = 64, 2, min(args.steps, 6), min(args.warmup, 2)
     if args.mode:
-        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        report(lambda: run_mode(args))
         return
     results = []
     for mode in args.modes.split(","):
         command = [sys.executable, __file__, "--mode", mode, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--seq", str(args.seq), "--batch", str(args.batch), "--log-dir", args.log_dir,
                    *(["--tiny"] if args.tiny else [])]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            print(f"{mode}: failed (exit {done.returncode}): {' | '.join(tail)}", flush=True)
-            continue
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-        print(f"{mode}: done", flush=True)
+        result = measured(command, mode)
+        if result is not None:
+            results.append(result)
+            print(f"{mode}: done", flush=True)
     if not results:
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
