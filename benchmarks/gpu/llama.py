@@ -198,7 +198,6 @@ def main() -> None:
         result = measured(command, mode)
         if result is not None:
             results.append(result)
-            print(f"{mode}: done", flush=True)
     if not results:
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

@@ -8,19 +8,25 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 
 def measured(command: list[str], label: str) -> dict[str, Any] | None:
-    """Run ``command`` (a child that calls ``report``); its result, or None after one line saying why not."""
+    """Run ``command`` (a child that calls ``report``); its result, or None after one line saying why not.
+    Either way one line says what it gave and how long the child took, so that a run cut short keeps its
+    finished measurements in its log."""
+    start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    took = f"{time.perf_counter() - start:.0f} s"
     if done.returncode or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-4:]
-        print(f"{label}: failed (exit {done.returncode}): {' | '.join(tail)}", flush=True)
+        print(f"{label}: failed (exit {done.returncode}, {took}): {' | '.join(tail)}", flush=True)
         return None
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    print(f"{label} ({took}): {json.dumps(result)}", flush=True)
     return result
 
 

@@ -10,6 +10,10 @@
 #     bash benchmarks/gpu/run.sh vision       # ResNet-50 images/s: Trainer, runtime API, hand-written, Lightning
 #     bash benchmarks/gpu/run.sh llama        # the ~1B transformers Llama's modes against a hand-written loop
 #     bash benchmarks/gpu/run.sh all          # every part in turn (about 25 minutes)
+#     bash benchmarks/gpu/run.sh brief        # one command of under 10 minutes (BUDGET seconds, default 540):
+#                                             # setup, torchtitan (compile, compile+ac+float8), the GPU tests,
+#                                             # host syncs, GPT-2 small with Lightning and Accelerate, vision;
+#                                             # each part bounded by the time left, the most needed first
 #
 # Logs and tables go to $OUT (default: ./gpu-results).
 set -uo pipefail
@@ -34,7 +38,7 @@ case "$part" in
   setup) setup ;;
   tests)
     lockstep doctor 2>&1 | tee "$OUT/doctor.txt"
-    python3 -m pytest tests/gpu/test_gpu.py -v -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.txt"
+    python3 -m pytest tests/gpu -v -rA -p no:cacheprovider -n 4 2>&1 | tee "$OUT/test_gpu.txt"
     python3 -m pytest tests/dist/test_fsdp.py tests/e2e/test_fsdp_at_scale.py tests/unit/test_checkpoints.py \
       tests/e2e/test_checkpoints_killed.py tests/unit/test_runtime.py -q -p no:cacheprovider -n 8 2>&1 \
       | tee "$OUT/cpu_tests_on_this_torch.txt" | tail -25 ;;
@@ -48,11 +52,34 @@ case "$part" in
     python3 benchmarks/gpu/vision.py --rounds 2 --steps 40 --warmup 10 2>&1 | tee "$OUT/vision.txt" ;;
   llama)
     python3 benchmarks/gpu/llama.py --modes hand-written,compile,compile+ac 2>&1 | tee "$OUT/llama.txt" ;;
+  syncs)
+    python3 benchmarks/gpu/host_syncs.py 2>&1 | tee "$OUT/host_syncs.txt" ;;
+  brief)
+    start=$SECONDS
+    budget=${BUDGET:-540}
+    bounded() {  # bounded CAP LOG COMMAND...: at most CAP seconds, and never past the budget
+      local cap=$1 log=$2 left=$((budget - (SECONDS - start)))
+      shift 2
+      if ((left < 25)); then echo "not run, no time left: $*" | tee -a "$OUT/$log"; return; fi
+      ((cap < left)) || cap=$left
+      echo "== $* (at most $cap s, at $((SECONDS - start)) s)" >>"$OUT/$log"
+      timeout -k 5 "$cap" "$@" >>"$OUT/$log" 2>&1
+      echo "== exit $? after $((SECONDS - start)) s" >>"$OUT/$log"
+    }
+    setup >"$OUT/setup.txt" 2>&1
+    bounded 270 titan.txt python3 benchmarks/gpu/torchtitan_side_by_side.py --modes compile,compile+ac+float8 \
+      --rounds 2 --steps 15 --warmup 6
+    bounded 130 tests.txt python3 -m pytest tests/gpu -v -rA -p no:cacheprovider -n 4
+    bounded 45 syncs.txt python3 benchmarks/gpu/host_syncs.py
+    bounded 70 gpt.txt python3 benchmarks/gpu/gpt.py --rounds 2 --steps 20 --warmup 5
+    bounded 200 vision.txt python3 benchmarks/gpu/vision.py --loops hand-written,trainer,runtime,lightning \
+      --rounds 2 --steps 20 --warmup 8
+    tail -n 30 "$OUT"/*.txt ;;
   all)
     setup
-    for next in tests gpt "titan compile" "titan compile+ac" "titan compile+ac+float8" vision llama; do
+    for next in tests syncs gpt "titan compile" "titan compile+ac" "titan compile+ac+float8" vision llama; do
       # shellcheck disable=SC2086  # the part and its mode are two words
       bash "$0" $next
     done ;;
-  *) echo "unknown part $part: setup, tests, gpt, titan MODE, vision, llama or all" >&2; exit 2 ;;
+  *) echo "unknown part $part: setup, tests, gpt, titan MODE, vision, llama, syncs, all or brief" >&2; exit 2 ;;
 esac

@@ -197,10 +197,7 @@ def child(args: argparse.Namespace, side: str, mode: str) -> dict[str, Any] | No
     command = [sys.executable, __file__, "--side", side, "--mode", mode, "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch), "--log-dir", args.log_dir,
                *(["--tiny"] if args.tiny else []), *(["--torchtitan", args.torchtitan] if args.torchtitan else [])]
-    result = measured(command, f"{side} {mode}")
-    if result is not None:
-        print(f"{side} {mode}: {result['tokens_per_s']:.0f} tokens/s", flush=True)
-    return result
+    return measured(command, f"{side} {mode}")
 
 
 def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:

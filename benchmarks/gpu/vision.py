@@ -229,10 +229,7 @@ def child(args: argparse.Namespace, loop: str, folder: str) -> dict[str, Any] | 
     command = [sys.executable, __file__, "--loop", loop, "--folder", folder, "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--batch", str(args.batch), "--workers", str(args.workers), "--images",
                str(args.images), "--log-dir", args.log_dir, *(["--tiny"] if args.tiny else [])]
-    result = measured(command, loop)
-    if result is not None:
-        print(f"{loop}: {result['images_per_s']:.0f} images/s, data wait {result['data_wait']:.1%}", flush=True)
-    return result
+    return measured(command, loop)
 
 
 def main() -> None:

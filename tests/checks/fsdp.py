@@ -46,7 +46,7 @@ def full_weights(model: nn.Module) -> torch.Tensor:
     parts = []
     for p in lockstep.unwrap(model).parameters():
         t = p.detach()
-        parts.append((t.full_tensor() if isinstance(t, DTensor) else t).float().reshape(-1))
+        parts.append((t.full_tensor() if isinstance(t, DTensor) else t).float().reshape(-1).cpu())
     return torch.cat(parts)
 
 

@@ -67,9 +67,10 @@ def reference_weights(steps: int = 5, batch_size: int = 8, clip: float | None = 
 
 
 def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, checkpointing=None,
-                 steps: int = 5, batch_size: int = 8, lr: float = 1e-3, rows: int = 40) -> dict:
+                 steps: int = 5, batch_size: int = 8, lr: float = 1e-3, rows: int = 40, accelerator: str = "cpu",
+                 devices="auto") -> dict:
     """The same run through lockstep, on ``strategy``: the model's own loss with num_items."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator=accelerator, devices=devices, seed=0, strategy=strategy)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer, activation_checkpointing=checkpointing)

@@ -287,3 +287,61 @@ rt.close()
 def test_cpu_offload_on_one_gpu_keeps_the_shards_in_host_memory():
     done = subprocess.run([sys.executable, "-c", OFFLOAD], capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_float8_is_refused_below_compute_capability_8_9(monkeypatch):
+    pytest.importorskip("torchao.float8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="'float8' needs compute capability 8.9 or newer .* has 8.0: use 'bf16-mixed'"):
+        Runtime(accelerator="cuda", devices=1, precision="float8", env=DistEnv())
+
+
+def _float8_stack() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+                               torch.nn.GELU(), torch.nn.Linear(256, 16))
+
+
+def test_float8_runs_its_matmuls_in_float8_and_equals_a_hand_written_torchao_loop():
+    pytest.importorskip("torchao.float8")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matrix products need compute capability 8.9+")
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 256, generator=generator), torch.randint(0, 16, (64,), generator=generator))
+               for _ in range(4)]
+    rt = Runtime(accelerator="cuda", devices=1, precision="float8", env=DistEnv(), seed=0)
+    model = _float8_stack()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for x, y in batches:
+            rt.backward(F.cross_entropy(model(x.cuda()), y.cuda()))
+            optimizer.step()
+            optimizer.zero_grad()
+    kernels = " ".join(e.key.lower() for e in prof.key_averages())
+    assert "e4m3" in kernels or "fp8" in kernels or "f8" in kernels, kernels[:2000]  # float8 GEMMs ran
+
+    plain = convert_to_float8_training(_float8_stack().cuda(), module_filter_fn=lambda m, name: True)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for x, y in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = plain(x.cuda())
+        F.cross_entropy(logits.float(), y.cuda()).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    ours, theirs = checks.flat_weights(model), checks.flat_weights(plain)
+    assert float((ours - theirs).abs().max()) <= 1e-6
+
+
+def test_activation_checkpointing_on_the_gpu_keeps_the_weights():
+    from checks import mesh as mc
+
+    def weights(mode):
+        return mc.mesh_weights("single", 1, None, mode, 3, accelerator="cuda", devices=1)["weights"]
+
+    plain = weights(None)
+    for mode in ("full", "selective"):
+        assert torch.allclose(weights(mode), plain, atol=1e-6, rtol=0), mode

@@ -127,6 +127,19 @@ def test_bad_arguments_say_what_to_fix(kwargs, message):
         rt.setup(nn.Linear(1, 1))
 
 
+def test_a_gpu_listed_twice_means_two_processes_on_it_over_gloo():
+    from lockstep.runtime.comm.process_group import choose_backend
+    from lockstep.runtime.parallel.devices import parse_devices
+
+    assert parse_devices("0,0") == (0, 0) and parse_devices([1, 1, 1]) == (1, 1, 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_devices([0, -1])
+    assert choose_backend("cuda", None) == "nccl"
+    assert choose_backend("cuda", None, shares_gpu=True) == "gloo"  # NCCL refuses two ranks on one GPU
+    with pytest.raises(ValueError, match="NCCL needs one GPU per rank. Use backend='gloo'"):
+        choose_backend("cuda", "nccl", shares_gpu=True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="torch sees no CUDA GPU"):

@@ -99,6 +99,10 @@ def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:
     missing = [i for i in ids if i >= gpus]
     if missing:
         raise PreflightError(f"--devices {devices}: GPU(s) {missing} do not exist ({gpus} visible).")
+    if len(set(ids)) != len(ids):
+        raise PreflightError(f"--devices {devices}: lockstep run starts one process per GPU it lists. For several "
+                             "processes on one GPU, pass devices=[0, 0] to the Runtime or Trainer in the script and "
+                             "start it with torchrun --nproc-per-node 2 or lockstep.launch(fn, nprocs=2).")
     return len(ids), ",".join(str(i) for i in ids)
 
 

@@ -152,7 +152,8 @@ class Runtime:
         self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
-        self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend))
+        self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend,
+                                                          self.placement.shares_gpu))
         # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
         # membership, read per step by the loaders, num_items and gather.
         self.mesh = Mesh(self.strategy.layout(self.world_size), self.rank, self.device.type)
@@ -219,6 +220,7 @@ class Runtime:
         """Join the job's process group (blocking until every rank is there); True when this created it."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.init()  # so that torch's DeviceMesh keeps this device, not cuda:LOCAL_RANK (devices=[0, 0])
         if not self.env.is_distributed:
             if not isinstance(self.strategy, FSDP):  # FSDP on one process: its CPU offload (make_strategy)
                 return False

@@ -19,10 +19,17 @@ DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-def choose_backend(accelerator: str, backend: str | None) -> str:
-    """NCCL for CUDA, Gloo for CPU; ``mpi`` only on request and where torch was built with it."""
+def choose_backend(accelerator: str, backend: str | None, shares_gpu: bool = False) -> str:
+    """NCCL for CUDA, Gloo for CPU; ``mpi`` only on request and where torch was built with it.
+
+    ``shares_gpu``: this rank's GPU also runs another rank of the job. NCCL refuses that (it needs one
+    GPU per rank), so the default is then Gloo, which runs its collectives on CUDA tensors too."""
     if backend is None:
-        return "nccl" if accelerator == "cuda" else "gloo"
+        return "nccl" if accelerator == "cuda" and not shares_gpu else "gloo"
+    if backend == "nccl" and shares_gpu:
+        raise ConfigError("backend 'nccl' with several processes on one GPU (a GPU index listed twice in "
+                          "devices): NCCL needs one GPU per rank. Use backend='gloo' (the default there), or "
+                          "one process per GPU.")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
     available = {

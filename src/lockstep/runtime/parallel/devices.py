@@ -18,12 +18,14 @@ class Placement:
     """What this process computes on.
 
     ``device`` is this rank's device; ``device_ids`` are all GPU indices this process drives
-    (one, or several under ``dp``), empty on CPU.
+    (one, or several under ``dp``), empty on CPU. ``shares_gpu``: another process on this node
+    computes on the same GPU (``devices=[0, 0]``), which NCCL refuses and Gloo allows.
     """
 
     accelerator: str
     device: torch.device
     device_ids: tuple[int, ...]
+    shares_gpu: bool = False
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -45,7 +47,9 @@ def resolve_accelerator(accelerator: str) -> str:
 
 
 def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
-    """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices."""
+    """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices.
+
+    An index listed more than once (``[0, 0]``) puts that many processes on one GPU."""
     if isinstance(devices, str):
         text = devices.strip().lower()
         if text == "auto":
@@ -68,8 +72,8 @@ def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
     ids = tuple(int(i) for i in devices)
     if not ids:
         raise ConfigError("devices=[]: list at least one GPU index, or give a count.")
-    if len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ConfigError(f"devices={list(ids)}: GPU indices must be distinct and non-negative.")
+    if min(ids) < 0:
+        raise ConfigError(f"devices={list(ids)}: GPU indices must be non-negative.")
     return ids
 
 
@@ -112,7 +116,8 @@ def _gpu_ids(wanted: int | str | tuple[int, ...], env: DistEnv, one_process_many
     if missing:
         raise ConfigError(
             f"devices asks for GPU(s) {missing} but only {available} are visible "
-            f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
+            f"(indices 0-{available - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0). To run several "
+            "processes on one GPU, list it once per process (devices=[0, 0]; Gloo, not NCCL)."
         )
     return ids
 
@@ -141,12 +146,15 @@ def resolve_placement(
                 f"strategy 'dp' runs in one process but the launcher started {env.world_size}: "
                 "start the script with plain `python`, or use strategy='ddp'."
             )
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"devices={list(ids)}: strategy 'dp' drives each listed GPU once: list distinct "
+                              "indices.")
         return Placement(kind, torch.device(kind, ids[0]) if ids else torch.device(kind), ids)
     if count != env.local_world_size:
         raise ConfigError(_process_count_message(count, env))
     if kind == "cuda":
         index = ids[env.local_rank]
-        return Placement(kind, torch.device("cuda", index), (index,))
+        return Placement(kind, torch.device("cuda", index), (index,), shares_gpu=ids.count(index) > 1)
     return Placement(kind, torch.device("cpu"), ())
 
 
