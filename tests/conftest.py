@@ -31,9 +31,23 @@ PRELOADED = ["lockstep.runtime.launch.spawn", "torch.distributed.fsdp", "torch.d
              "transformers.models.gpt2.modeling_gpt2", "torchao.float8", "datasets"]
 
 
+# Where torch sees a GPU, torchao's import reads the device (and so starts CUDA): a forkserver that
+# imported it would fork ranks that cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
+# There it preloads torch's own modules only.
+STARTS_CUDA = ("transformers", "torchao", "datasets")
+
+# torch.compile's worker processes live as long as the process that compiled: in the test process they
+# would outlive each test (and fail its leftover check). One compile thread compiles in the process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform.startswith("linux"):
-        multiprocessing.set_forkserver_preload(PRELOADED)
+        import torch
+
+        cuda = torch.cuda.is_available()
+        multiprocessing.set_forkserver_preload(
+            [name for name in PRELOADED if not (cuda and name.startswith(STARTS_CUDA))])
         multiprocessing.forkserver.ensure_running()
 
 

@@ -49,3 +49,22 @@ def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(
     with pytest.raises(TypeError, match="compile= takes True, False or a dict"):
         tc.quiet_trainer(max_epochs=1, compile="yes").fit(tc.Classifier(), tc.checks.make_data(16), batch_size=16)
 
+
+
+def test_fsdp_shards_a_plain_sequential_layer_by_layer_and_a_model_with_layers_by_its_layers():
+    from torch import nn
+
+    from lockstep.runtime.parallel.fsdp import FSDP
+
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), inner, nn.Linear(4, 2))
+    assert FSDP().blocks(model) == [model[0], inner, model[3]]  # the ReLU has no weights; inner stays whole
+
+    class Layered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+            self.head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    layered = Layered()
+    assert FSDP().blocks(layered) == list(layered.layers)  # the head's Sequential is the root's to hold

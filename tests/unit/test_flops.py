@@ -68,6 +68,29 @@ def test_a_small_transformer_costs_three_times_its_forward_matmuls():
     assert counted(lambda: F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()) == 3 * forward
 
 
+def test_grouped_query_attention_counts_as_its_query_heads_on_every_kernel(monkeypatch):
+    """4 query heads over 2 key/value heads: 4 b h s^2 d forward and 10 b h s^2 d backward, h the query
+    heads. torch 2.11's formulas refused such shapes (and so ended the Trainer's first step on a GPU):
+    here they are made as strict, so the count must not hand them grouped shapes."""
+    from torch.utils import flop_counter
+
+    for name in ("sdpa_flop_count", "sdpa_backward_flop_count"):
+        original = getattr(flop_counter, name)
+
+        def strict(*shapes, original=original):
+            assert len({shape[1] for shape in shapes}) == 1, f"heads differ: {shapes}"
+            return original(*shapes)
+
+        monkeypatch.setattr(flop_counter, name, strict)
+    b, h, s, d = 2, 4, 8, 16
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, requires_grad=True) for _ in range(2))
+    counter = FlopCount()
+    counter.start()
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    assert counter.stop() == 14 * b * h * s * s * d
+
+
 def test_mfu_is_the_fraction_of_the_peak_and_never_above_one():
     assert mfu(1e9, 100.0, 1e12, 2) == pytest.approx(0.05)
     assert mfu(1e9, 100.0, 1e10, 2) is None  # 500 %: the count or the peak is wrong

@@ -19,23 +19,32 @@ import torch
 from lockstep.runtime._torch_compat import is_dtensor, pytree, raw_flop_formula, to_local
 
 
-def _cpu_attention_formulas() -> dict[Any, Any]:
-    """torch's counter knows the GPU attention kernels but not the CPU's flash attention, so
-    scaled_dot_product_attention on the CPU would count as 0: count it as the GPU kernels are."""
+def _attention_formulas() -> dict[Any, Any]:
+    """Attention counted as torch 2.13 counts it, on every torch: with grouped-query attention (fewer key
+    and value heads than query heads, ``enable_gqa=True``) as if the key and value heads were repeated,
+    which is what the kernels compute; torch 2.11's formulas refuse such shapes, which ended the training
+    step. The CPU's flash attention, which torch's counter does not know, counts as the GPU kernels do."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
     aten = torch.ops.aten
-    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        return {}
+
+    def heads_of(shape: Any, query: Any) -> tuple[int, ...]:
+        return (shape[0], query[1], *shape[2:])
 
     def forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-        return sdpa_flop_count(query, key, value)
+        return sdpa_flop_count(query, heads_of(key, query), heads_of(value, query))
 
     def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-        return sdpa_backward_flop_count(grad_out, query, key, value)
+        return sdpa_backward_flop_count(grad_out, query, heads_of(key, query), heads_of(value, query))
 
-    return {aten._scaled_dot_product_flash_attention_for_cpu: raw_flop_formula(shape_wrapper(forward)),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: raw_flop_formula(shape_wrapper(backward))}
+    kernels = ("efficient", "flash", "cudnn", "flash_attention_for_cpu")
+    formulas = {}
+    for kernel in kernels:
+        name = f"_scaled_dot_product_{kernel}" + ("" if kernel.endswith("cpu") else "_attention")
+        if hasattr(aten, name) and hasattr(aten, name + "_backward"):
+            formulas[getattr(aten, name)] = raw_flop_formula(shape_wrapper(forward))
+            formulas[getattr(aten, name + "_backward")] = raw_flop_formula(shape_wrapper(backward))
+    return formulas
 
 
 def _on_local_shards(formula: Any) -> Any:
@@ -58,7 +67,7 @@ class FlopCount:
     def __init__(self, tp: int = 1) -> None:
         from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-        formulas = _cpu_attention_formulas()
+        formulas = _attention_formulas()
         if tp > 1:  # every formula, torch's and ours, on the local shards
             formulas = {op: _on_local_shards(formula) for op, formula in {**flop_registry, **formulas}.items()}
         self.tp = tp

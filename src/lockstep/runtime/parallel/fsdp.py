@@ -115,6 +115,7 @@ class FSDP:
         else:
             found = [block for m in module.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))
                      for block in m.children()]
+            found = found or _sequential_layers(module)
         return [block for block in found if any(True for _ in block.parameters())]  # a pipeline's Skipped: none
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
@@ -129,6 +130,17 @@ class FSDP:
     @property
     def collective_forward(self) -> bool:
         return True
+
+
+def _sequential_layers(module: nn.Module) -> list[nn.Module]:
+    """A model without a list or dict of layers (``nn.Sequential(Linear, ReLU, Linear, ...)``): the children
+    of its outermost ``nn.Sequential`` containers, so that one layer at a time is gathered, not the model."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, container in module.named_modules():
+        inside = any(name == outer or name.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(container, nn.Sequential) and not inside:
+            found += [(f"{name}.{key}" if name else key, child) for key, child in container.named_children()]
+    return [child for _, child in found]
 
 
 @contextlib.contextmanager
