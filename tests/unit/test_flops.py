@@ -215,3 +215,31 @@ def test_the_trainers_count_for_a_llama_agrees_with_the_benchmark_formula_with_o
     trainer.fit(module, torch.utils.data.TensorDataset(torch.randint(0, 1000, (4, tokens))), batch_size=4)
     monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
     assert monitor.flops_per_sample == pytest.approx(benchmark_formula(module, tokens), rel=0.02)
+
+
+def test_counting_runs_compiled_regions_eagerly_and_leaves_them_to_compile_after():
+    """A region first called under torch's FLOP counter was never compiled after it (eager for the whole
+    run): the count runs it eagerly, and the next call compiles it."""
+    from torch._dynamo.utils import counters
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return F.gelu(self.linear(x))
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = Block()
+    block.compile()
+    x = torch.randn(4, 16)
+    counter = FlopCount()
+    counter.start()
+    block(x).sum().backward()
+    assert counter.stop() == 2 * (2 * 4 * 16 * 16)  # the forward and the weight gradient (x needs none)
+    assert counters["stats"]["unique_graphs"] == 0
+    for _ in range(2):
+        block(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1  # compiled at its first call outside the count
