@@ -12,7 +12,8 @@ default) and bf16:
   initialisation, bf16 autocast (what torchtitan uses on one GPU, where it applies no FSDP), its loss
   (cross-entropy on float32 logits, compiled with the model) and a plain loop;
 - **lockstep**: ``lockstep.Trainer(compile=..., activation_checkpointing=..., precision="bf16-mixed" or
-  "float8", gradient_clip_val=1.0)`` on a ``lockstep.Module`` holding the same ``Transformer``.
+  "float8", gradient_clip_val=1.0)`` on a ``lockstep.Module`` holding the same ``Transformer``, its
+  ``training_step`` calling the same loss (``torch.compile``-d in the compiled modes, as torchtitan does).
 
 Modes: ``eager``, ``compile``, ``compile+ac`` (full activation checkpointing), ``compile+ac+float8``
 (torchao's float8 linears, compute capability 8.9+). Each (side, mode) runs in a fresh process, so that
@@ -145,15 +146,17 @@ def run_torchtitan(args: argparse.Namespace, device: str) -> tuple[Clock, list[f
 
 
 class TitanLM(lockstep.Module):
-    """torchtitan's Transformer in a lockstep Module: the same loss, the same optimizer."""
+    """torchtitan's Transformer in a lockstep Module: the same loss (compiled where torchtitan compiles it),
+    the same optimizer."""
 
-    def __init__(self, model: torch.nn.Module, device: str) -> None:
+    def __init__(self, model: torch.nn.Module, device: str, compile_loss: bool) -> None:
         super().__init__()
         self.model, self.device_type = model, device
+        self.loss_fn = torch.compile(cross_entropy) if compile_loss else cross_entropy
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens = batch[0]
-        return cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+        return self.loss_fn(self.model(tokens[:, :-1]), tokens[:, 1:])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=self.device_type == "cuda")
@@ -173,8 +176,8 @@ def run_lockstep(args: argparse.Namespace, device: str) -> tuple[Clock, list[flo
                                gradient_clip_val=1.0, max_epochs=1, seed=0, log_every_n_steps=2 if args.tiny else 5,
                                loggers=(), enable_progress_bar=False, num_workers=2, callbacks=[watch],
                                log_dir=args.log_dir)
-    trainer.fit(TitanLM(model, device), data(args.warmup + args.steps, args.batch, args.seq, SIZES[args.size][4]),
-                batch_size=args.batch)
+    tokens = data(args.warmup + args.steps, args.batch, args.seq, SIZES[args.size][4])
+    trainer.fit(TitanLM(model, device, "compile" in args.mode), tokens, batch_size=args.batch)
     return clock, watch.mfu, model
 
 

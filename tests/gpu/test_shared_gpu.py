@@ -1,6 +1,6 @@
-"""Several ranks on one GPU (``devices=[0, 0]``): over Gloo with CUDA tensors, the runtime API's DDP, FSDP
-and a tensor-parallel mesh reach the one-process weights on 2 and 4 processes; NCCL refuses two ranks on
-one GPU, and lockstep says so before torch does.
+"""Several ranks on one GPU (``devices=[0, 0]``): over Gloo with CUDA tensors, the runtime API's DDP reaches
+the one-process weights on 2 and 4 processes. NCCL refuses two ranks on one GPU, and FSDP and the mesh
+crash torch's Gloo on CUDA tensors (ranks killed by SIGSEGV, torch 2.11): lockstep refuses both by name.
 
 Skipped on machines without CUDA."""
 
@@ -40,25 +40,31 @@ def one_process() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", lockstep.FSDP(tp=2)], ids=["ddp", "fsdp", "fsdp-tp2"])
-def test_ranks_sharing_one_gpu_reach_the_one_process_weights(one_process, strategy, world):
+def test_ddp_ranks_sharing_one_gpu_reach_the_one_process_weights(one_process, world):
     untouched = mc.hc.flat(mc.tiny_llama())
-    for weights in _weights(strategy, world):
+    for weights in _weights("ddp", world):
         assert float((weights - untouched).abs().max()) > 1e-4  # it trained
         assert torch.allclose(weights, one_process, atol=TOLERANCE, rtol=0), float((weights - one_process).abs().max())
 
 
-def _refused_backend() -> str:
+def _refused(**options) -> str:
     try:
-        lockstep.Runtime(accelerator="cuda", devices=[0, 0], backend="nccl")
+        lockstep.Runtime(accelerator="cuda", devices=[0, 0], **options)
     except ValueError as error:
         return str(error)
     return "not refused"
 
 
 def test_nccl_on_a_shared_gpu_is_refused_with_a_clear_error():
-    for message in run_ranks(_refused_backend, 2):
+    for message in run_ranks(functools.partial(_refused, backend="nccl"), 2):
         assert "NCCL needs one GPU per rank. Use backend='gloo'" in message
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", lockstep.FSDP(tp=2), lockstep.DDP(tp=2)],
+                         ids=["fsdp", "fsdp-tp2", "ddp-tp2"])
+def test_fsdp_and_the_mesh_over_gloo_on_cuda_are_refused_before_they_crash(strategy):
+    for message in run_ranks(functools.partial(_refused, strategy=strategy), 2):
+        assert "over Gloo on CUDA tensors: torch's Gloo crashes" in message
 
 
 NCCL_TWO_RANKS_ONE_GPU = """

@@ -138,6 +138,10 @@ def test_a_gpu_listed_twice_means_two_processes_on_it_over_gloo():
     assert choose_backend("cuda", None, shares_gpu=True) == "gloo"  # NCCL refuses two ranks on one GPU
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank. Use backend='gloo'"):
         choose_backend("cuda", "nccl", shares_gpu=True)
+    for given in (None, "gloo"):  # torch's Gloo crashes in FSDP's collectives on CUDA tensors: refused
+        with pytest.raises(ValueError, match="FSDP and the device mesh .* over Gloo on CUDA tensors"):
+            choose_backend("cuda", given, shares_gpu=True, sharded=True)
+    assert choose_backend("cpu", None, sharded=True) == "gloo" and choose_backend("cuda", None, sharded=True) == "nccl"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -152,8 +152,9 @@ class Runtime:
         self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
-        self._owns_group = self._join_group(choose_backend(self.placement.accelerator, config.backend,
-                                                          self.placement.shares_gpu))
+        self._owns_group = self._join_group(choose_backend(
+            self.placement.accelerator, config.backend, self.placement.shares_gpu,
+            sharded=self.strategy.collective_forward and self.env.world_size > 1))
         # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
         # membership, read per step by the loaders, num_items and gather.
         self.mesh = Mesh(self.strategy.layout(self.world_size), self.rank, self.device.type)

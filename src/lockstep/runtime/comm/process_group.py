@@ -19,11 +19,24 @@ DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-def choose_backend(accelerator: str, backend: str | None, shares_gpu: bool = False) -> str:
+def choose_backend(accelerator: str, backend: str | None, shares_gpu: bool = False, sharded: bool = False) -> str:
     """NCCL for CUDA, Gloo for CPU; ``mpi`` only on request and where torch was built with it.
 
     ``shares_gpu``: this rank's GPU also runs another rank of the job. NCCL refuses that (it needs one
-    GPU per rank), so the default is then Gloo, which runs its collectives on CUDA tensors too."""
+    GPU per rank), so the default is then Gloo, which runs DDP's collectives on CUDA tensors too.
+    ``sharded``: the strategy is FSDP or a device mesh on several processes, whose collectives crash
+    torch's Gloo on CUDA tensors; refused there."""
+    chosen = _backend(accelerator, backend, shares_gpu)
+    if chosen == "gloo" and accelerator == "cuda" and sharded:
+        raise ConfigError(
+            "FSDP and the device mesh (tensor or pipeline parallel, DDP with tp or pp) over Gloo on CUDA tensors: "
+            "torch's Gloo crashes in their collectives (a segmentation fault, seen on torch 2.11 with 2 and 4 "
+            "processes on one GPU). Use NCCL with one GPU per process, strategy='ddp' (which runs over Gloo on "
+            "CUDA, also with several processes on one GPU), or accelerator='cpu'.")
+    return chosen
+
+
+def _backend(accelerator: str, backend: str | None, shares_gpu: bool) -> str:
     if backend is None:
         return "nccl" if accelerator == "cuda" and not shares_gpu else "gloo"
     if backend == "nccl" and shares_gpu:
