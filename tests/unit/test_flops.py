@@ -243,3 +243,35 @@ def test_counting_runs_compiled_regions_eagerly_and_leaves_them_to_compile_after
     for _ in range(2):
         block(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1  # compiled at its first call outside the count
+
+
+def test_a_compiled_trainer_that_counts_its_mfu_runs_its_blocks_compiled(tmp_path, monkeypatch):
+    """With a known peak the Trainer counts the first batch's FLOPs; its compiled blocks then still compile
+    (they ran eagerly for the whole fit when the count was their first call)."""
+    from torch._dynamo.utils import counters
+
+    from checks import compile as compile_checks
+
+    class Compiled(lockstep.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = compile_checks.Net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", "1e12")
+    torch._dynamo.reset()
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,)))
+    trainer = tc.quiet_trainer(compile=True, enable_throughput_monitor=True, log_every_n_steps=2, max_epochs=1,
+                               log_dir=str(tmp_path))
+    trainer.fit(Compiled(), data, batch_size=16)
+    assert trainer.runtime.compiled == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks compiled after the counted first batch
+    assert trainer.callback_metrics["mfu"] > 0
