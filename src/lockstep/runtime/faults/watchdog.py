@@ -254,10 +254,11 @@ class Watchdog:
         here = op or self.last
         positions = self.positions()
         elsewhere: dict[int, str] = {}
+        level: dict[int, str] = {}  # the ranks as far as this one: inside a step's scope, maybe still in their own code
         for r, entry in positions.items():
             text, _, where = entry.partition("\n")  # as ``mark`` stored it
-            if r != self.rank and text != self.last:
-                elsewhere[r] = f"{text} ({where})" if where else text
+            if r != self.rank:
+                (elsewhere if text != self.last else level)[r] = f"{text} ({where})" if where else text
         silent = [r for r in range(self.world_size) if r not in positions and r != self.rank]
         reason = str(error).splitlines()[0][:200]
         lost = lost_a_peer(str(error))
@@ -276,8 +277,16 @@ class Watchdog:
             lines += [f"  rank {r}: last at {p}{beats.get(r, '')}" for r, p in sorted(elsewhere.items())]
             lines += [f"  rank {r}: never reached a lockstep collective{beats.get(r, '')}" for r in silent]
         else:
-            lines.append("Every rank reached this collective: a rank may have died inside it, or the "
-                         "network between the nodes failed.")
+            # A step's scope (a forward, a backward) also runs the rank's own code: a rank stuck there has the
+            # same mark as this one, but its heartbeat says where it is now.
+            beats = {} if lost else self._liveness(sorted(level))
+            if beats:
+                lines.append(f"Every rank got as far as {self.last}, whose scope also runs each rank's own code. "
+                             "Where the others are now:")
+                lines += [f"  rank {r}: last at {level[r]}{beats[r]}" for r in sorted(beats)]
+            else:
+                lines.append("Every rank reached this collective: a rank may have died inside it, or the "
+                             "network between the nodes failed.")
         lines.append(f"Collectives wait at most {self.timeout_s:g}s (Runtime(timeout=...), LOCKSTEP_TIMEOUT). "
                      "Every rank must call the same collectives in the same order; LOCKSTEP_DEBUG=1 checks it.")
         return CollectiveError("\n".join(lines))
