@@ -44,17 +44,6 @@ def record_uncaught_exceptions() -> None:
 
 
 _TRACEBACKS_KEPT = 100
-# How long a rank that only lost a peer waits before it leaves: the launcher stops every rank when the first
-# one leaves, and a peer that timed out in the same collective may still be writing the job's report (it reads
-# the others' heartbeats first). Set by the Watchdog; at most PEER_REPORT_GRACE_MAX_S.
-PEER_REPORT_GRACE_MAX_S = 3.0
-_peer_report_grace_s = 0.0
-
-
-def allow_peer_reports(seconds: float) -> None:
-    """A rank that only lost a peer waits ``seconds`` (at most ``PEER_REPORT_GRACE_MAX_S``) before leaving."""
-    global _peer_report_grace_s
-    _peer_report_grace_s = min(PEER_REPORT_GRACE_MAX_S, max(0.0, seconds))
 
 
 def _fold(kind: type[BaseException], error: BaseException, text: str) -> bool:
@@ -76,7 +65,6 @@ def _fold(kind: type[BaseException], error: BaseException, text: str) -> bool:
     first = (str(error).strip().splitlines() or [""])[0][:240]
     print(f"lockstep: rank {rank} stopped because a peer failed first ({kind.__name__}: {first}); the job's "
           f"report names that peer. This rank's traceback: {path}", file=sys.stderr, flush=True)
-    time.sleep(_peer_report_grace_s)  # the peer's report first: leaving now would get it stopped mid-report
     return True
 
 

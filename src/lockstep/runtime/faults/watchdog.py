@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lockstep.errors import CollectiveError
 from lockstep.runtime._torch_compat import default_store
-from lockstep.runtime.faults.root_cause import allow_peer_reports, collective_failed, lost_a_peer
+from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
 from lockstep.runtime.tree import flatten
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lockstep/
@@ -114,8 +114,6 @@ class Watchdog:
             with contextlib.suppress(Exception):  # without the store, errors just lack the positions
                 self.store = default_store()
         self.interval_s = min(5.0, max(0.5, timeout_s / 10))
-        if world_size > 1:  # a peer's report reads the heartbeats for 1.5 intervals (explain): let it finish
-            allow_peer_reports(1.5 * self.interval_s + 0.5)
         if self.store is not None:
             self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)
             self._beat.start()
