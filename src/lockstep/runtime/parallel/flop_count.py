@@ -38,10 +38,10 @@ def _attention_formulas() -> dict[Any, Any]:
     def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
         return sdpa_backward_flop_count(grad_out, query, heads_of(key, query), heads_of(value, query))
 
-    kernels = ("efficient", "flash", "cudnn", "flash_attention_for_cpu")
+    kernels = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     formulas = {}
-    for kernel in kernels:
-        name = f"_scaled_dot_product_{kernel}" + ("" if kernel.endswith("cpu") else "_attention")
+    for name in kernels:
         if hasattr(aten, name) and hasattr(aten, name + "_backward"):
             formulas[getattr(aten, name)] = raw_flop_formula(shape_wrapper(forward))
             formulas[getattr(aten, name + "_backward")] = raw_flop_formula(shape_wrapper(backward))
@@ -67,8 +67,7 @@ class FlopCount:
 
     What runs in between runs eagerly (``torch.compiler.set_stance("force_eager")``): a compiled
     region first called under the counter's dispatch mode is never compiled after it, and ran eagerly
-    for the rest of the run (the Trainer's first batch, counted for its MFU, cost a compiled Llama
-    15 % of its speed on a GPU, and a float8 one two thirds)."""
+    for the rest of the run (so did every compiled Trainer fit that counted its MFU on the first batch)."""
 
     def __init__(self, tp: int = 1) -> None:
         from torch.utils.flop_counter import FlopCounterMode, flop_registry
