@@ -12,6 +12,11 @@ The Trainer logs the mean training loss every 50 steps (its default), an all-red
 hand-written loop does not do; "hand-written, logging" is that loop with the same logging done by
 hand (a running sum, all-reduced every 50 steps), the fair reference for a Trainer that logs.
 
+lockstep's loader fetches a ``TensorDataset``'s batch by one index of each tensor, where a plain
+DataLoader fetches 32 items one by one and stacks them. "hand-written, batched" is the plain loop
+given the same fetch (``DataLoader(data, sampler=BatchSampler(...), batch_size=None)``): the
+reference that leaves only lockstep's own per-step cost in the ratio.
+
     python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2] [--variants]
 
 ``--variants`` adds two Trainer loops that show where its time goes: without the throughput
@@ -29,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import lockstep
 
@@ -47,10 +52,14 @@ def make_data(samples: int) -> TensorDataset:
                                                                                        generator=generator))
 
 
-def hand_written(data: TensorDataset, steps: int, log_every: int = 0) -> float:
+def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: bool = False) -> float:
     model = nn.parallel.DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(data, batch_size=PER_PROCESS_BATCH, sampler=DistributedSampler(data, shuffle=True))
+    sampler = DistributedSampler(data, shuffle=True)
+    if batched:  # data[list of indices]: one index per tensor, as lockstep's loader fetches a TensorDataset
+        loader = DataLoader(data, batch_size=None, sampler=BatchSampler(sampler, PER_PROCESS_BATCH, drop_last=False))
+    else:
+        loader = DataLoader(data, batch_size=PER_PROCESS_BATCH, sampler=sampler)
     window = torch.zeros((), dtype=torch.float64)
     dist.barrier()
     start = time.perf_counter()
@@ -74,6 +83,10 @@ LOGGED: list[float] = []  # what the logging hand-written loop "logs"
 
 def hand_written_logging(data: TensorDataset, steps: int) -> float:
     return hand_written(data, steps, log_every=50)
+
+
+def hand_written_batched(data: TensorDataset, steps: int) -> float:
+    return hand_written(data, steps, batched=True)
 
 
 def runtime_api(data: TensorDataset, steps: int) -> float:
@@ -134,7 +147,8 @@ def trainer_without_monitor_or_logging(data: TensorDataset, steps: int) -> float
 
 
 LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api,
-         "hand-written, logging": hand_written_logging, "lockstep Trainer": trainer_loop}
+         "hand-written, logging": hand_written_logging, "lockstep Trainer": trainer_loop,
+         "hand-written, batched": hand_written_batched}
 VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
             "Trainer, no monitor/log": trainer_without_monitor_or_logging}
 
@@ -171,8 +185,10 @@ def main() -> None:
     for name, values in rates.items():
         print(f"{name:<26}{statistics.median(values):>9.1f}{_paired(values, base):>33}   "
               + " ".join(f"{v:.0f}" for v in values))
-    logging = rates["hand-written, logging"]
+    logging, batched = rates["hand-written, logging"], rates["hand-written, batched"]
     print(f"{'Trainer / hand-written, logging':<35}{_paired(rates['lockstep Trainer'], logging):>33}")
+    print(f"{'runtime / hand-written, batched':<35}{_paired(rates['lockstep runtime'], batched):>33}")
+    print(f"{'Trainer / hand-written, batched':<35}{_paired(rates['lockstep Trainer'], batched):>33}")
 
 
 def _paired(values: list[float], reference: list[float]) -> str:

@@ -112,6 +112,40 @@ def test_gather_refuses_outputs_that_are_not_one_row_per_sample():
     assert torch.equal(rt.gather(outputs, loader=loader), torch.arange(10))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_tensor_dataset_is_fetched_a_batch_at_a_time_with_what_default_collate_gives(workers):
+    """The rows of a TensorDataset's batch come from one index per tensor; the batches equal those of
+    a DataLoader that fetches each item and collates them, in values, dtypes and container."""
+    data = TensorDataset(torch.randn(50, 3), torch.arange(50), torch.rand(50) > 0.5)
+    rt = runtime(seed=3)
+    loader = rt.loader(data, batch_size=8, shuffle=True, num_workers=workers)
+    assert type(loader.loader.dataset).__name__ == "TensorRows"  # the batched fetch is the one tested
+    for _ in range(2):  # two epochs
+        batches = list(loader)
+        by_item = [torch.utils.data.default_collate([data[i] for i in index.tolist()]) for _, index, _ in batches]
+        assert len(batches) == 7
+        for got, expected in zip(batches, by_item, strict=True):
+            assert type(got) is type(expected) is list
+            for a, b in zip(got, expected, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    evaluation = rt.eval_loader(data, batch_size=8, num_workers=workers)
+    assert torch.equal(torch.cat([i for _, i, _ in evaluation]), torch.arange(50))
+
+
+def test_a_dataset_that_changes_what_an_item_is_is_fetched_item_by_item():
+    class Doubled(TensorDataset):
+        def __getitem__(self, index):
+            x, y = super().__getitem__(index)
+            return 2 * x, y
+
+    data = Doubled(torch.arange(10.0), torch.arange(10))
+    rt = runtime()
+    assert [x.tolist() for x, _ in rt.loader(data, batch_size=5, num_workers=0)] == [
+        [0.0, 2.0, 4.0, 6.0, 8.0], [10.0, 12.0, 14.0, 16.0, 18.0]]
+    with_collate = rt.loader(TensorDataset(torch.arange(4)), batch_size=2, num_workers=0, collate_fn=len)
+    assert list(with_collate) == [2, 2]  # a collate_fn of the user's own sees the items
+
+
 def test_loader_options_that_contradict_each_other_are_refused():
     rt = runtime()
     data = checks.Indexed(10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 
 import pytest
@@ -355,3 +357,20 @@ def test_a_change_of_membership_between_two_steps_re_splits_the_next_global_batc
         assert max(map(len, shares)) - min(map(len, shares)) <= 1  # split evenly over the live ones
     for rt in members:
         rt.close()
+
+
+def test_a_report_that_waits_for_heartbeats_is_cut_short_by_the_launchers_term_not_lost():
+    """A launcher stops every rank with TERM once one has left; the rank writing the job's report then
+    gives it at once (without the heartbeats it waited for) instead of dying mid-report."""
+    import signal
+    import threading
+
+    from lockstep.runtime.faults.watchdog import _sleep_unless_stopped
+
+    before = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    assert _sleep_unless_stopped(0.05)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert not _sleep_unless_stopped(20)
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGTERM) is before

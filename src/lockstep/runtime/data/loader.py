@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate, get_worker_info
 
 from lockstep.errors import CollectiveError, ConfigError
 from lockstep.runtime._torch_compat import shutdown_workers
@@ -130,6 +130,30 @@ class EpochSeededDataset(Dataset[Any]):
         return [self.dataset[i] for i in indices]
 
 
+class TensorRows(Dataset[Any]):
+    """A ``TensorDataset``'s batches fetched by one index of each tensor: the rows, values and
+    dtypes that ``default_collate`` would stack from the items one by one (a list of the batched
+    tensors), without a Python call per item (a batch of 32 small rows: about a tenth of the time).
+    Only for a plain ``TensorDataset`` under the default collate; it draws no random numbers."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.tensors = dataset.tensors
+
+    @staticmethod
+    def fits(dataset: Any) -> bool:
+        return isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:  # an item, as TensorDataset's
+        return tuple(tensor[index] for tensor in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        rows = torch.as_tensor(indices, dtype=torch.int64)
+        return [tensor[rows] for tensor in self.tensors]
+
+
 class DistributedLoader:
     """Iterates this rank's batches, already on the device; each pass is the next epoch.
 
@@ -173,6 +197,9 @@ class DistributedLoader:
             self._stream_loader = lambda: DataLoader(stream, batch_size=None, collate_fn=_as_is,
                                                      generator=generator, **options)
             self.loader: DataLoader[Any] = self._stream_loader()
+        elif options.get("collate_fn") is None and TensorRows.fits(dataset):
+            self.loader = DataLoader(TensorRows(dataset), batch_sampler=sampler, generator=generator,
+                                     **{**options, "collate_fn": _as_is})
         else:
             self.loader = DataLoader(EpochSeededDataset(dataset, seed, rank, per_sample_rng), batch_sampler=sampler,
                                      generator=generator, **options)

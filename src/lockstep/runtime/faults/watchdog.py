@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -91,6 +92,31 @@ def signature(data: Any, exact_shapes: bool) -> str:
         else:
             parts.append(type(leaf).__name__)
     return ", ".join(parts) if len(parts) < 12 else ", ".join(parts[:12]) + f", ... ({len(parts)} leaves)"
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped
+
+
+def _sleep_unless_stopped(seconds: float) -> bool:
+    """Sleep ``seconds``; False when a SIGTERM cut the sleep short. A launcher stops every rank with
+    TERM once one has left (a peer that folded on losing its connection to this one): the report this
+    rank is writing is then raised at once, rather than lost with the process."""
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
+        return True
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        time.sleep(seconds)
+        return True
+    except _Stopped:
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Watchdog:
@@ -236,7 +262,8 @@ class Watchdog:
         if not any(rank in first for rank in ranks):
             return {}
         wait = 1.5 * self.interval_s
-        time.sleep(wait)
+        if not _sleep_unless_stopped(wait):
+            return {}  # the launcher stops this rank (a peer left): the report now, without the heartbeats
         second = self.positions("alive")
         found = {}
         for rank in ranks:
