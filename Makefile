@@ -37,7 +37,7 @@ test: lint
 	$(BIN)/python -m pytest tests/unit tests/dist
 
 check: lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf .venv .venv-torch* .mypy_cache .ruff_cache .pytest_cache

@@ -51,6 +51,21 @@ def pytest_configure(config: pytest.Config) -> None:
         multiprocessing.forkserver.ensure_running()
 
 
+# ``make check`` runs the tests on two pytest-xdist workers (``--dist loadgroup``). A group's tests run on
+# one worker, one at a time: the local SLURM cluster listens on fixed ports, and two Ray clusters on the
+# same addresses would share some. Every other test (the network-namespace nodes included: each test makes
+# its own) goes to whichever worker is free.
+XDIST_GROUPS = {"test_slurm.py": "slurm", "test_ray.py": "ray"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = XDIST_GROUPS.get(Path(str(item.path)).name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 TOKEN = f"LOCKSTEP_TEST_SESSION={uuid.uuid4().hex}".encode()
 os.environ["LOCKSTEP_TEST_SESSION"] = TOKEN.split(b"=", 1)[1].decode()
 LEFTOVER_GRACE_S = 10.0

@@ -341,7 +341,7 @@ def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: 
         env.pop(variable, None)
     command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant",
                "--nodes", "2", "--node-rank", str(node_rank), "--master", f"{two_hosts[0][2]}:{port}",
-               "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "10",
+               "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "20",
                *(["--strategy", "fsdp"] if processes > 1 else []), str(ROOT / "tests" / "scripts" / "ft_replica.py"),
                str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4"]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

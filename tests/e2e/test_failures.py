@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import session_processes
 from lockstep import DistEnv, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +33,8 @@ def _run_job(script: str, *args: str, timeout_env: str | None = None, debug: boo
                            "cpu", f"tests/failures/{script}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=100)
     elapsed = time.monotonic() - start
-    leftover = subprocess.run(["pgrep", "-f", f"tests/failures/{script}"], capture_output=True, text=True).stdout
-    assert leftover.strip() == "", f"processes left behind: {leftover}"
+    leftover = [cmd for cmd in session_processes().values() if f"tests/failures/{script}" in cmd]
+    assert leftover == [], f"processes left behind: {leftover}"
     assert done.returncode != 0
     return done, elapsed
 
