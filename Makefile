@@ -36,8 +36,11 @@ lint: $(VENV)/.dev-installed
 test: lint
 	$(BIN)/python -m pytest tests/unit tests/dist
 
+# Two passes (tests/conftest.py): the tests on two workers, then those marked `alone`, one at a time.
 check: lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" tests; first=$$?; \
+	$(BIN)/python -m pytest -m alone tests; second=$$?; \
+	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 clean:
 	rm -rf .venv .venv-torch* .mypy_cache .ruff_cache .pytest_cache

@@ -51,19 +51,24 @@ def pytest_configure(config: pytest.Config) -> None:
         multiprocessing.forkserver.ensure_running()
 
 
-# ``make check`` runs the tests on two pytest-xdist workers (``--dist loadgroup``). A group's tests run on
-# one worker, one at a time: the local SLURM cluster listens on fixed ports, and two Ray clusters on the
-# same addresses would share some. Every other test (the network-namespace nodes included: each test makes
-# its own) goes to whichever worker is free.
-XDIST_GROUPS = {"test_slurm.py": "slurm", "test_ray.py": "ray"}
+# ``make check`` runs the tests in two passes. First every test not marked ``alone`` on two pytest-xdist
+# workers (``--dist loadgroup``): the Ray tests on one worker, one at a time (two Ray clusters on the same
+# addresses would share ports); the others (each network-namespace test makes its own nodes) go to whichever
+# worker is free. Then the ``alone`` tests, one at a time on an otherwise idle machine: their deadlines (a
+# quorum's, a step's) assume one, and the local SLURM cluster listens on fixed ports (Ray's workers take
+# ports from 10002 up, where SLURM jobs put their master).
+XDIST_GROUPS = {"test_ray.py": "ray"}
+ALONE = {"test_slurm.py", "test_fault_tolerance.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        group = XDIST_GROUPS.get(Path(str(item.path)).name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        name = Path(str(item.path)).name
+        if name in XDIST_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[name]))
+        if name in ALONE:
+            item.add_marker(pytest.mark.alone)
 
 
 TOKEN = f"LOCKSTEP_TEST_SESSION={uuid.uuid4().hex}".encode()

@@ -341,7 +341,7 @@ def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: 
         env.pop(variable, None)
     command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant",
                "--nodes", "2", "--node-rank", str(node_rank), "--master", f"{two_hosts[0][2]}:{port}",
-               "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "20",
+               "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "10",
                *(["--strategy", "fsdp"] if processes > 1 else []), str(ROOT / "tests" / "scripts" / "ft_replica.py"),
                str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4"]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -349,6 +349,7 @@ def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra)")
+@pytest.mark.alone
 @pytest.mark.parametrize("processes", [1, 2])
 def test_fault_tolerant_groups_on_two_nodes_train_on_when_a_whole_node_dies_and_it_rejoins(two_hosts, tmp_path,
                                                                                           processes):
