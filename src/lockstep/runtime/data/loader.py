@@ -151,7 +151,7 @@ class TensorRows(Dataset[Any]):
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         rows = torch.as_tensor(indices, dtype=torch.int64)
-        return [tensor[rows] for tensor in self.tensors]
+        return [tensor.index_select(0, rows) for tensor in self.tensors]  # a little faster than tensor[rows]
 
 
 class DistributedLoader:
