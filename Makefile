@@ -38,7 +38,7 @@ test: lint
 
 # Two passes (tests/conftest.py): the tests on two workers, then those marked `alone`, one at a time.
 check: lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" tests; first=$$?; \
+	$(BIN)/python -m pytest -n 2 --dist load -m "not alone" tests; first=$$?; \
 	$(BIN)/python -m pytest -m alone tests; second=$$?; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 

@@ -52,23 +52,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # ``make check`` runs the tests in two passes. First every test not marked ``alone`` on two pytest-xdist
-# workers (``--dist loadgroup``): the Ray tests on one worker, one at a time (two Ray clusters on the same
-# addresses would share ports); the others (each network-namespace test makes its own nodes) go to whichever
-# worker is free. Then the ``alone`` tests, one at a time on an otherwise idle machine: their deadlines (a
-# quorum's, a step's) assume one, and the local SLURM cluster listens on fixed ports (Ray's workers take
-# ports from 10002 up, where SLURM jobs put their master).
-XDIST_GROUPS = {"test_ray.py": "ray"}
-ALONE = {"test_slurm.py", "test_fault_tolerance.py"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = Path(str(item.path)).name
-        if name in XDIST_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[name]))
-        if name in ALONE:
-            item.add_marker(pytest.mark.alone)
+# workers (``--dist load``: each test goes to whichever worker is free; each network-namespace test makes
+# its own nodes). Then the tests marked ``alone``, one at a time on an otherwise idle machine: their
+# deadlines (a quorum's, a step's) assume one, and the local SLURM cluster listens on fixed ports (Ray's
+# workers take ports from 10002 up, where SLURM jobs put their master). xdist's ``xdist_group`` would keep
+# the Ray tests on one worker, but it does not take effect under pytest 9.2 (xdist 3.8 renames
+# ``item._nodeid``, which pytest 9.2 no longer reads): two Ray tests may run at once.
 
 
 TOKEN = f"LOCKSTEP_TEST_SESSION={uuid.uuid4().hex}".encode()

@@ -17,7 +17,7 @@ from lockstep.env import expand_nodelist
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]  # alone: the cluster listens on fixed ports
 
 
 @pytest.fixture(scope="module")

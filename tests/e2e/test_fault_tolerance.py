@@ -27,7 +27,7 @@ from lockstep.runtime.launch.replicas import Lighthouse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ft_replica.py"
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.alone]  # alone: quorum deadlines assume an idle machine
 
 
 @pytest.fixture(scope="module")
