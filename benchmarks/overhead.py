@@ -4,7 +4,8 @@ The same tiny MLP (32 -> 64 -> 64 -> 10), batch 32 per process, 500 steps, 1 thr
 2 CPU processes (Gloo), each process bound to a core of its own where there are enough. The loops
 alternate in rounds (the order rotates each round). The report gives, for each loop, the median
 steps/s, and its ratio to the hand-written loop of the same round: the median of those paired
-ratios, with their quartiles (half of the rounds fall between them). Pairing within a round
+ratios, with their quartiles (half of the rounds fall between them) and a 95 % confidence interval
+of that median (distribution-free, from the order statistics). Pairing within a round
 cancels the machine's slow and fast spells, which on a shared 2-core machine move a whole loop by
 10-20 %; the median of many rounds is what a claim should rest on.
 
@@ -26,6 +27,7 @@ monitor, and without it and without logging (``log_every_n_steps`` beyond the ru
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -181,23 +183,46 @@ def main() -> None:
     base = rates["hand-written DDP"]
     print(f"{args.processes} CPU processes, 1 thread each, batch {PER_PROCESS_BATCH} per process, "
           f"{args.steps} steps, {args.rounds} rounds")
-    print(f"{'loop':<26}{'steps/s':>9}{'ratio to hand-written (paired)':>33}   all rounds (steps/s)")
+    print(f"{'loop':<26}{'steps/s':>9}   ratio to hand-written (paired): median [quartiles]  95% CI of the median")
     for name, values in rates.items():
-        print(f"{name:<26}{statistics.median(values):>9.1f}{_paired(values, base):>33}   "
-              + " ".join(f"{v:.0f}" for v in values))
+        print(f"{name:<26}{statistics.median(values):>9.1f}   {_paired(values, base)}")
+    print("all rounds (steps/s):")
+    for name, values in rates.items():
+        print(f"  {name}: " + " ".join(f"{v:.0f}" for v in values))
     logging, batched = rates["hand-written, logging"], rates["hand-written, batched"]
-    print(f"{'Trainer / hand-written, logging':<35}{_paired(rates['lockstep Trainer'], logging):>33}")
-    print(f"{'runtime / hand-written, batched':<35}{_paired(rates['lockstep runtime'], batched):>33}")
-    print(f"{'Trainer / hand-written, batched':<35}{_paired(rates['lockstep Trainer'], batched):>33}")
+    print(f"{'Trainer / hand-written, logging':<38}{_paired(rates['lockstep Trainer'], logging)}")
+    print(f"{'runtime / hand-written, batched':<38}{_paired(rates['lockstep runtime'], batched)}")
+    print(f"{'Trainer / hand-written, batched':<38}{_paired(rates['lockstep Trainer'], batched)}")
 
 
 def _paired(values: list[float], reference: list[float]) -> str:
-    """The median of the per-round ratios, with their quartiles."""
+    """The median of the per-round ratios, with their quartiles, and a 95 % confidence interval of the median."""
     ratios = [v / r for v, r in zip(values, reference, strict=True)]
     if len(ratios) < 2:
         return f"{ratios[0]:.3f}"
     low, _, high = statistics.quantiles(ratios, n=4)
-    return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]"
+    interval = median_interval(ratios)
+    shown = f"  95% CI [{interval[0]:.3f}, {interval[1]:.3f}]" if interval is not None else ""
+    return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]{shown}"
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median: the ``j``-th smallest and ``j``-th largest
+    value, for the largest ``j`` with P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2 (it holds for any
+    distribution of the values: each falls below the median with probability 1/2). None when ``n`` is
+    too small for any interval at that confidence (n < 6 at 95 %)."""
+    n, tail, j = len(values), (1 - confidence) / 2, 0
+    below = 0.0  # P(Binomial(n, 1/2) < j + 1)
+    while j < n // 2:
+        below += math.comb(n, j) / 2**n
+        if below > tail:
+            break
+        j += 1
+    if j == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[j - 1], ordered[n - j]
+
 
 if __name__ == "__main__":
     main()

@@ -123,6 +123,33 @@ def test_devices_disagreeing_with_the_launcher_is_an_error():
         assert "started 2 on this node" in message
 
 
+def test_a_later_runtime_in_the_process_takes_over_the_heartbeat_and_an_earlier_ones_close_leaves_no_end():
+    def several_runtimes():
+        import threading
+        import time
+
+        from lockstep.runtime._torch_compat import default_store
+
+        first = Runtime(accelerator="cpu", timeout=5)  # a heartbeat every 0.5 s
+        later = [Runtime(accelerator="cpu", timeout=5) for _ in range(4)]
+        last = later[-1]
+        last.barrier()
+        last.mark("in_the_last_runtime")
+        first.close()  # an earlier Runtime closed while a later one is in use: the rank has not left
+        time.sleep(1.5)  # a few heartbeats of the last Runtime
+        store = default_store()
+        outcome = {"beating": [t.name for t in threading.enumerate() if t.name == "lockstep-heartbeat"],
+                   "alive": store.get(f"lockstep/alive/{last.rank}").decode(),
+                   "where": store.get(f"lockstep/where/{last.rank}").decode()}
+        last.barrier()
+        return outcome
+
+    for outcome in run_ranks(several_runtimes, 2):
+        assert outcome["beating"] == ["lockstep-heartbeat"], outcome  # one thread, not five
+        assert "in in_the_last_runtime" in outcome["alive"], outcome
+        assert "ended the script" not in outcome["where"], outcome
+
+
 def test_print_on_rank_zero_only_and_rank_prefixed_logs():
     def talk():
         import contextlib

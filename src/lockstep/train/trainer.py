@@ -406,8 +406,9 @@ class Trainer:
         self._batch_samples = self.train_loader.local_batch_size(batch_idx)
         self.fire("on_train_batch_start", batch, batch_idx)
         self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
+        pipelined = rt.pipeline_parallel_size > 1
         with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
-            if rt.pipeline_parallel_size > 1:
+            if pipelined:
                 outputs = self._pipeline_step(batch)
                 loss, items = outputs["loss"], outputs.get("num_items")
             else:
@@ -418,7 +419,7 @@ class Trainer:
                 count = torch.as_tensor(items).detach().double()
                 self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
             self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
-            if rt.pipeline_parallel_size == 1:  # a pipeline's schedule ran the backward with its forward
+            if not pipelined:  # a pipeline's schedule ran the backward with its forward
                 self.fire("on_before_backward", loss)
                 with self._hook("backward"):
                     if items is not None:  # normalised over every item of the step, accumulation included
@@ -470,13 +471,14 @@ class Trainer:
     def _optimizer_step(self) -> bool:
         """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:
         taken nowhere, its batches come again)."""
+        rt, clip = self.runtime, self.config.gradient_clip_val
         with self._hook("optimizer_step"):
             for optimizer in self.optimizers:
-                if self.config.gradient_clip_val is not None:
-                    self.runtime.clip_grad_norm_(self._wrapped, optimizer, self.config.gradient_clip_val)
+                if clip is not None:
+                    rt.clip_grad_norm_(self._wrapped, optimizer, clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if not self.runtime.step_committed:
+            if not rt.step_committed:
                 return False
             for scheduler, interval in self.lr_schedulers:
                 if interval == "step":
@@ -487,11 +489,12 @@ class Trainer:
 
     def _after_step(self) -> bool:
         """After an optimizer step: preemption, mid-epoch validation; True when training is over."""
-        if self.runtime.should_stop():
+        rt = self.runtime
+        if rt.should_stop():
             self._preempted()
-        if self.runtime.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
+        if rt.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
             path = self._preemption_checkpoint()
-            self.runtime.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
+            rt.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
                                f"{self.global_step}; training goes on until the node goes.")
         interval = self.config.val_check_interval
         if interval and self.global_step % interval == 0:
@@ -585,8 +588,13 @@ class Trainer:
                 (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
                 if getattr(type(c), hook) is not getattr(Callback, hook)]
         module = self._module
-        for name, method in defined:
-            with self._hook(name):
+        if self.profiler.times_hooks:
+            for name, method in defined:
+                with self._hook(name):
+                    method(self, module, *args)
+        else:  # nothing to time: say where this rank is, and call
+            for name, method in defined:
+                self.runtime.mark(name)
                 method(self, module, *args)
 
     def _report_final_checkpoint(self) -> None:

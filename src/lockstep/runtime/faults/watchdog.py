@@ -120,7 +120,15 @@ def _sleep_unless_stopped(seconds: float) -> bool:
 
 
 class Watchdog:
-    """One per Runtime; inactive (free) with a single process."""
+    """One per Runtime; inactive (free) with a single process.
+
+    A process has one heartbeat, the newest Runtime's: a later Runtime in the same process (a second
+    Trainer, a notebook cell run again) ends an earlier one's, so heartbeat threads do not pile up and
+    the rank's heartbeat in the store tells where the Runtime in use is, never a stale one.
+    """
+
+    _beating: Watchdog | None = None  # the watchdog whose thread writes this process's heartbeat
+    _handover = threading.Lock()
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, debug: bool) -> None:
         self.rank, self.world_size, self.timeout_s, self.debug = rank, world_size, timeout_s, debug
@@ -141,8 +149,12 @@ class Watchdog:
                 self.store = default_store()
         self.interval_s = min(5.0, max(0.5, timeout_s / 10))
         if self.store is not None:
-            self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)
-            self._beat.start()
+            with Watchdog._handover:
+                if Watchdog._beating is not None:
+                    Watchdog._beating._superseded()
+                Watchdog._beating = self
+                self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)
+                self._beat.start()
 
     def _key(self, rank: int, kind: str = "where") -> str:
         return f"lockstep/{kind}/{rank}"
@@ -191,6 +203,13 @@ class Watchdog:
                 return
             if self._stop.wait(self.interval_s):
                 return
+
+    def _superseded(self) -> None:
+        """A newer Runtime in this process took over the heartbeat: end this one's, leaving the store
+        to the newer one (a later ``stop`` writes nothing: the rank has not left)."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2 * self.interval_s)
 
     def stop(self) -> None:
         """Record that this rank left and end the heartbeat (before the group and its store go)."""
