@@ -258,7 +258,7 @@ class Trainer:
             return
         device = self.runtime.device  # where the sums live: a value elsewhere (a CPU number on a GPU run) moves
         if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device == device:
-            value = value.detach()  # the per-step case: kept as it is
+            value = value.detach() if value.requires_grad else value  # the per-step case: kept as it is
             for store in self._stores:
                 store.add_scalar(name, value, weight)
         else:
@@ -418,7 +418,7 @@ class Trainer:
             if items is not None:  # a device tensor: counted without waiting for the device
                 count = torch.as_tensor(items).detach().double()
                 self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
-            self.record_metric("train_loss", loss.detach(), prog_bar=True, batch_size=items)
+            self.record_metric("train_loss", loss, prog_bar=True, batch_size=items)  # detached there
             if not pipelined:  # a pipeline's schedule ran the backward with its forward
                 self.fire("on_before_backward", loss)
                 with self._hook("backward"):
@@ -593,8 +593,9 @@ class Trainer:
                 with self._hook(name):
                     method(self, module, *args)
         else:  # nothing to time: say where this rank is, and call
+            mark = self.runtime.mark
             for name, method in defined:
-                self.runtime.mark(name)
+                mark(name)
                 method(self, module, *args)
 
     def _report_final_checkpoint(self) -> None:
