@@ -51,9 +51,10 @@ def test_wandb_offline_run_holds_hyperparameters_metrics_by_step_and_the_checkpo
     monkeypatch.setenv("WANDB_SILENT", "true")
     trainer = _fit(tmp_path, lockstep.WandbLogger(project="t", save_dir=tmp_path, mode="offline", log_model=True))
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config, summary, artifacts = {}, {}, {}, []
+    history, config, summary, artifacts, kinds = {}, {}, {}, [], []
     for record in _wandb_records(run_file):
         kind = record.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "history":
             row = {_key(item): json.loads(item.value_json) for item in record.history.item}
             history.setdefault(record.history.step.num, {}).update(row)
@@ -63,13 +64,22 @@ def test_wandb_offline_run_holds_hyperparameters_metrics_by_step_and_the_checkpo
             artifacts.append((record.artifact.type, sorted(entry.path for entry in record.artifact.manifest.contents)))
         elif kind == "summary":
             summary.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
-    assert [step for step, row in sorted(history.items()) if "train_loss" in row] == [2, 4, 6, 8]
+    assert [step for step, row in sorted(history.items()) if "train_loss" in row] == [2, 4, 6, 8], \
+        _wandb_diagnosis(run_file, kinds, history, trainer)
     assert history[8]["val_acc"] == pytest.approx(trainer.callback_metrics["val_acc"])
     assert history[8]["train_loss_epoch"] == pytest.approx(trainer.callback_metrics["train_loss_epoch"])
     assert config["max_epochs"] == 2 and config["log_every_n_steps"] == 2
     assert summary["checkpoint_path"].endswith("epoch=2-step=00000008.ckpt")
     ((kind, files),) = artifacts
     assert kind == "model" and ".metadata" in files and any(f.endswith(".distcp") for f in files), files
+
+
+def _wandb_diagnosis(run_file: Path, kinds: list[str], history: dict, trainer: lockstep.Trainer) -> str:
+    """What the run file held, and the end of wandb's own logs: for a failure that happens once in many runs."""
+    logs = "\n".join(f"--- {log.name} (end)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+                     for log in sorted((run_file.parent / "logs").glob("*.log")))
+    return (f"{run_file} ({run_file.stat().st_size} bytes): records {kinds}; history {history}; the Trainer's "
+            f"metrics {trainer.callback_metrics}, step {trainer.global_step}\n{logs}")
 
 
 def test_mlflow_file_store_holds_parameters_metrics_by_step_and_the_checkpoint_files(tmp_path, monkeypatch):
