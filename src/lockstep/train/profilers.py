@@ -20,7 +20,6 @@ class SimpleProfiler:
     """A table of time per hook: count, mean, total and percent of the profiled time."""
 
     name = "simple"
-    times_hooks = True  # False: the Trainer calls hooks without entering profile()
 
     def __init__(self) -> None:
         self.durations: dict[str, list[float]] = defaultdict(list)
@@ -141,7 +140,6 @@ class NoProfiler(SimpleProfiler):
     """Profiling off: hooks run without timing."""
 
     name = "none"
-    times_hooks = False
     _nothing = contextlib.nullcontext()  # reusable: no generator per call on the hot path
 
     def profile(self, hook: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]

@@ -495,7 +495,7 @@ class Trainer:
         if rt.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
             path = self._preemption_checkpoint()
             rt.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
-                               f"{self.global_step}; training goes on until the node goes.")
+                     f"{self.global_step}; training goes on until the node goes.")
         interval = self.config.val_check_interval
         if interval and self.global_step % interval == 0:
             self._validate_during_fit()
@@ -588,14 +588,8 @@ class Trainer:
                 (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
                 if getattr(type(c), hook) is not getattr(Callback, hook)]
         module = self._module
-        if self.profiler.times_hooks:
-            for name, method in defined:
-                with self._hook(name):
-                    method(self, module, *args)
-        else:  # nothing to time: say where this rank is, and call
-            mark = self.runtime.mark
-            for name, method in defined:
-                mark(name)
+        for name, method in defined:
+            with self._hook(name):
                 method(self, module, *args)
 
     def _report_final_checkpoint(self) -> None:

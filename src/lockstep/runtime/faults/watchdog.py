@@ -150,8 +150,8 @@ class Watchdog:
         self.interval_s = min(5.0, max(0.5, timeout_s / 10))
         if self.store is not None:
             with Watchdog._handover:
-                if Watchdog._beating is not None:
-                    Watchdog._beating._superseded()
+                if Watchdog._beating is not None:  # superseded: a later stop writes nothing, the rank has not left
+                    Watchdog._beating._end_heartbeat()
                 Watchdog._beating = self
                 self._beat = threading.Thread(target=self._heartbeat, name="lockstep-heartbeat", daemon=True)
                 self._beat.start()
@@ -204,9 +204,8 @@ class Watchdog:
             if self._stop.wait(self.interval_s):
                 return
 
-    def _superseded(self) -> None:
-        """A newer Runtime in this process took over the heartbeat: end this one's, leaving the store
-        to the newer one (a later ``stop`` writes nothing: the rank has not left)."""
+    def _end_heartbeat(self) -> None:
+        """End this watchdog's heartbeat (when its Runtime closes, or a newer one in the process takes over)."""
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=2 * self.interval_s)
@@ -218,9 +217,7 @@ class Watchdog:
         failed = getattr(sys, "last_value", None)  # set while an uncaught exception ends the process
         self.mark(f"failed with {type(failed).__name__} after {self.last}" if failed is not None
                   else f"{_ENDED} after {self.last}")
-        self._stop.set()
-        if self._beat is not None:
-            self._beat.join(timeout=2 * self.interval_s)
+        self._end_heartbeat()
 
     @contextlib.contextmanager
     def watch(self, op: str, data: Any = None, exact_shapes: bool = True) -> Iterator[None]:

@@ -240,7 +240,7 @@ def _float8_matmul_runs(device: torch.device) -> bool:
         tensor_wise = functional.ScalingType.TensorWise
         product = scaled_mm(ones, ones.t(), scale, tensor_wise, scale, tensor_wise)
         return bool(product[0, 0].item() == 16)
-    except (RuntimeError, TypeError, AttributeError):  # NotImplementedError is a RuntimeError
+    except (RuntimeError, TypeError, AttributeError):  # torch's unsupported-operation error is a RuntimeError
         return False
 
 
