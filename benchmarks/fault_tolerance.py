@@ -80,14 +80,14 @@ def worker(kind: str, steps: int, out: str) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         model, optimizer = rt.setup(model, optimizer)
         loader = rt.loader(_data(steps), batch_size=GLOBAL_BATCH, shuffle=True)
-        if rt.replicas is not None:
+        if rt.replication.fault_tolerant:
             rt.resume(os.path.join(os.path.dirname(out), "no-checkpoints"), {"model": model, "loader": loader})
         for x, y in loader:
             rt.backward(F.cross_entropy(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
             stamps.append(time.perf_counter())
-        rank = rt.rank + (rt.replicas.index if rt.replicas is not None else 0)
+        rank = rt.rank + (rt.replication.index or 0)
         rt.close()
     if rank == 0:
         steady = stamps[WARMUP:]

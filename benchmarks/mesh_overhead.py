@@ -40,7 +40,7 @@ def worker(rounds: int, steps: int, batch: int, length: int) -> dict[str, list[f
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(0, 2048, (batch * steps * rounds * 2, length), generator=generator)
 
-    rt = lockstep.Runtime(accelerator="cpu", strategy=lockstep.FSDP(tp=2), seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", strategy="fsdp", parallel=lockstep.Parallel(tp=2), seed=0)
     ours = _model()
     ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     ours, ours_opt = rt.setup(ours, ours_opt)

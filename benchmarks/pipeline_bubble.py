@@ -58,9 +58,10 @@ def timed(schedule: str | None, microbatches: int, steps: int) -> float:
     import lockstep
 
     torch.set_num_threads(1)
-    strategy = "single" if schedule is None else lockstep.FSDP(pp=2, pp_schedule=schedule,
-                                                               pp_microbatches=microbatches)
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    layout = ({"strategy": "single"} if schedule is None else
+              {"strategy": "fsdp", "parallel": lockstep.Parallel(pp=2, pp_schedule=schedule,
+                                                                 pp_microbatches=microbatches)})
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout)
     model = _model()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
     g = torch.Generator().manual_seed(0)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         FSDP,
         DistributedLoader,
         FaultTolerance,
+        Parallel,
         Runtime,
         SingleDevice,
         seed_everything,
@@ -64,7 +65,7 @@ _WHERE = {
     **dict.fromkeys(["CheckpointError", "CollectiveError", "ConfigError", "EnvError", "LockstepError",
                      "MissingExtraError", "RendezvousError", "StateError", "UnsafeCheckpointError", "UsageError",
                      "WorkerError"], "lockstep.errors"),
-    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "FaultTolerance",
+    **dict.fromkeys(["DDP", "DP", "FSDP", "DistributedLoader", "FaultTolerance", "Parallel",
                      "Runtime", "SingleDevice", "seed_everything", "unwrap"],
                     "lockstep.runtime"),
     "launch": "lockstep.runtime.launch.spawn",  # lockstep.runtime.launch is the launcher-side subpackage
@@ -79,7 +80,7 @@ _SUBPACKAGES = ("cli", "env", "errors", "runtime", "testing", "train")
 __all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "CollectiveError", "ConfigError", "DDP",
            "DP", "DistEnv", "DistributedLoader", "EarlyStopping", "EnvError", "FSDP", "FaultTolerance",
            "JSONLinesLogger", "LearningRateMonitor", "LockstepError", "MLflowLogger", "MissingExtraError",
-           "ModelCheckpoint", "Module", "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime",
+           "ModelCheckpoint", "Module", "Parallel", "ProgressBar", "PyTorchProfiler", "RendezvousError", "Runtime",
            "SimpleProfiler", "SingleDevice", "StateError", "TensorBoardLogger", "ThroughputMonitor", "Trainer",
            "UnsafeCheckpointError", "UsageError", "WandbLogger", "WorkerError", "__version__", "launch",
            "run_script", "seed_everything", "unwrap"]

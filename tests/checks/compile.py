@@ -8,6 +8,7 @@ from torch import nn
 
 import lockstep
 from checks import fsdp as fsdp_checks
+from checks.dist import layout
 
 
 class Block(nn.Module):
@@ -55,7 +56,7 @@ def compiled_against_eager(strategy: str = "ddp", user_compiled: bool = False) -
 
     if strategy == "fsdp":
         strategy = lockstep.FSDP(shard_modules=(Block,))
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     eager, _ = train(rt, Net(), compile=None)
     counters.clear()
     net = Net()

@@ -14,6 +14,16 @@ from torch.utils.data import DataLoader, TensorDataset
 import lockstep
 
 
+def layout(given) -> dict:
+    """The Runtime's (or Trainer's) keywords for a test's layout: a strategy, a ``lockstep.Parallel`` (FSDP
+    on that mesh), or a pair ``(strategy, Parallel)``."""
+    if isinstance(given, lockstep.Parallel):
+        return {"strategy": "fsdp", "parallel": given}
+    if isinstance(given, tuple):
+        return {"strategy": given[0], "parallel": given[1]}
+    return {"strategy": given}
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import lockstep
 from checks import dist as checks
+from checks.dist import layout
 
 
 class Block(nn.Module):
@@ -53,7 +54,7 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float | None = None,
           epochs: int = 2, n: int = 103, batch: int = 16) -> torch.Tensor:
     """lockstep's loop: optimizer built before setup, uneven last batch, accumulation, clipping."""
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, precision=precision, seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), precision=precision, seed=0)
     model = make_stack()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optimizer = rt.setup(model, optimizer)
@@ -151,7 +152,7 @@ def evaluation_under_fsdp() -> dict:
 
 def storage_bytes(strategy) -> int:
     """This rank's bytes of parameters, gradients and optimizer state after one AdamW step."""
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), seed=0)
     model = make_stack(width=256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = rt.setup(model, optimizer)
@@ -203,7 +204,7 @@ def _steps(rt, model, optimizer, batches, consumed: list, stop_after: int | None
 
 
 def _setup(strategy, seed: int = 1):
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), seed=0)
     model = make_stack(seed=seed)
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = rt.loader(_indexed_data(), batch_size=12, shuffle=True, num_workers=0)
@@ -238,7 +239,7 @@ def trainer_run(strategy) -> dict:
     """The Trainer: fit 2 epochs, then validate and predict over 1,001 samples (uneven per rank)."""
     from checks import trainer as tc
 
-    trainer = tc.quiet_trainer(max_epochs=2, strategy=strategy)
+    trainer = tc.quiet_trainer(max_epochs=2, **layout(strategy))
     module = tc.Classifier()
     trainer.fit(module, checks.make_data(103), batch_size=12)
     metrics = trainer.validate(module, checks.make_data(1001), batch_size=9)

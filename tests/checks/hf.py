@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import lockstep
 from checks import fsdp as fsdp_checks
+from checks.dist import layout
 
 IGNORE = -100
 
@@ -64,7 +65,7 @@ def reference_weights(steps: int = 5, batch_size: int = 8, lr: float = 0.5) -> t
 def lockstep_weights(batch_size: int = 8, accumulate: int = 1, use_num_items: bool = True,
                      strategy: str = "auto", lr: float = 0.5, steps: int = 5) -> torch.Tensor:
     """The same run through the runtime API: the model's own (per-rank mean) loss, with num_items."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = tiny_gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer)

@@ -9,6 +9,7 @@ from torch import nn
 
 import lockstep
 from checks import hf as hc
+from checks.dist import layout
 
 VOCAB = 64
 
@@ -70,7 +71,7 @@ def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, check
                  steps: int = 5, batch_size: int = 8, lr: float = 1e-3, rows: int = 40, accelerator: str = "cpu",
                  devices="auto") -> dict:
     """The same run through lockstep, on ``strategy``: the model's own loss with num_items."""
-    rt = lockstep.Runtime(accelerator=accelerator, devices=devices, seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator=accelerator, devices=devices, seed=0, **layout(strategy))
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer, activation_checkpointing=checkpointing)
@@ -94,7 +95,7 @@ def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, check
 
 def gathered_logits(strategy) -> dict:
     """Evaluation over 13 rows (uneven over the data-parallel ranks): logits gathered in dataset order."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = rt.setup(tiny_llama())
     outputs, indices = [], []
     with torch.no_grad():
@@ -125,7 +126,7 @@ def _steps(rt, model, optimizer, loader, consumed: list, stop_after: int | None 
 
 
 def _setup(strategy, seed: int = 0):
-    rt = lockstep.Runtime(accelerator="cpu", strategy=strategy, seed=0)
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), seed=0)
     model = tiny_llama(seed)
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     loader = rt.loader(Rows(), batch_size=8, shuffle=True, collate_fn=collate, num_workers=0)
@@ -183,7 +184,7 @@ def trainer_predictions(strategy) -> torch.Tensor:
     """The Trainer's predictions over 13 rows (uneven over the data-parallel ranks), untrained."""
     from checks import trainer as tc
 
-    return tc.quiet_trainer(strategy=strategy).predict(LlamaModule(), Rows(13), batch_size=4,
+    return tc.quiet_trainer(**layout(strategy)).predict(LlamaModule(), Rows(13), batch_size=4,
                                                         loader_options={"collate_fn": collate})
 
 
@@ -191,7 +192,7 @@ def trainer_weights(strategy, checkpointing=None) -> torch.Tensor:
     from checks import trainer as tc
 
     module = LlamaModule()
-    trainer = tc.quiet_trainer(max_steps=5, strategy=strategy, gradient_clip_val=0.5,
+    trainer = tc.quiet_trainer(max_steps=5, **layout(strategy), gradient_clip_val=0.5,
                                activation_checkpointing=checkpointing)
     trainer.fit(module, Rows(), batch_size=8, loader_options={"collate_fn": collate})
     return hc.flat(module.llama)
@@ -201,7 +202,7 @@ def stack_grads(strategy, checkpointing=None, compile: bool = False) -> torch.Te
     """One backward of ``fsdp_checks.Stack`` (blocks of our own, not Hugging Face layers): its whole gradients."""
     from checks import fsdp as fc
 
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = rt.setup(fc.make_stack(), activation_checkpointing=checkpointing, compile=compile)
     for x, y in rt.loader(fc.checks.make_data(32), batch_size=16, num_workers=0):
         rt.backward(F.cross_entropy(model(x), y))
@@ -215,7 +216,7 @@ def flops_of_one_step(strategy) -> int:
     """What the Trainer's FLOP count sees for one forward and backward of 4 rows on this rank."""
     from lockstep.runtime import FlopCount
 
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = rt.setup(tiny_llama())
     rows = Rows(4)
     count = FlopCount(tp=rt.tensor_parallel_size)
@@ -230,7 +231,7 @@ def built_empty_on_the_mesh() -> dict:
     from lockstep.runtime._torch_compat import to_local
 
     plan = {"blocks.*.linear": "colwise_gather_output"}
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=lockstep.FSDP(tp=2, tp_plan=plan))
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp", parallel=lockstep.Parallel(tp=2, tp_plan=plan))
     with rt.init_module(empty=True):
         model = fc.Stack()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -279,7 +280,7 @@ def gated_weights(strategy, compile: bool = False) -> dict:
     from checks import dist as checks
     from lockstep.runtime._torch_compat import full_tensor
 
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = GatedNet()
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compile=compile)
     for x, y in rt.loader(checks.make_data(64), batch_size=16, num_workers=0):
@@ -296,7 +297,7 @@ def trainer_checkpoint(strategy, folder: str) -> torch.Tensor:
     from checks import trainer as tc
 
     module = LlamaModule()
-    trainer = tc.quiet_trainer(max_steps=3, strategy=strategy, checkpoint_dir=folder)
+    trainer = tc.quiet_trainer(max_steps=3, **layout(strategy), checkpoint_dir=folder)
     trainer.fit(module, Rows(24), batch_size=8, loader_options={"collate_fn": collate})
     whole = trainer.runtime.full_state_dict(module, rank0_only=False)  # shards gathered
     plain = tiny_llama(seed=7)
@@ -317,7 +318,8 @@ def float8_against_plain_2d() -> float:
     from torchao.float8 import convert_to_float8_training
 
     steps, batch_size = 3, 8
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=lockstep.FSDP(tp=2), precision="float8")
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp", parallel=lockstep.Parallel(tp=2),
+                          precision="float8")
     model = tiny_llama()
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     for batch in rt.loader(Rows(steps * batch_size), batch_size=batch_size, collate_fn=collate, num_workers=0):

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 import lockstep
 from checks import hf as hc
 from checks import mesh as mc
+from checks.dist import layout
 
 VOCAB = mc.VOCAB
 
@@ -192,7 +193,7 @@ def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float 
                      rows: int = 40, items: bool = True, batch_size: int = 8, kind: str = "llama",
                      precision: str = "32-true") -> dict:
     """The same run through ``rt.forward_backward`` on ``strategy``."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision=precision)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy), precision=precision)
     model = MODELS[kind]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer)
@@ -218,7 +219,7 @@ def pipeline_weights(strategy, steps: int = 4, accumulate: int = 1, clip: float 
 def _run(strategy, folder: str | None, resume: bool, steps: int, save_after: int | None = None) -> dict:
     """Two epochs of 32 rows (global batch 8) through ``rt.forward_backward``; saves after ``save_after``
     steps of the first epoch when given, resumes from ``folder`` first when ``resume``."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
@@ -282,7 +283,7 @@ class LlamaModule(lockstep.Module):
 def trainer_weights(strategy) -> dict:
     """The Trainer on ``strategy``: 39 rows, global batch 16 (a short last step), clipping, num_items."""
     module = LlamaModule()
-    trainer = lockstep.Trainer(accelerator="cpu", strategy=strategy, max_steps=3, seed=0, gradient_clip_val=0.5,
+    trainer = lockstep.Trainer(accelerator="cpu", **layout(strategy), max_steps=3, seed=0, gradient_clip_val=0.5,
                                enable_progress_bar=False, loggers=())
     data = torch.utils.data.DataLoader(mc.Rows(39), batch_size=16, collate_fn=collate)  # in order, as the reference
     trainer.fit(module, data)
@@ -293,7 +294,7 @@ def trainer_weights(strategy) -> dict:
 def trainer_evaluation(strategy) -> dict:
     """The Trainer's validate and predict over 13 rows (4 per batch: uneven over 2 data-parallel ranks)."""
     module = LlamaModule()
-    trainer = lockstep.Trainer(accelerator="cpu", strategy=strategy, seed=0, enable_progress_bar=False, loggers=())
+    trainer = lockstep.Trainer(accelerator="cpu", **layout(strategy), seed=0, enable_progress_bar=False, loggers=())
     options = {"collate_fn": collate, "num_workers": 0}
     metrics = trainer.validate(module, mc.Rows(13), batch_size=4, loader_options=options)
     predictions = trainer.predict(module, mc.Rows(13), batch_size=4, loader_options=options)
@@ -316,7 +317,7 @@ def reference_validation() -> float:
 def skipped_on_every_stage(strategy) -> dict:
     """16-mixed: an inf planted in one gradient of the first stage's rank at step 2 only; every rank must skip
     that step (the GradScaler's inf check agreed over every stage)."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision="16-mixed")
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy), precision="16-mixed")
     model = llama()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     loader = rt.loader(mc.Rows(32), batch_size=8, collate_fn=collate, num_workers=0)
@@ -335,7 +336,7 @@ def skipped_on_every_stage(strategy) -> dict:
 
 def refused(strategy, layers: int) -> None:
     """One step of a layout that cannot work (``layers=0``: a model with no repeated blocks)."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = llama(layers) if layers else nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
     model = rt.setup(model)
     loader = rt.loader(mc.Rows(32), batch_size=8 * rt.data_parallel_size, collate_fn=collate, num_workers=0)
@@ -345,7 +346,7 @@ def refused(strategy, layers: int) -> None:
 def gathered_logits(strategy) -> dict:
     """Evaluation over 13 rows (uneven over the data-parallel ranks: zero-row padding batches), the first
     position's logits gathered in dataset order."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
     model = rt.setup(llama())
     outputs, indices = [], []
     with torch.no_grad():
@@ -365,5 +366,5 @@ def stage_under_fsdp(strategy, precision: str) -> bool:
     """Whether this rank's stage runs under FSDP (whose policy makes a mixed precision)."""
     from torch.distributed.fsdp import FSDPModule
 
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy, precision=precision)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy), precision=precision)
     return isinstance(lockstep.unwrap(rt.setup(llama())), FSDPModule)

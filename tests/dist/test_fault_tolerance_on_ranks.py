@@ -25,7 +25,7 @@ def _a_failed_participant_ends_the_others_wait() -> tuple[float, float]:
     import torch.distributed as dist
     from torchft.process_group import ProcessGroupGloo
 
-    from lockstep.runtime.parallel.replica_groups import _Alarm
+    from lockstep.runtime.fault_tolerance.alarm import Alarm as _Alarm
 
     rank = dist.get_rank()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None

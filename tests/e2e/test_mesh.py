@@ -25,13 +25,13 @@ def test_dp2_tp2_with_accumulation_and_clipping_reaches_the_one_process_weights(
     # data-parallel ranks, whose token counts all differ (num_items).
     reference = mc.reference_weights(clip=0.5, rows=39)
     untouched = mc.tiny_llama()
-    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 2, 0.5, None, 5, 8, 1e-3, 39):
+    for result in run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=2), 2, 0.5, None, 5, 8, 1e-3, 39):
         assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
         assert not torch.allclose(result["weights"], mc.hc.flat(untouched), atol=1e-3, rtol=0)  # it trained
 
 
 def test_every_tensor_parallel_peer_sees_its_data_rank_batch_and_no_sample_twice():
-    results = run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 1, None, None, 2)
+    results = run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=2), 1, None, None, 2)
     assert [(r["data_rank"], r["data_size"], r["tp_size"]) for r in results] == [
         (0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
@@ -42,13 +42,13 @@ def test_every_tensor_parallel_peer_sees_its_data_rank_batch_and_no_sample_twice
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_on_the_mesh_keeps_the_weights(mode):
     reference = mc.reference_weights(steps=3)
-    for result in run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=2), 1, None, mode, 3):
+    for result in run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=2), 1, None, mode, 3):
         assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
 
 
 def test_tensor_parallel_only_and_hsdp_with_tp_reach_the_same_weights():
     reference = mc.reference_weights(steps=3)
-    for strategy, world in ((lockstep.FSDP(tp=2), 2), (lockstep.FSDP(replicate=2, tp=2), 4)):
+    for strategy, world in ((lockstep.Parallel(tp=2), 2), (lockstep.Parallel(replicate=2, tp=2), 4)):
         for result in run_ranks(mc.mesh_weights, world, strategy, 1, None, None, 3):
             assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0), strategy
 
@@ -57,11 +57,12 @@ def test_ddp_with_tensor_parallel_reaches_the_one_process_weights_and_its_checkp
     """DDP(tp=2) on 4 processes (data parallel 2 by replication, tensor parallel 2 inside): the one-process
     weights, with accumulation and clipping; its checkpoint resumes under FSDP on 2 and on one process."""
     reference = mc.reference_weights(clip=0.5, rows=39)
-    for rank, result in enumerate(run_ranks(mc.mesh_weights, 4, lockstep.DDP(tp=2), 2, 0.5, None, 5, 8, 1e-3, 39)):
+    ddp_tp2 = ("ddp", lockstep.Parallel(tp=2))
+    for rank, result in enumerate(run_ranks(mc.mesh_weights, 4, ddp_tp2, 2, 0.5, None, 5, 8, 1e-3, 39)):
         assert torch.allclose(result["weights"], reference, atol=TOLERANCE, rtol=0)
         assert (result["data_rank"], result["data_size"], result["tp_size"]) == (rank // 2, 2, 2)
     folder = str(tmp_path / "step-8")
-    whole = run_ranks(mc.save_mid_epoch, 4, lockstep.DDP(tp=2), folder)[0]
+    whole = run_ranks(mc.save_mid_epoch, 4, ("ddp", lockstep.Parallel(tp=2)), folder)[0]
     for strategy, world in (("fsdp", 2), ("single", 1)):
         resumed = run_ranks(mc.resume_from, world, strategy, folder)[0]
         assert resumed["consumed"] == whole["consumed"][8:], strategy
@@ -69,14 +70,15 @@ def test_ddp_with_tensor_parallel_reaches_the_one_process_weights_and_its_checkp
 
 
 def test_ddp_with_tensor_parallel_that_does_not_fit_or_takes_ddp_only_options_is_refused():
-    with pytest.raises(RanksFailed, match=r"DDP\(tp=4, pp=1\) needs whole degrees whose product divides the world "
-                                          r"size, but the job has 2 process"):
-        run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=4))
-    with pytest.raises(RanksFailed, match=r"DDP\(tp=2, pp=1\) takes none of find_unused_parameters"):
-        run_ranks(mc.mesh_weights, 2, lockstep.DDP(tp=2, find_unused_parameters=True))
+    with pytest.raises(RanksFailed, match=r"Parallel\(tp=4\) needs a world size divisible by tp × pp = 4, but the "
+                                          r"job has 2 process"):
+        run_ranks(mc.mesh_weights, 2, ("ddp", lockstep.Parallel(tp=4)))
+    with pytest.raises(RanksFailed, match=r"DDP with tensor or pipeline parallel replicates through FSDP2 on the mesh, "
+                                          r"which takes none of find_unused_parameters"):
+        run_ranks(mc.mesh_weights, 2, (lockstep.DDP(find_unused_parameters=True), lockstep.Parallel(tp=2)))
 
 
-@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(tp=2), 4), ("fsdp", 2)])
+@pytest.mark.parametrize("strategy, world", [(lockstep.Parallel(tp=2), 4), ("fsdp", 2)])
 def test_evaluation_on_the_mesh_gathers_each_row_once_in_dataset_order(strategy, world):
     # 13 rows over 2 data-parallel ranks in batches of 2: the last rank runs a padding batch,
     # which a Llama cannot run on zero rows (its reshape has a -1); it runs on a real row, cut away.
@@ -88,20 +90,20 @@ def test_evaluation_on_the_mesh_gathers_each_row_once_in_dataset_order(strategy,
 
 def test_the_trainer_predicts_on_dp2_tp2_each_row_once_in_dataset_order():
     expected = mc.reference_logits()
-    for predictions in run_ranks(mc.trainer_predictions, 4, lockstep.FSDP(tp=2)):
+    for predictions in run_ranks(mc.trainer_predictions, 4, lockstep.Parallel(tp=2)):
         assert torch.allclose(predictions, expected, atol=1e-5, rtol=0)
 
 
 def test_the_trainer_on_dp2_tp2_reaches_the_one_process_trainer_weights():
     alone = run_ranks(mc.trainer_weights, 1, "single")[0]
-    for weights in run_ranks(mc.trainer_weights, 4, lockstep.FSDP(tp=2), "full"):
+    for weights in run_ranks(mc.trainer_weights, 4, lockstep.Parallel(tp=2), "full"):
         assert torch.allclose(weights, alone, atol=TOLERANCE, rtol=0)
 
 
 def test_saved_on_dp2_tp2_resumes_on_dp4_dp1_tp2_and_one_process(tmp_path):
     folder = str(tmp_path / "step-8")
-    whole = run_ranks(mc.save_mid_epoch, 4, lockstep.FSDP(tp=2), folder)[0]
-    for strategy, world in (("fsdp", 4), (lockstep.FSDP(tp=2), 2), ("single", 1)):
+    whole = run_ranks(mc.save_mid_epoch, 4, lockstep.Parallel(tp=2), folder)[0]
+    for strategy, world in (("fsdp", 4), (lockstep.Parallel(tp=2), 2), ("single", 1)):
         resumed = run_ranks(mc.resume_from, world, strategy, folder)[0]
         assert resumed["step"] == 8
         assert resumed["consumed"] == whole["consumed"][8:], strategy  # the same samples, step by step
@@ -124,11 +126,11 @@ def test_saved_on_dp2_tp2_resumes_on_dp4_dp1_tp2_and_one_process(tmp_path):
 
 def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
     with pytest.raises(RanksFailed, match="divisible by 4"):
-        run_ranks(mc.mesh_weights, 2, lockstep.FSDP(tp=4))
+        run_ranks(mc.mesh_weights, 2, lockstep.Parallel(tp=4))
     with pytest.raises(RanksFailed, match="num_key_value_heads=2 does not divide by tp=4"):
-        run_ranks(mc.mesh_weights, 4, lockstep.FSDP(tp=4))
+        run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=4))
     with pytest.raises(RanksFailed, match="'decoder.*' matches no module"):
-        run_ranks(mc.mesh_weights, 2, lockstep.FSDP(tp=2, tp_plan={"decoder.*": "colwise"}))
+        run_ranks(mc.mesh_weights, 2, lockstep.Parallel(tp=2, tp_plan={"decoder.*": "colwise"}))
 
 
 @pytest.mark.parametrize("strategy, compile", [("ddp", True), ("fsdp", False)])
@@ -146,7 +148,7 @@ def test_a_tensor_parallel_rank_counts_the_whole_model_flops_of_its_batch():
     # samples/s / (peak x world) holds on the mesh as it does for data parallelism.
     alone = run_ranks(mc.flops_of_one_step, 1, "single")[0]
     assert alone > 0
-    assert run_ranks(mc.flops_of_one_step, 2, lockstep.FSDP(tp=2)) == [alone, alone]
+    assert run_ranks(mc.flops_of_one_step, 2, lockstep.Parallel(tp=2)) == [alone, alone]
 
 
 def test_a_model_built_empty_on_the_mesh_gives_tensor_parallel_peers_the_same_replicated_weights():
@@ -161,7 +163,7 @@ def test_a_model_built_empty_on_the_mesh_gives_tensor_parallel_peers_the_same_re
 
 def test_compiled_blocks_on_dp2_tp2_reach_the_one_process_weights():
     reference = run_ranks(mc.gated_weights, 1, "single")[0]["weights"]
-    for result in run_ranks(mc.gated_weights, 4, lockstep.FSDP(tp=2, tp_plan=mc.GatedNet.PLAN), True):
+    for result in run_ranks(mc.gated_weights, 4, lockstep.Parallel(tp=2, tp_plan=mc.GatedNet.PLAN), True):
         assert result["compiled"] == ["blocks.0", "blocks.1"]
         assert torch.allclose(result["weights"], reference, atol=1e-5, rtol=0)
 

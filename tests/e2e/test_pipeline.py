@@ -34,7 +34,7 @@ def test_every_schedule_on_two_pipeline_ranks_reaches_the_one_process_weights():
     reference = pc.reference(steps=3, clip=0.5)
     untrained = pc.flat_named(dict(pc.llama().named_parameters()))
     for schedule in SCHEDULES:
-        results = run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5)
+        results = run_ranks(pc.pipeline_weights, 2, lockstep.Parallel(pp=2, pp_schedule=schedule), 3, 1, 0.5)
         _close(results, reference)
         assert results[0]["losses"] == results[1]["losses"]  # the step's loss reaches the first stage too
         assert not torch.allclose(results[0]["weights"], untrained.detach(), atol=1e-3)
@@ -47,7 +47,7 @@ def test_gpt2_qwen2_and_a_module_dict_of_layers_split_into_stages_without_stage_
     Untied embeddings. A model whose layers are an nn.ModuleDict (as torchtitan's) is cut by its keys."""
     reference = pc.reference(steps=3, clip=0.5, kind=kind)
     for schedule in ("1F1B", "DualPipeV"):
-        _close(run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2, pp_schedule=schedule), 3, 1, 0.5, 0.5, 40,
+        _close(run_ranks(pc.pipeline_weights, 2, lockstep.Parallel(pp=2, pp_schedule=schedule), 3, 1, 0.5, 0.5, 40,
                          True, 8, kind), reference)
 
 
@@ -59,15 +59,17 @@ def test_mixed_precision_on_stages_equals_a_hand_written_autocast_loop(precision
     equals FSDP without pp on the same rows per rank."""
     args = (1, 1, 0.5, 0.5, 40, True, 8, "llama", precision)
     float32 = pc.reference(steps=1, clip=0.5)
-    for strategy, microbatches in ((lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2, pp_schedule="ZBVZeroBubble"), 4),
-                                   (lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=2), 2)):
+    for strategy, microbatches in ((lockstep.Parallel(pp=2), 2),
+                                   (lockstep.Parallel(pp=2, pp_schedule="ZBVZeroBubble"), 4),
+                                   (lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=2), 2)):
         reference, _ = pc.mixed_reference(precision, steps=1, microbatches=microbatches)
         assert float((reference - float32).abs().max()) > 1e-5
         weights = run_ranks(pc.pipeline_weights, 2, strategy, *args)[0]["weights"]
         assert float((weights - reference).abs().max()) < 1e-7, (strategy, float((weights - reference).abs().max()))
     if precision == "bf16-mixed":
         fsdp = run_ranks(pc.pipeline_weights, 2, "fsdp", *args)[0]["weights"]
-        staged = run_ranks(pc.pipeline_weights, 4, lockstep.FSDP(pp=2, pp_schedule="GPipe", pp_microbatches=1), *args)
+        gpipe = lockstep.Parallel(pp=2, pp_schedule="GPipe", pp_microbatches=1)
+        staged = run_ranks(pc.pipeline_weights, 4, gpipe, *args)
         assert float((staged[0]["weights"] - fsdp).abs().max()) < 1e-7
 
 
@@ -76,13 +78,13 @@ def test_float8_on_stages_equals_one_process_on_the_same_micro_batches():
     the same two micro-batches (one process's float8 is compared with a hand-written torchao loop in
     tests/unit/test_parallel_options.py)."""
     one = run_ranks(pc.pipeline_weights, 1, "single", 1, 2, 0.5, 0.5, 40, True, 8, "llama", "float8")[0]["weights"]
-    staged = run_ranks(pc.pipeline_weights, 2, lockstep.FSDP(pp=2), 1, 1, 0.5, 0.5, 40, True, 8, "llama", "float8")
+    staged = run_ranks(pc.pipeline_weights, 2, lockstep.Parallel(pp=2), 1, 1, 0.5, 0.5, 40, True, 8, "llama", "float8")
     assert float((one - pc.reference(steps=1, clip=0.5)).abs().max()) > 1e-4
     assert float((staged[0]["weights"] - one).abs().max()) < 1e-7
 
 
-@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2), 4),
-                                             (lockstep.DDP(pp=2, pp_schedule="ZBVZeroBubble"), 4)])
+@pytest.mark.parametrize("strategy, world", [(lockstep.Parallel(pp=2), 2), (lockstep.Parallel(pp=2), 4),
+                                             (("ddp", lockstep.Parallel(pp=2, pp_schedule="ZBVZeroBubble")), 4)])
 def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_rank(strategy, world):
     """16-mixed: rank 0 (the first stage) alone holds an inf gradient at step 2; every rank skips that step."""
     results = [r["skipped"] for r in run_ranks(pc.skipped_on_every_stage, world, strategy)]
@@ -91,9 +93,9 @@ def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_rank(strategy, wor
     assert all(skipped == unchanged for skipped, unchanged in results[0]), results[0]  # skipped: weights kept
 
 
-@pytest.mark.parametrize("strategy, items", [(lockstep.FSDP(pp=2, pp_schedule="1F1B"), True),
-                                             (lockstep.DDP(pp=2, pp_schedule="Interleaved1F1B"), True),
-                                             (lockstep.FSDP(pp=2, pp_schedule="GPipe", pp_microbatches=4), False)])
+@pytest.mark.parametrize("strategy, items", [(lockstep.Parallel(pp=2, pp_schedule="1F1B"), True),
+                                             (("ddp", lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B")), True),
+                                             (lockstep.Parallel(pp=2, pp_schedule="GPipe", pp_microbatches=4), False)])
 def test_pipeline_times_data_parallel_with_accumulation_and_a_short_last_step(strategy, items):
     """pp2 × dp2 on 4 processes: 39 rows in global batches of 16 accumulated over 2 micro-steps (the last
     step's 7 rows split 4 + 3 over the data-parallel ranks, the 3 padded to 4 in the pipeline), clipped;
@@ -112,14 +114,16 @@ def test_every_schedule_on_pipeline_times_data_or_tensor_parallel_reaches_the_on
     num_items, a short last step."""
     reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
     for schedule in SCHEDULES:
-        strategy = {"ddp": lockstep.DDP(pp=2, pp_schedule=schedule), "fsdp": lockstep.FSDP(pp=2, pp_schedule=schedule),
-                    "tp": lockstep.FSDP(pp=2, tp=2, pp_schedule=schedule)}[layout]
+        strategy = {"ddp": ("ddp", lockstep.Parallel(pp=2, pp_schedule=schedule)),
+                    "fsdp": lockstep.Parallel(pp=2, pp_schedule=schedule),
+                    "tp": lockstep.Parallel(pp=2, tp=2, pp_schedule=schedule)}[layout]
         _close(run_ranks(pc.pipeline_weights, 4, strategy, 3, 2, 0.5, 0.5, 39, True, 16), reference)
 
 
 def test_the_trainer_on_pipeline_stages_reaches_the_one_process_weights():
     reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
-    for strategy, world in ((lockstep.FSDP(pp=2), 2), (lockstep.FSDP(pp=2), 4), (lockstep.FSDP(pp=2, tp=2), 4)):
+    for strategy, world in ((lockstep.Parallel(pp=2), 2), (lockstep.Parallel(pp=2), 4),
+                            (lockstep.Parallel(pp=2, tp=2), 4)):
         _close(run_ranks(pc.trainer_weights, world, strategy), reference)
     _close(run_ranks(pc.trainer_weights, 1, "single"), reference)  # training_step on one process: the same
 
@@ -128,9 +132,9 @@ def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_p
     """Saved by pp2 × dp2 mid-epoch (each stage's parameters under the whole model's names), resumed on
     FSDP over 4 processes and on one process: the uninterrupted weights."""
     folder = str(tmp_path / "step-3")
-    run = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]
+    run = run_ranks(pc.save_and_finish, 4, lockstep.Parallel(pp=2), folder)[0]
     whole = run["weights"]
-    for strategy, world in (("fsdp", 4), ("single", 1), (lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2)):
+    for strategy, world in (("fsdp", 4), ("single", 1), (lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"), 2)):
         resumed = run_ranks(pc.resume_and_finish, world, strategy, folder)[0]["weights"]
         assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), (strategy, float((resumed - whole).abs().max()))
     assert torch.equal(pc.flat_named(model_weights(Path(folder))), run["saved"])  # both stages' shards joined
@@ -144,8 +148,8 @@ def test_a_pipeline_checkpoint_resumes_on_data_parallel_and_on_one_process(tmp_p
     assert torch.equal(pc.flat_named(dict(exported.named_parameters())).detach(), run["saved"])
 
 
-@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 4),
-                                             (lockstep.FSDP(pp=2, pp_schedule="DualPipeV"), 2)])
+@pytest.mark.parametrize("strategy, world", [(lockstep.Parallel(pp=2), 4),
+                                             (lockstep.Parallel(pp=2, pp_schedule="DualPipeV"), 2)])
 def test_evaluation_on_pipeline_stages_gathers_each_row_once_in_dataset_order(strategy, world):
     """model(inputs) under torch.no_grad runs every stage in turn; every rank gets the output, rt.gather keeps
     one copy per data-parallel rank: 13 rows (zero-row padding batches on pp2 x dp2), one process's logits."""
@@ -159,22 +163,22 @@ def test_pipeline_times_tensor_parallel_reaches_the_one_process_weights_and_resu
     """pp2 x tp2 on 4 processes (the model's own tensor-parallel plan inside each stage): the one-process
     weights; a pp2 x dp2 checkpoint resumes on it to the uninterrupted weights."""
     reference = pc.reference(steps=3, clip=0.5, rows=39, batch_size=16)
-    _close(run_ranks(pc.pipeline_weights, 4, lockstep.FSDP(pp=2, tp=2), 3, 2, 0.5, 0.5, 39, True, 16), reference)
+    _close(run_ranks(pc.pipeline_weights, 4, lockstep.Parallel(pp=2, tp=2), 3, 2, 0.5, 0.5, 39, True, 16), reference)
     folder = str(tmp_path / "step-3")
-    whole = run_ranks(pc.save_and_finish, 4, lockstep.FSDP(pp=2), folder)[0]["weights"]
-    resumed = run_ranks(pc.resume_and_finish, 4, lockstep.FSDP(pp=2, tp=2), folder)[0]["weights"]
+    whole = run_ranks(pc.save_and_finish, 4, lockstep.Parallel(pp=2), folder)[0]["weights"]
+    resumed = run_ranks(pc.resume_and_finish, 4, lockstep.Parallel(pp=2, tp=2), folder)[0]["weights"]
     assert torch.allclose(resumed, whole, atol=TOLERANCE, rtol=0), float((resumed - whole).abs().max())
 
 
 def test_stages_without_data_parallel_run_outside_fsdp_in_any_precision():
     """FSDP over one rank only adds all-gathers; a mixed precision there is autocast's, as on one process."""
     for precision in ("32-true", "bf16-mixed"):
-        assert run_ranks(pc.stage_under_fsdp, 2, lockstep.FSDP(pp=2), precision) == [False, False]
-    assert run_ranks(pc.stage_under_fsdp, 4, lockstep.FSDP(pp=2), "bf16-mixed") == [True] * 4
+        assert run_ranks(pc.stage_under_fsdp, 2, lockstep.Parallel(pp=2), precision) == [False, False]
+    assert run_ranks(pc.stage_under_fsdp, 4, lockstep.Parallel(pp=2), "bf16-mixed") == [True] * 4
 
 
-@pytest.mark.parametrize("strategy, world", [(lockstep.FSDP(pp=2), 4),
-                                             (lockstep.FSDP(pp=2, pp_schedule="DualPipeV"), 2)])
+@pytest.mark.parametrize("strategy, world", [(lockstep.Parallel(pp=2), 4),
+                                             (lockstep.Parallel(pp=2, pp_schedule="DualPipeV"), 2)])
 def test_the_trainer_validates_and_predicts_on_pipeline_stages(strategy, world):
     """validate and predict as on one process: the steps run as written, self(inputs) runs every stage; the
     token-mean loss over 13 rows (zero-row padding batches on pp2 x dp2) as computed by hand, every row's
@@ -187,13 +191,12 @@ def test_the_trainer_validates_and_predicts_on_pipeline_stages(strategy, world):
 
 
 @pytest.mark.parametrize("world, strategy, layers, message", [
-    (2, lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
-    (2, lockstep.FSDP(pp=3), 4, r"FSDP\(replicate=1, tp=1, pp=3\) needs a world size divisible by 3"),
-    (2, lockstep.FSDP(pp=2, pp_microbatches=3), 4, "3 pipeline micro-batches do not divide this rank's batch of 8"),
-    (2, lockstep.FSDP(pp=2, pp_schedule="Zigzag"), 4, "unknown pipeline schedule 'Zigzag'"),
-    (2, lockstep.FSDP(pp=2, pp_stages=(("model.embed_tokens",), ("lm_head",))), 4,
+    (2, lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
+    (2, lockstep.Parallel(pp=3), 4, r"Parallel\(pp=3\) needs a world size divisible by tp × pp = 3"),
+    (2, lockstep.Parallel(pp=2, pp_microbatches=3), 4, "3 pipeline micro-batches do not divide this rank's batch of 8"),
+    (2, lockstep.Parallel(pp=2, pp_stages=(("model.embed_tokens",), ("lm_head",))), 4,
      r"leaves \d+ parameter\(s\) in no stage"),
-    (2, lockstep.FSDP(pp=2), 0, "found no repeated blocks"),
+    (2, lockstep.Parallel(pp=2), 0, "found no repeated blocks"),
 ])
 def test_bad_layouts_are_refused_before_any_stage_sends(world, strategy, layers, message):
     with pytest.raises(RanksFailed, match=message):

@@ -17,6 +17,7 @@ import torch
 
 import lockstep
 from checks import mesh as mc
+from checks.dist import layout
 from lockstep.testing import run_ranks
 
 pytestmark = [
@@ -60,10 +61,10 @@ def test_nccl_on_a_shared_gpu_is_refused_with_a_clear_error():
         assert "NCCL needs one GPU per rank. Use backend='gloo'" in message
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", lockstep.FSDP(tp=2), lockstep.DDP(tp=2)],
+@pytest.mark.parametrize("strategy", ["fsdp", lockstep.Parallel(tp=2), ("ddp", lockstep.Parallel(tp=2))],
                          ids=["fsdp", "fsdp-tp2", "ddp-tp2"])
 def test_fsdp_and_the_mesh_over_gloo_on_cuda_are_refused_before_they_crash(strategy):
-    for message in run_ranks(functools.partial(_refused, strategy=strategy), 2):
+    for message in run_ranks(functools.partial(_refused, **layout(strategy)), 2):
         assert "over Gloo on CUDA tensors: torch's Gloo crashes" in message
 
 

@@ -82,14 +82,14 @@ model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(data, batch_size=24, shuffle=True)
 state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "random": rt.random_states()}
 total = args.epochs * len(loader)
-if args.checkpoints or rt.replicas is not None:
+if args.checkpoints or rt.replication.fault_tolerant:
     rt.resume(args.checkpoints or os.path.join(os.path.dirname(args.out) or ".", "no-checkpoints"), state)
 
 record: dict[int, list[int]] = {}
 started = time.monotonic()
 timer: threading.Timer | None = None
-if rt.replicas is not None and args.die_at >= 0:
-    replicas = rt.replicas
+if rt.replication.fault_tolerant and args.die_at >= 0:
+    replicas = rt.replication
     all_reduce, should_commit = replicas._all_reduce, replicas.manager.should_commit
 
     def all_reduce_then_die(tensor, average):

@@ -13,7 +13,10 @@ from checks import mesh as mc  # noqa: E402
 from checks import pipeline as pc  # noqa: E402
 
 checkpoint_dir, out, name, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-strategy = {"pp2": lockstep.FSDP(pp=2), "pp2tp2": lockstep.FSDP(pp=2, tp=2), "fsdp": "fsdp", "single": "single"}[name]
+from checks.dist import layout  # noqa: E402
+
+strategy = {"pp2": lockstep.Parallel(pp=2), "pp2tp2": lockstep.Parallel(pp=2, tp=2), "fsdp": "fsdp",
+            "single": "single"}[name]
 
 
 class KillAt(lockstep.Callback):
@@ -23,7 +26,7 @@ class KillAt(lockstep.Callback):
 
 
 module = pc.LlamaModule()
-trainer = lockstep.Trainer(accelerator="cpu", strategy=strategy, max_epochs=2, seed=0, gradient_clip_val=0.5,
+trainer = lockstep.Trainer(accelerator="cpu", **layout(strategy), max_epochs=2, seed=0, gradient_clip_val=0.5,
                            enable_progress_bar=False, enable_throughput_monitor=False, loggers=(),
                            checkpoint_dir=checkpoint_dir, resume="auto", callbacks=[
                                lockstep.ModelCheckpoint(every_n_steps=2, every_n_epochs=None, save_top_k=2),

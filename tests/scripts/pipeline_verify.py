@@ -12,7 +12,8 @@ from checks import hf as hc  # noqa: E402
 from checks import mesh as mc  # noqa: E402
 from checks import pipeline as pc  # noqa: E402
 
-rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=lockstep.FSDP(pp=2, pp_schedule="Interleaved1F1B"))
+rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp",
+                      parallel=lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"))
 model = pc.llama()
 model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
 scale = 1.0 + 0.5 * rt.rank if sys.argv[1] == "bug" else 1.0

@@ -28,7 +28,7 @@ def token_data() -> torch.utils.data.TensorDataset:
 
 if mode.startswith("tokens"):
     plan = {"2": "colwise", "4": "rowwise"}  # the feed-forward block split over tp
-    rt = lockstep.Runtime(seed=0, strategy=lockstep.FSDP(tp=2, tp_plan=plan) if mode == "tokens-tp" else None)
+    rt = lockstep.Runtime(seed=0, parallel=lockstep.Parallel(tp=2, tp_plan=plan) if mode == "tokens-tp" else None)
     torch.manual_seed(0)
     if mode == "tokens-tp":
         model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))

@@ -23,7 +23,7 @@ def test_repeated_blocks_are_found_in_a_module_dict_too():
     shard groups and the pipeline's cut all find them."""
     from checks import pipeline as pc
     from lockstep.runtime.parallel.fsdp import FSDP
-    from lockstep.runtime.parallel.pipeline import split_model
+    from lockstep.runtime.parallel.pipeline.stages import split_model
 
     model = pc.dict_net()
     assert [name for name, _ in repeated_blocks(model)] == [f"layers.{i}" for i in range(4)]

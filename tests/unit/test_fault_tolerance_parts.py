@@ -127,7 +127,7 @@ def test_one_replica_group_trains_as_a_plain_loop_and_asks_for_its_state_first()
             optimizer.step()
             optimizer.zero_grad()
             committed.append(rt.step_committed)
-        assert committed == [True] * 3 and rt.replicas is not None and rt.replicas.step == 3
+        assert committed == [True] * 3 and rt.replication.fault_tolerant and rt.replication.step == 3
         reference = torch.optim.SGD(plain.parameters(), lr=0.1)
         for x, y in batches:
             F.cross_entropy(plain(x), y).backward()
@@ -156,7 +156,7 @@ def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random
             def on_before_backward(self, trainer, module, loss):
                 if trainer.global_step == fail_at and not failed:
                     failed.append(trainer.batches_done_in_epoch)
-                    trainer.runtime.replicas.manager.report_error(RuntimeError("a participant died"))
+                    trainer.runtime.replication.manager.report_error(RuntimeError("a participant died"))
 
         module = tc.Classifier(dropout=0.5)
         trainer = tc.quiet_trainer(max_epochs=2, callbacks=[FailOnce()])
@@ -171,7 +171,7 @@ def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random
                             "LOCKSTEP_LIGHTHOUSE": house.address, "LOCKSTEP_STEP_TIMEOUT": "10"}.items():
             monkeypatch.setenv(name, value)
         trainer, ft_weights = fit(7)  # in the second epoch, whose loss is the one logged at the end
-        assert trainer.runtime.replicas is not None and trainer.runtime.replicas.step == 10
+        assert trainer.runtime.replication.fault_tolerant and trainer.runtime.replication.step == 10
         trainer.runtime.close()
     finally:
         house.shutdown()

@@ -197,7 +197,7 @@ def test_a_llama_is_cut_into_stages_by_layer_with_the_embedding_first_and_the_he
     also hold the embedding and the head); modules without parameters (rotary embeddings) stay everywhere."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lockstep.runtime.parallel.pipeline import Skipped, keep_stages, split_model, stage_views
+    from lockstep.runtime.parallel.pipeline.stages import Skipped, keep_stages, split_model, stage_views
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=5,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
@@ -222,7 +222,7 @@ def test_a_llama_is_cut_into_stages_by_layer_with_the_embedding_first_and_the_he
 
 
 def test_stage_layouts_are_looped_or_v_shaped_as_torch_schedules_expect():
-    from lockstep.runtime.parallel.pipeline import check_settings, stages_of_rank
+    from lockstep.runtime.parallel.pipeline.stages import check_settings, stages_of_rank
 
     assert [stages_of_rank(r, 4, "1F1B") for r in range(4)] == [[0], [1], [2], [3]]
     assert [stages_of_rank(r, 4, "Interleaved1F1B") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -256,4 +256,4 @@ def test_forward_backward_on_one_process_is_the_forward_the_loss_and_rt_backward
     for mine, theirs in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(mine, theirs, atol=1e-7)
     with pytest.raises(lockstep.ConfigError, match="unknown pipeline schedule"):
-        lockstep.FSDP(pp=2, pp_schedule="zigzag").layout(4)
+        lockstep.Parallel(pp=2, pp_schedule="zigzag")

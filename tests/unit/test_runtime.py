@@ -324,6 +324,7 @@ def test_every_error_lockstep_raises_on_purpose_is_a_lockstep_error_and_keeps_it
     # a module's __getattr__ (lazy names) must raise AttributeError: Python's protocol
     assert [p for p in plain if not p.startswith("_lazy.py:")] == [], plain
     for refused in (lambda: make_strategy("zero3", 2), lambda: MeshLayout.for_world(6, tp=4),
+                    lambda: make_strategy("ddp", 6, lockstep.Parallel(tp=4)), lambda: lockstep.FSDP(tp=2),
                     lambda: make_precision("bf17", torch.device("cpu")),
                     lambda: lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv()).loader(
                         torch.utils.data.TensorDataset(torch.zeros(0, 1)), batch_size=2)):

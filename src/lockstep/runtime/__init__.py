@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from lockstep.runtime.parallel.devices import Devices
     from lockstep.runtime.parallel.flop_count import FlopCount
     from lockstep.runtime.parallel.fsdp import FSDP
+    from lockstep.runtime.parallel.mesh import Parallel
     from lockstep.runtime.parallel.strategy import DDP, DP, SingleDevice, Strategy
     from lockstep.runtime.parallel.wrappers import unwrap
     from lockstep.runtime.runtime import Runtime
@@ -49,6 +50,7 @@ _WHERE = {
     "RuntimeConfig": "lockstep.runtime.config",
     "DistributedLoader": "lockstep.runtime.data.loader", "is_stream": "lockstep.runtime.data.streams",
     "write_atomic": "lockstep.runtime.files", "FSDP": "lockstep.runtime.parallel.fsdp",
+    "Parallel": "lockstep.runtime.parallel.mesh",
     "FlopCount": "lockstep.runtime.parallel.flop_count", "Devices": "lockstep.runtime.parallel.devices",
     "Policy": "lockstep.runtime.parallel.activation_checkpointing", "Strategy": "lockstep.runtime.parallel.strategy",
     "DDP": "lockstep.runtime.parallel.strategy", "DP": "lockstep.runtime.parallel.strategy",
@@ -61,9 +63,9 @@ _WHERE = {
 }
 
 __all__ = ["Checkpoint", "CheckpointError", "CollectiveError", "DDP", "DP", "Devices", "DistributedLoader", "FSDP",
-           "FaultTolerance", "FlopCount", "Lighthouse", "Policy", "Runtime", "RuntimeConfig", "SingleDevice",
-           "Strategy", "WorkerError", "batch_size_of", "complete_checkpoints", "is_checkpoint_folder", "is_stream",
-           "RandomStates", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
+           "FaultTolerance", "FlopCount", "Lighthouse", "Parallel", "Policy", "Runtime", "RuntimeConfig",
+           "SingleDevice", "Strategy", "WorkerError", "batch_size_of", "complete_checkpoints", "is_checkpoint_folder",
+           "is_stream", "RandomStates", "read_metadata", "seed_everything", "unwrap", "write_atomic"]
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep.runtime", _WHERE, globals())

@@ -10,6 +10,7 @@ from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
+from lockstep.runtime.parallel.mesh import Parallel
 from lockstep.runtime.parallel.strategy import Strategy
 
 
@@ -24,6 +25,7 @@ class RuntimeConfig:
     accelerator: str | None = None
     devices: Devices = "auto"
     strategy: str | Strategy | None = None
+    parallel: Parallel | None = None
     precision: str | int | None = None
     seed: int | None = None
     deterministic: bool = False

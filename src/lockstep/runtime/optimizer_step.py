@@ -6,7 +6,7 @@ A step of an optimizer set up by ``rt.setup``, top to bottom:
 1. a background save that failed is raised now, not at the next save (``checkpoint/``);
 2. the item count (``rt.backward(num_items=...)``): one all-reduce of the step's item counts,
    the gradients rescaled in place to those of the mean over every item (``parallel/num_items``);
-   fault tolerance (``parallel/replica_groups``): the gradients averaged over the replica groups of
+   fault tolerance (``fault_tolerance/``): the gradients averaged over the replica groups of
    the step, then the commit vote; a step that does not commit ends here, untaken;
 3. unscaling (``16-mixed``), when ``rt.clip_grad_norm_`` has not already done it, then clipping
    there (``parallel/grad_norm``): both in ``clip`` below, which the user calls between 2 and 4;
@@ -32,10 +32,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from lockstep.runtime.checkpoint.life import Checkpoints
+    from lockstep.runtime.fault_tolerance.replication import Replication
     from lockstep.runtime.faults.watchdog import Watchdog
     from lockstep.runtime.parallel.num_items import ItemNormalizer
     from lockstep.runtime.parallel.precision import Precision
-    from lockstep.runtime.parallel.replica_groups import ReplicaGroups
     from lockstep.runtime.verify import StepRecorder
 
 
@@ -43,18 +43,18 @@ class OptimizerStep:
     """Owns the order of the optimizer step for one Runtime (see the module docstring)."""
 
     def __init__(self, precision: Precision, items: ItemNormalizer, checkpoints: Checkpoints,
-                 watchdog: Watchdog, recorder: StepRecorder | None, replicas: ReplicaGroups | None = None) -> None:
+                 watchdog: Watchdog, recorder: StepRecorder | None, replication: Replication) -> None:
         self.precision, self.items, self.checkpoints = precision, items, checkpoints
-        self.watchdog, self.recorder, self.replicas = watchdog, recorder, replicas
+        self.watchdog, self.recorder, self.replication = watchdog, recorder, replication
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
 
     def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """One optimizer step; ``step`` is the optimizer's own (unpatched) step."""
         self.checkpoints.raise_if_failed()                      # 1
         self.items.finish_step()                                # 2
-        if self.replicas is not None and self.replicas.in_step:  # not DCP's step that creates the state
+        if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
             self._reduce_over_replicas()
-            if not self.replicas.commit():
+            if not self.replication.commit():
                 return None
         if self.recorder is not None:
             self.recorder.before_step()                         # 4
@@ -67,7 +67,7 @@ class OptimizerStep:
              norm_type: float) -> torch.Tensor:
         """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
         self.items.finish_step()
-        if self.replicas is not None and self.replicas.in_step:
+        if self.replication.in_step:
             self._reduce_over_replicas()
         self.precision.unscale_(optimizer)
         with self.watchdog.step("clip_grad_norm_"):
@@ -102,7 +102,6 @@ class OptimizerStep:
 
     def _reduce_over_replicas(self) -> None:
         """Every attached optimizer's gradients averaged over the replica groups (once a step)."""
-        assert self.replicas is not None
         optimizers = [ref() for ref in self._optimizers]
-        self.replicas.reduce_gradients([p for opt in optimizers if opt is not None
+        self.replication.reduce_gradients([p for opt in optimizers if opt is not None
                                         for group in opt.param_groups for p in group["params"]])

@@ -11,7 +11,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,41 +32,25 @@ from lockstep.runtime.comm.process_group import (
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
 from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
+from lockstep.runtime.fault_tolerance.replication import NoReplicas, Replication
 from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption, ReclaimNotice
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.launch.membership import report_membership
 from lockstep.runtime.optimizer_step import OptimizerStep
-from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
+from lockstep.runtime.parallel.activation_checkpointing import Policy
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.mesh import Membership, Mesh
-from lockstep.runtime.parallel.meta_init import is_empty, repoint_optimizers
+from lockstep.runtime.parallel.mesh import Membership, Mesh, Parallel
+from lockstep.runtime.parallel.models import ModelKind, Tools, WholeModel, default_inputs, prepare
 from lockstep.runtime.parallel.num_items import ItemNormalizer
-from lockstep.runtime.parallel.pipeline import (
-    Pipeline,
-    PipelinedModule,
-    check_stages,
-    keep_stages,
-    model_inputs,
-    model_output,
-    rows,
-    split_model,
-    stage_views,
-    stages_of_rank,
-    stages_per_rank,
-)
+from lockstep.runtime.parallel.pipeline.staged import StagedModel
 from lockstep.runtime.parallel.precision import make_precision
-from lockstep.runtime.parallel.replica_groups import ReplicaGroups
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
-from lockstep.runtime.parallel.tensor_parallel import apply_plan, plan_of
 from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
 from lockstep.runtime.seed import RandomStates, seed_everything, set_determinism
 from lockstep.runtime.verify import StepRecorder
-
-if TYPE_CHECKING:
-    from lockstep.runtime.data.loader import DistributedLoader
 
 
 class Runtime:
@@ -97,6 +81,8 @@ class Runtime:
         strategy: ``"auto"`` (DDP with several processes), ``"ddp"``, ``"fsdp"``, ``"dp"``, ``"single"``,
             or a configured object such as ``lockstep.DDP(find_unused_parameters=True)`` or
             ``lockstep.FSDP(shard_modules=(Block,))``.
+        parallel: the device mesh besides data parallel, ``lockstep.Parallel(tp=..., pp=..., replicate=...)``
+            (tensor and pipeline parallel, HSDP); default none (docs/parallelism.md).
         precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"float8"``
             (aliases ``32``, ``64``, ``16``, ``bf16``).
         seed: seeds python, numpy and torch on every rank, and the data order (default order seed 0).
@@ -122,6 +108,7 @@ class Runtime:
         accelerator: str | None = None,
         devices: Devices = "auto",
         strategy: str | Strategy | None = None,
+        parallel: Parallel | None = None,
         precision: str | int | None = None,
         seed: int | None = None,
         deterministic: bool = False,
@@ -135,7 +122,8 @@ class Runtime:
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         self.config = config = RuntimeConfig(
-            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, seed=seed,
+            accelerator=accelerator, devices=devices, strategy=strategy, parallel=parallel, precision=precision,
+            seed=seed,
             deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
             init_method=init_method, debug=debug, per_sample_rng=per_sample_rng, fault_tolerance=fault_tolerance,
         ).resolved()
@@ -143,7 +131,7 @@ class Runtime:
         if self.env.capabilities.agent_watches:
             as_elastic_worker()
         launch_workers_if_asked(config, self.env)
-        self.strategy = make_strategy(config.strategy or "auto", self.env.world_size)
+        self.strategy, layout = make_strategy(config.strategy or "auto", self.env.world_size, config.parallel)
         self.placement = resolve_placement(
             config.accelerator or "auto", config.devices, self.env, self.strategy.one_process_many_devices,
         )
@@ -157,14 +145,11 @@ class Runtime:
             sharded=self.strategy.collective_forward and self.env.world_size > 1))
         # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
         # membership, read per step by the loaders, num_items and gather.
-        self.mesh = Mesh(self.strategy.layout(self.world_size), self.rank, self.device.type)
+        self.mesh = Mesh(layout, self.rank, self.device.type)
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
         self._current = CurrentBatch(self._watchdog)
-        # Fault tolerance: the data-parallel membership spans the live replica groups of each step.
-        self.replicas = (ReplicaGroups(config.fault_tolerance, self.membership, self.rank, self.world_size,
-                                       self.device, self.print, self.seed)
-                         if config.fault_tolerance is not None else None)
+        self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         can = self.env.capabilities
@@ -177,7 +162,27 @@ class Runtime:
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
-                                             self._recorder, self.replicas)
+                                             self._recorder, self.replication)
+        self._model = self._make_model_kind()
+
+    def _make_replication(self) -> Replication:
+        """The job alone, or one replica group of a fault-tolerant job, whose data-parallel membership then
+        spans the live replica groups of each step."""
+        if self.config.fault_tolerance is None:
+            return NoReplicas()
+        from lockstep.runtime.fault_tolerance.groups import ReplicaGroups  # torchft: only where it runs
+
+        return ReplicaGroups(self.config.fault_tolerance, self.membership, self.rank, self.world_size, self.device,
+                             self.print, self.seed)
+
+    def _make_model_kind(self) -> ModelKind:
+        """What ``setup`` makes of a model, chosen once: the whole model, or this rank's pipeline stages."""
+        tools = Tools(self.strategy, self.precision, self.placement, self.mesh, self.config.parallel or Parallel(),
+                      self.seed, self.rank, self._watchdog, self._items,
+                      (lambda: self._current.stand_in) if self.shards_model else None,
+                      lambda: self._current.loss_weight, self.all_gather,
+                      lambda loss, items: self.backward(loss, num_items=items), self._recorder)
+        return StagedModel(tools) if self.mesh.pp > 1 else WholeModel(tools)
 
     def _make_checkpoints(self) -> Checkpoints:
         """The checkpoint room, over this Runtime's watched collectives (DCP loads at its first use)."""
@@ -189,28 +194,23 @@ class Runtime:
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
                  if self.world_size > 1 else None)
-        gate = self.replicas.next_step if self.replicas is not None else None
-        # Fault tolerance: a group evaluates the whole data over its own ranks (the groups' membership
-        # changes; each group's evaluation is its own).
-        own = Membership(self.membership.rank, self.membership.size) if self.replicas is not None else None
         return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
-                       self.print, gate, own)
+                       self.print, self.replication.gate, self.replication.evaluation_membership(self.membership))
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value),
         over every live replica group of a fault-tolerant job."""
         total = self.all_reduce(value, op="sum") / self.mesh.layout.batch_peers if self.world_size > 1 else value
-        return self.replicas.sum(total) if self.replicas is not None else total
+        return self.replication.sum(total)
 
     def _make_recorder(self) -> StepRecorder | None:
         """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
         verifying = verify_from_environ()
         if verifying is None:
             return None
-        holders = self.world_size // self.mesh.pp if self.mesh.pp > 1 else 0  # each stage's parameters: its ranks'
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
-                            self.full_state_dict, self.barrier, holders)
+                            self.full_state_dict, self.barrier, self.mesh.layout.parameter_holders)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:
@@ -322,73 +322,14 @@ class Runtime:
         Gradients stay those without it (docs/parallelism.md).
         """
         model, was_compiled = unwrap_compiled(model)
-        if self.mesh.pp > 1:
-            return self._setup_stages(model, optimizers, compile if compile is not None else was_compiled,
-                                      activation_checkpointing)
-        before = dict(model.named_parameters())
-        module = self.precision.convert_module(model)
-        if is_empty(module) and not self.shards_model:
-            self.strategy.materialize(module, self.placement, self.seed, self.mesh)
-        checkpoint_activations(module, activation_checkpointing)
-        self.compile(module, compile if compile is not None else was_compiled)
-        if self.mesh.tp > 1:  # tensor parallel: each weight of the plan split over the tp peers
-            plan = plan_of(module, self.strategy.tp_plan, self.strategy.name.upper())  # before any group or weight
-            apply_plan(module, self.mesh.tp_mesh(), plan)
-        forward_module = self.strategy.wrap(module, self.placement, self.precision, self.mesh)  # data parallel
-        if is_empty(module):  # sharded first: each rank allocates and initialises its shards only
-            self.strategy.materialize(module, self.placement, self.seed, self.mesh)
-        repoint_optimizers(before, module, optimizers)
-        eval_module = self.strategy.eval_module(forward_module)
-        stand_in = (lambda: self._current.stand_in) if self.shards_model else None
-        watch = self._watchdog if self.strategy.collective_forward else None  # a forward that is a collective
-        wrapped = WrappedModule(forward_module, eval_module, module, self.precision, stand_in, watch)
-        self._wrapped.append(weakref.ref(forward_module))
+        chosen = compile if compile is not None else was_compiled
+        wrapped, released = prepare(model, optimizers, self._model, self._model.tools,
+                                    lambda module: self.compile(module, chosen), activation_checkpointing)
+        self._wrapped.append(weakref.ref(released))
         if self._recorder is not None:
-            self._recorder.watch(module, optimizers)
+            self._recorder.watch(unwrap(wrapped), optimizers)
         for optimizer in optimizers:
             self._optimizer_step.attach(optimizer)  # its step runs OptimizerStep.run: the order of a step
-        return (wrapped, *optimizers) if optimizers else wrapped
-
-    def _setup_stages(self, model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
-                      compile: bool | dict[str, Any] | None,  # noqa: A002
-                      activation_checkpointing: Policy | None) -> Any:
-        """``setup`` under pipeline parallel: the model cut into stages, this rank's kept (by the names they
-        have in the whole model), each sharded or replicated over the data-parallel ranks of its stage."""
-        assert isinstance(self.strategy, FSDP)
-        schedule, microbatches = self.strategy.pipeline_settings()
-        # Without data parallel the stages stay outside FSDP (which over one rank tripled a CPU step,
-        # pipeline_bubble.py), a mixed precision then running under autocast.
-        unsharded = self.mesh.layout.data_parallel_size == 1
-        num_stages = self.mesh.pp * stages_per_rank(schedule)
-        given = self.strategy.pp_stages
-        stages = check_stages(model, given) if given is not None else split_model(model, num_stages)
-        mine = stages_of_rank(self.mesh.layout.pipeline_rank(self.rank), self.mesh.pp, schedule)
-        before = dict(model.named_parameters())
-        keep_stages(model, stages, mine)
-        module = self.precision.convert_module(model)
-        checkpoint_activations(module, activation_checkpointing)
-        self.compile(module, compile)
-        views = stage_views(module, stages, mine)
-        if self.mesh.tp > 1:  # tensor parallel inside each stage: the plan's modules that the stage holds
-            plan = plan_of(module, self.strategy.tp_plan, self.strategy.name.upper())
-            for view in views:
-                apply_plan(view, self.mesh.tp_mesh(), plan, stage=True)
-        if not unsharded:  # each stage sharded (or replicated) over its data-parallel ranks
-            for view in views:
-                self.strategy.wrap(view, self.placement, self.precision, self.mesh)
-        if is_empty(module):
-            for view in views:
-                self.strategy.materialize(view, self.placement, self.seed, self.mesh)
-        repoint_optimizers(before, module, optimizers, elsewhere=True)
-        if self._recorder is not None:
-            self._recorder.watch(module, optimizers)
-        for optimizer in optimizers:
-            self._optimizer_step.attach(optimizer)
-        pipeline = Pipeline(views, mine, num_stages, schedule, microbatches, self.device, self.mesh.pp_group(),
-                            self.all_gather, self.precision, unsharded)
-        stand_in = (lambda: self._current.stand_in) if self.shards_model else None
-        wrapped = PipelinedModule(pipeline, module, self.precision, stand_in, self._watchdog)
-        self._wrapped.append(weakref.ref(module))
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -405,33 +346,7 @@ class Runtime:
         ``lambda rows: (rows["labels"] != -100).sum()``; ``loss_fn`` then returns the mean over them, and the
         gradients are those of the mean over every item of the step (``rt.backward(num_items=...)``).
         """
-        take = inputs if inputs is not None else model_inputs
-        if not isinstance(model, PipelinedModule):
-            loss = loss_fn(model_output(model(take(batch))), batch)
-            self.backward(loss, num_items=num_items(batch) if num_items is not None else None)
-            return loss.detach()
-        pipeline: Pipeline = model.pipeline
-        first = self.precision.convert_input(take(batch))
-        count = pipeline.check(first)
-        size = pipeline.rows // pipeline.microbatches
-        spans = [(m * size, min((m + 1) * size, count)) for m in range(pipeline.microbatches)]
-        shares: list[torch.Tensor | float]
-        factors: list[torch.Tensor | float]
-        if num_items is None:
-            self._items.plain_backward()
-            shares = [max(stop - start, 0) / max(count, 1) for start, stop in spans]
-            factors = [share * self._current.loss_weight for share in shares]
-        else:
-            counts = [torch.as_tensor(num_items(rows(batch, start, stop, count)) if stop > start else 0,
-                                      device=self.device, dtype=torch.float64) for start, stop in spans]
-            factors = [self._items.loss_factor(items) for items in counts]  # every stage: the step's items
-            total = torch.stack(counts).sum()
-            shares = [(items / total.clamp(min=1.0)).float() for items in counts]
-        with self._watchdog.step("pipeline step"):  # the stages' sends and receives, FSDP's collectives
-            loss = pipeline.run(batch, first, loss_fn, factors, shares, count)
-        if self._recorder is not None:  # the step's loss, standing for this rank's samples or items
-            self._recorder.backward(loss, self._current.loss_weight if num_items is None else total)
-        return loss
+        return self._model.forward_backward(model, batch, loss_fn, num_items, default_inputs(inputs))
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
         """Compile ``model`` in place as ``setup(compile=...)`` does, and return it: its repeated blocks
@@ -501,9 +416,7 @@ class Runtime:
                 f"rt.no_sync needs the model that rt.setup returned; got a {type(model).__name__} that did "
                 "not come from rt.setup, so its gradients would be all-reduced on every micro-step."
             )
-        if not enabled or isinstance(model, PipelinedModule):  # a pipeline's schedule syncs at its last micro-batch
-            return contextlib.nullcontext()
-        return self.strategy.no_sync(model.forward_module)
+        return self._model.no_sync(model) if enabled else contextlib.nullcontext()
 
     def clip_grad_norm_(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
@@ -517,7 +430,7 @@ class Runtime:
         """Whether the last ``optimizer.step()`` was taken. Always, except in a fault-tolerant job, where
         a step during which a replica group died is taken nowhere and its batch comes again: step your
         schedulers (and count your steps) only when this is True."""
-        return self.replicas is None or bool(self.replicas.committed)
+        return self.replication.step_committed
 
     @property
     def step_was_skipped(self) -> bool:
@@ -599,7 +512,7 @@ class Runtime:
         source = (loader or self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
         # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
-        replica = self.rank % self.tensor_parallel_size != 0 or self.mesh.layout.pipeline_rank(self.rank) != 0
+        replica = not self.mesh.layout.keeps_rows(self.rank)
         with self._watchdog.watch("gather", data, exact_shapes=False):
             return collectives.gather_rows(data, self.device, indices, replica=replica)
 
@@ -616,25 +529,7 @@ class Runtime:
 
         self.sync_buffers(module)
         with self._watchdog.watch("full_state_dict"):
-            if self.mesh.pp == 1:
-                return full_state_dict(module, rank0_only)
-            return self._stages_joined(full_state_dict(module, False), rank0_only)
-
-    def _stages_joined(self, stage: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
-        """The whole model's state from each pipeline stage's (sent by one rank of each stage)."""
-        import torch.distributed as dist
-
-        first = self.data_parallel_rank == 0 and self.rank % self.tensor_parallel_size == 0
-        mine = stage if first else {}
-        parts: list[Any] = [None] * self.world_size
-        if rank0_only:
-            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
-        else:
-            dist.all_gather_object(parts, mine)
-        whole: dict[str, torch.Tensor] = {}
-        for part in parts if (self.rank == 0 or not rank0_only) else ():
-            whole.update(part)
-        return whole
+            return self._model.whole_state(lambda rank0_only: full_state_dict(module, rank0_only), rank0_only)
 
     def sync_buffers(self, model: nn.Module, src: int = 0) -> None:
         """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm's running statistics, say).
@@ -646,15 +541,8 @@ class Runtime:
         evaluation, prediction and checkpoints) call it for you. Every rank must call it.
         """
         buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
-        if self.world_size == 1:
-            return
-        if self.mesh.pp > 1:  # each stage's own buffers: from its first rank, to the ranks that hold it
-            with self._watchdog.watch("sync_buffers"):
-                first = self.mesh.layout.pipeline_rank(self.rank) * (self.world_size // self.mesh.pp)
-                collectives.broadcast_in_place(buffers, first, self.mesh.stage_group())
-        elif buffers:
-            with self._watchdog.watch("sync_buffers"):
-                collectives.broadcast_in_place(buffers, src)
+        if self.world_size > 1:
+            self._model.sync_buffers(buffers, src)
 
     def broadcast(self, data: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``data`` on every rank."""
@@ -725,11 +613,10 @@ class Runtime:
         In a fault-tolerant job, the first replica group of the step writes it (the others return 0.0
         at once), adding the committed steps to its metadata.
         """
-        if self.replicas is not None:
-            if self.replicas.manager.participating_rank() != 0:
-                return 0.0
-            metadata = {**(metadata or {}), "committed_steps": self.replicas.step}
-        return self._checkpoints.save(path, state, blocking, metadata, on_commit)
+        if not self.replication.writes_checkpoints:
+            return 0.0
+        return self._checkpoints.save(path, state, blocking, self.replication.checkpoint_metadata(metadata),
+                                      on_commit)
 
     def load(self, path: str | Path | Checkpoint, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
         """Load the checkpoint folder ``path`` (or what ``latest_checkpoint`` found) into ``state``, as
@@ -774,8 +661,8 @@ class Runtime:
         found = self._checkpoints.find(path)
         if found is not None:
             self._checkpoints.load(found, state, verify=False)
-        if self.replicas is not None:
-            self.join(state, int(found.metadata.get("committed_steps", found.step)) if found is not None else 0)
+        self.replication.resumed(state, found.metadata if found is not None else None,
+                                 found.step if found is not None else 0)
         return found
 
     def join(self, state: dict[str, Any], step: int) -> None:
@@ -784,10 +671,7 @@ class Runtime:
         optimizers, loaders and other objects with ``load_state_dict`` in place; plain values replaced);
         a live group sends its own ``state`` to each group that joins later. ``rt.resume`` calls it
         after loading the newest checkpoint; every rank calls it once, before the first batch."""
-        if self.replicas is None:
-            raise UsageError("rt.join is for a fault-tolerant job: give Runtime(fault_tolerance=...) or start "
-                             "it with `lockstep run --fault-tolerant`.")
-        self.replicas.start(state, step)
+        self.replication.join(state, step)
 
     def verify_checkpoint(self, path: str | Path) -> list[str]:
         """Every problem with the files of checkpoint ``path`` (none when intact: each file matches the
@@ -824,8 +708,7 @@ class Runtime:
         """
         self._checkpoints.wait(report=False)
         self._watchdog.stop()
-        if self.replicas is not None:
-            self.replicas.close()
+        self.replication.close()
         if self._owns_group:
             self._owns_group = False
             for ref in self._wrapped:

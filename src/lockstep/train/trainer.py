@@ -8,6 +8,7 @@ stop check) and ``_end_epoch``.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
+from lockstep.env.fault_tolerance import ENV_GROUP
 from lockstep.errors import ConfigError, NoSuchCheckpointError, StateError, UsageError
-from lockstep.runtime import DistributedLoader, Runtime, RuntimeConfig, is_stream, seed_everything, unwrap
+from lockstep.runtime import (
+    DistributedLoader,
+    FaultTolerance,
+    Runtime,
+    RuntimeConfig,
+    is_stream,
+    seed_everything,
+    unwrap,
+)
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
@@ -27,14 +37,14 @@ from lockstep.train.module import Module, StepRouter, configure_optimizers, loss
 from lockstep.train.profilers import SimpleProfiler, make_profiler
 
 if TYPE_CHECKING:
-    from lockstep.runtime import Devices, Policy, Strategy
+    from lockstep.runtime import Devices, Parallel, Policy, Strategy
 from lockstep.train.progress import ProgressBar, ThroughputMonitor
 
 
 class Trainer:
     """Runs a ``lockstep.Module`` on every rank with the runtime's exact data, precision and collectives.
 
-    ``devices``, ``accelerator``, ``strategy``, ``precision``, ``seed``, ``deterministic``,
+    ``devices``, ``accelerator``, ``strategy``, ``parallel``, ``precision``, ``seed``, ``deterministic``,
     ``timeout`` and ``per_sample_rng`` go to ``lockstep.Runtime``; ``trainer.config`` holds all settings (a
     ``TrainerConfig``). ``batch_size`` (in ``fit`` etc.) is the global batch. Stop after
     ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first. Creating the
@@ -54,7 +64,7 @@ class Trainer:
     def __init__(
         self, *, max_epochs: int | None = None, max_steps: int | None = None, devices: Devices = "auto",
         num_nodes: int | None = None, accelerator: str | None = None, strategy: str | Strategy | None = None,
-        precision: str | int | None = None,
+        parallel: Parallel | None = None, precision: str | int | None = None,
         accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
         val_check_interval: int | None = None, log_every_n_steps: int = 50, seed: int = 0,
         deterministic: bool = False, checkpoint_dir: str | Path | None = None, resume: str | Path | None = None,
@@ -64,8 +74,9 @@ class Trainer:
         num_workers: int | None = None, timeout: float | None = None, compile: bool | dict[str, Any] | None = None,
         per_sample_rng: bool = False, activation_checkpointing: Policy | None = None,
     ) -> None:
-        runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
-                                seed=seed, deterministic=deterministic, timeout=timeout, per_sample_rng=per_sample_rng)
+        runtime = RuntimeConfig(accelerator=accelerator, devices=devices, strategy=strategy, parallel=parallel,
+                                precision=precision, seed=seed, deterministic=deterministic, timeout=timeout,
+                                per_sample_rng=per_sample_rng)
         self.config = TrainerConfig(
             max_epochs=max_epochs, max_steps=max_steps, num_nodes=num_nodes,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
@@ -149,8 +160,17 @@ class Trainer:
         """``log_dir``, else ``checkpoint_dir``, else ``runs/lockstep``; in a fault-tolerant fit, its
         ``replica-group-N`` folder (each group's rank 0 logs what its group saw)."""
         base = self.config.log_dir or self.config.checkpoint_dir or Path("runs/lockstep")
-        replicas = getattr(getattr(self, "runtime", None), "replicas", None)
-        return base / f"replica-group-{replicas.index}" if replicas is not None else base
+        group = self._replica_group()
+        return base / f"replica-group-{group}" if group is not None else base
+
+    def _replica_group(self) -> int | None:
+        """This replica group's number in a fault-tolerant fit (before ``fit`` too), else None."""
+        if self._runtime is not None:
+            return self._runtime.replication.index
+        asked = self.config.runtime.fault_tolerance or FaultTolerance.from_environ()
+        if asked is None:
+            return None
+        return asked.replica_group if asked.replica_group is not None else int(os.environ.get(ENV_GROUP) or 0)
 
     # -- public entry points ------------------------------------------------------------------------
     def fit(self, module: Module, train_data: Any, val_data: Any = None, batch_size: int | None = None,
@@ -334,7 +354,7 @@ class Trainer:
         In a fault-tolerant fit, then join the replica groups: a group behind the live ones takes their
         state (``rt.join``)."""
         saved = self._restore_checkpoint()
-        if self.runtime.replicas is not None:
+        if self.runtime.replication.fault_tolerant:
             self.runtime.join(ckpt.replica_state(self), self.global_step)
         return saved
 
@@ -393,7 +413,7 @@ class Trainer:
         if start == 0:
             self.metrics.reset()
         self._step_samples = 0
-        fault_tolerant = self.runtime.replicas is not None  # a step's values count once it commits
+        fault_tolerant = self.runtime.replication.fault_tolerant  # a step's values count once it commits
         self._stores = [self.metrics.step] if fault_tolerant else [self.metrics.window, self.metrics.epoch]
         self.fire("on_train_epoch_start")
         self._wrapped.train()
@@ -431,7 +451,7 @@ class Trainer:
         if self.at_step_boundary:
             committed = self._optimizer_step()
             samples, self._step_samples = self._step_samples, 0
-            if rt.replicas is not None:  # what the step logged counts once it commits
+            if rt.replication.fault_tolerant:  # what the step logged counts once it commits
                 self.metrics.end_step(committed)
             if not committed:  # fault tolerance: a replica group died during the step; its batches come again
                 return False

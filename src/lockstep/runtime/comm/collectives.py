@@ -115,6 +115,18 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return boxes
 
 
+def gather_objects(obj: Any, to_rank0: bool) -> list[Any]:
+    """Every rank's picklable ``obj`` in rank order: on rank 0 only (``to_rank0``; the others get ``[]``,
+    so one rank holds them all) or on every rank."""
+    if not active():
+        return [obj]
+    if not to_rank0:
+        return _all_gather_object(obj)
+    boxes: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, boxes, dst=0)
+    return boxes or []
+
+
 def all_gather(data: Any, device: torch.device) -> list[Any]:
     """Every rank's ``data``, as a list indexed by rank.
 

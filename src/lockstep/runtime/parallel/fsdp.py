@@ -20,15 +20,15 @@ from torch import nn
 
 from lockstep.errors import StateError
 from lockstep.runtime.parallel.devices import Placement
-from lockstep.runtime.parallel.mesh import Mesh, MeshLayout
+from lockstep.runtime.parallel.mesh import Mesh, refuses_degrees
 from lockstep.runtime.parallel.meta_init import is_empty, materialize
-from lockstep.runtime.parallel.pipeline import check_settings
 from lockstep.runtime.parallel.precision import Precision
-from lockstep.runtime.parallel.tensor_parallel import Plan, sync_replicas
+from lockstep.runtime.parallel.tensor_parallel import sync_replicas
 
 _MMAP_THRESHOLD = 2**20  # glibc's M_MMAP_THRESHOLD, fixed: blocks from 1 MiB up are mapped and unmapped
 
 
+@refuses_degrees
 @dataclass(frozen=True)
 class FSDP:
     """Fully sharded data parallel (FSDP2): for models whose parameters, gradients and optimizer
@@ -40,44 +40,20 @@ class FSDP:
     gathered between forward and backward (more memory, one all-gather less); ``cpu_offload`` keeps
     the shards, their gradients and the optimizer step on the CPU.
 
-    A device mesh: ``tp`` ranks split each weight of the ``tp_plan`` (tensor parallel; a Hugging Face
-    model's own plan by default), ``replicate`` groups each hold a whole sharded copy (HSDP), and
-    the rest of the world size shards over data parallel. The ``tp`` ranks of a group see the same
-    batches; the data-parallel degree is ``world_size / (replicate × tp × pp)`` (docs/parallelism.md).
-
-    Pipeline parallel: ``pp`` ranks each hold consecutive stages of the model (cut by layer, or by module
-    names per stage in ``pp_stages``), run by torch's schedule ``pp_schedule`` (``"1F1B"``, ``"GPipe"``,
-    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
-    ``"DualPipeV"``) over ``pp_microbatches`` micro-batches of each rank's batch (default: the number of
-    stages). A step is then ``rt.forward_backward(model, batch, loss_fn)`` (docs/parallelism.md). A stage
-    keeps its parameters gathered from its first micro-batch's forward until the schedule reduces the
-    step's gradients, whatever ``reshard_after_forward`` says: one all-gather per stage per step, not one
-    per micro-batch, and the zero-bubble schedules need it (their input-gradient pass collects the
-    parameters the forward used; resharded, it finds none and the weight gradients are lost).
+    On a device mesh (``lockstep.Parallel``) FSDP shards over the data-parallel ranks: over
+    ``replicate`` groups that each hold a whole sharded copy (HSDP), with tensor-parallel weights already
+    split. Under pipeline parallel a stage keeps its parameters gathered from its first micro-batch's
+    forward until the schedule reduces the step's gradients, whatever ``reshard_after_forward`` says:
+    one all-gather per stage per step, not one per micro-batch, and the zero-bubble schedules need it
+    (their input-gradient pass collects the parameters the forward used; resharded, it finds none and
+    the weight gradients are lost).
     """
 
     shard_modules: tuple[type[nn.Module], ...] = ()
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    tp: int = 1
-    replicate: int = 1
-    tp_plan: Plan | None = None
-    pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int | None = None
-    pp_stages: tuple[tuple[str, ...], ...] | None = None
     name: str = "fsdp"
     one_process_many_devices: bool = False
-
-    def layout(self, world_size: int) -> MeshLayout:
-        layout = MeshLayout.for_world(world_size, self.replicate, self.tp, owner=self.name.upper(), pp=self.pp)
-        if layout.pp > 1:
-            self.pipeline_settings()
-        return layout
-
-    def pipeline_settings(self) -> tuple[str, int]:
-        """The pipeline schedule's name and its number of micro-batches (refused when they cannot work)."""
-        return check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, self.name.upper())
 
     def wrap(self, module: nn.Module, placement: Placement, precision: Precision, mesh: Mesh) -> nn.Module:
         """Shard ``module`` over the mesh's data-parallel dimensions (tensor parallel, if any, is
@@ -87,7 +63,7 @@ class FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         options: dict[str, Any] = {
-            "mesh": mesh.data_mesh(), "reshard_after_forward": self.reshard_after_forward and self.pp == 1,
+            "mesh": mesh.data_mesh(), "reshard_after_forward": self.reshard_after_forward and mesh.pp == 1,
             "mp_policy": precision.fsdp_policy() or MixedPrecisionPolicy(),
             # pinned host memory needs an accelerator: on a CPU-only job the shards stay unpinned
             "offload_policy": (CPUOffloadPolicy(pin_memory=placement.device.type != "cpu") if self.cpu_offload

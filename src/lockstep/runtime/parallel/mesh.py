@@ -6,21 +6,130 @@ share the fastest links; the pipeline dimension is outermost, as its point-to-po
 cheapest traffic to put across nodes. The data-parallel rank of ``r`` is
 ``(r // tp) % (replicate × shard)``; the ``tp × pp`` ranks that share it see the same batches.
 
-``MeshLayout`` holds the degrees (a value: strategies compute it from their configuration);
-``Mesh`` is the one built object of a Runtime: the layout, its ``DeviceMesh`` (made once, at the
-first setup that needs it) and this rank's data-parallel ``Membership``. A new dimension (pipeline
-or context parallel) is one more degree here, outside the data-parallel and tensor-parallel ones
-that the loaders, ``num_items``, ``gather`` and the FLOP count read.
+``Parallel`` is what a user asks for (public: ``lockstep.Parallel(tp=2, pp=2)``), given once to the
+Runtime or the Trainer; ``MeshLayout`` holds the degrees it resolves to on a world size (the sharded
+degree is the rest), and answers the rank questions (which data-parallel rank, which pipeline rank,
+which ranks hold a copy of the same rows); ``Mesh`` is the one built object of a Runtime: the layout,
+its ``DeviceMesh`` (made once, at the first setup that needs it) and this rank's data-parallel
+``Membership``. A new dimension (context parallel) is one more degree here, outside the data-parallel
+and tensor-parallel ones that the loaders, ``num_items``, ``gather`` and the FLOP count read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from lockstep.errors import ConfigError
+from lockstep.runtime.parallel.pipeline.stages import check_settings
+from lockstep.runtime.parallel.tensor_parallel import Plan
 
 DIMENSIONS = ("pp", "replicate", "shard", "tp")
+#: what a strategy took before ``lockstep.Parallel`` held the degrees
+MOVED = ("tp", "pp", "replicate", "cp", "tp_plan", "pp_schedule", "pp_microbatches", "pp_stages")
+_Class = TypeVar("_Class", bound=type)
+
+
+def refuses_degrees(cls: _Class) -> _Class:
+    """A strategy whose constructor, given a degree, names where degrees go now (``lockstep.Parallel``)."""
+    init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        moved = [name for name in kwargs if name in MOVED]
+        if moved:
+            given = ", ".join(f"{name}={kwargs[name]!r}" for name in moved)
+            raise ConfigError(f"{cls.__name__}({given}): the degrees of the mesh are given once, as "
+                              f"Runtime(parallel=lockstep.Parallel({given})) (or Trainer(parallel=...)); "
+                              f"{cls.__name__} keeps only its own options.")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How the job's ranks split the work besides data parallel: one frozen value, given as
+    ``Runtime(parallel=...)`` or ``Trainer(parallel=...)``, with any strategy that runs one process per
+    device (DDP, FSDP). The data-parallel degree is what is left: ``world_size / (tp × pp)`` ranks see
+    different batches (docs/parallelism.md).
+
+    Args:
+        tp: ranks that split each weight of ``tp_plan`` (tensor parallel; a Hugging Face model's own plan
+            by default); they see the same batches.
+        pp: ranks that each hold consecutive stages of the model (pipeline parallel), cut by layer or by
+            module names per stage in ``pp_stages``, run by torch's schedule ``pp_schedule`` (``"1F1B"``,
+            ``"GPipe"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
+            ``"ZBVZeroBubble"``, ``"DualPipeV"``) over ``pp_microbatches`` micro-batches of each rank's
+            batch (default: the number of stages). A step is ``rt.forward_backward(model, batch, loss_fn)``.
+        replicate: with FSDP, groups that each hold a whole sharded copy (HSDP); the rest of the
+            data-parallel ranks shard. With DDP every data-parallel rank holds a whole copy: leave it
+            unset (or give the data-parallel degree).
+        cp: context parallel, not built yet: anything but 1 is refused.
+
+    With DDP (or ``"auto"``), tensor or pipeline parallel means data parallel by replication on the mesh:
+    FSDP2's ``fully_shard`` over a ``(replicate = data-parallel degree, shard = 1)`` mesh, which
+    all-reduces gradients and shards nothing, so checkpoints reshard as FSDP's do
+    (``DistributedDataParallel``'s own route to tensor parallel keeps no DTensors in its state_dict).
+    On one process every degree is 1: the model runs unsplit, the mesh's one-process reference.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    replicate: int | None = None
+    cp: int = 1
+    tp_plan: Plan | None = None
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    pp_stages: Sequence[Sequence[str]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "replicate", "cp"):
+            degree = getattr(self, name)
+            if degree is None and name == "replicate":
+                continue
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise ConfigError(f"Parallel({name}={degree!r}): a degree is a whole number of at least 1.")
+        if self.cp != 1:
+            raise ConfigError(f"Parallel(cp={self.cp}): context parallel is not built yet; leave cp at 1 (split "
+                              "long sequences with tensor parallel's sequence_parallel style meanwhile).")
+        if self.pp > 1:
+            check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, "Parallel")
+
+    def __repr__(self) -> str:
+        """The degrees and options given (those that differ from the defaults)."""
+        given = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"Parallel({', '.join(given)})"
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing but data parallel: every rank holds the whole model and sees batches of its own."""
+        return self.tp == 1 and self.pp == 1 and self.replicate in (None, 1)
+
+    def pipeline_settings(self) -> tuple[str, int]:
+        """The pipeline schedule's own name and its number of micro-batches."""
+        return check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, "Parallel")
+
+    def layout(self, world_size: int, shards: bool) -> MeshLayout:
+        """The degrees on ``world_size`` ranks. ``shards``: the data-parallel ranks shard (FSDP) beyond
+        ``replicate``; else every data-parallel rank replicates (DDP)."""
+        fixed = self.tp * self.pp
+        if world_size % fixed:
+            raise ConfigError(
+                f"{self!r} needs a world size divisible by tp × pp = {fixed}, but the job has {world_size} "
+                f"process(es): launch a multiple of {fixed}, or change the degrees.")
+        data_parallel = world_size // fixed
+        if shards:
+            return MeshLayout.for_world(world_size, self.replicate or 1, self.tp, owner="Parallel", pp=self.pp)
+        if self.replicate not in (None, data_parallel):
+            raise ConfigError(
+                f"Parallel(replicate={self.replicate}) with DDP: every data-parallel rank holds a whole copy, "
+                f"{data_parallel} here (world size {world_size} / tp × pp): leave replicate unset, or use "
+                "strategy='fsdp' to shard within the replicas (HSDP).")
+        return MeshLayout(data_parallel, 1, self.tp, self.pp)
 
 
 @dataclass(frozen=True)
@@ -73,6 +182,30 @@ class MeshLayout:
     def trivial(self) -> bool:
         """One data-parallel dimension and nothing else: plain DDP or FSDP over every rank."""
         return self.tp == 1 and self.replicate == 1 and self.pp == 1
+
+    @property
+    def stage_size(self) -> int:
+        """How many ranks hold each pipeline stage (its data-parallel and tensor-parallel ranks)."""
+        return self.world_size // self.pp
+
+    @property
+    def parameter_holders(self) -> int:
+        """Under pipeline parallel, how many ranks hold each parameter (its stage's); 0 without: every rank
+        holds every parameter (sharded or not)."""
+        return self.stage_size if self.pp > 1 else 0
+
+    def first_of_stage(self, rank: int) -> int:
+        """The first rank that holds ``rank``'s pipeline stages."""
+        return self.pipeline_rank(rank) * self.stage_size
+
+    def keeps_rows(self, rank: int) -> bool:
+        """Whether ``rank`` is the one of its batch peers (tensor-parallel peers, later pipeline ranks)
+        that keeps the rows they all hold: the first tensor-parallel rank of the first pipeline rank."""
+        return rank % self.tp == 0 and self.pipeline_rank(rank) == 0
+
+    def speaks_for_stage(self, rank: int) -> bool:
+        """Whether ``rank`` is the one rank that sends its pipeline stage's state (its first)."""
+        return self.data_parallel_rank(rank) == 0 and rank % self.tp == 0
 
 
 class Mesh:

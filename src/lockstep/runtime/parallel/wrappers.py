@@ -3,16 +3,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from lockstep.errors import UsageError
 from lockstep.runtime._torch_compat import compiled_inner
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.tree import empty_rows, map_tensors
+
+
+def model_output(output: Any) -> Any:
+    """What the loss function receives (and a pipeline stage hands on): a Hugging Face model's ``logits``, else the
+    output itself."""
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else output
+
+
+def model_inputs(batch: Any) -> torch.Tensor:
+    """What the model is called with: a dict's ``input_ids`` (a Hugging Face batch), a tuple's first item,
+    or the batch itself."""
+    found = (batch.get("input_ids") if isinstance(batch, Mapping) else
+             batch[0] if isinstance(batch, (tuple, list)) and batch else batch)
+    if not isinstance(found, torch.Tensor):
+        raise UsageError(f"the model's input in a batch of type {type(batch).__name__} is not a tensor: give "
+                         "inputs=lambda batch: ... to rt.forward_backward.")
+    return found
 
 
 class WrappedModule(nn.Module):

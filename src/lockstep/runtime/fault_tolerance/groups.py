@@ -35,104 +35,16 @@ from torch import nn
 
 from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
 from lockstep.errors import CollectiveError, ConfigError, StateError
+from lockstep.runtime.fault_tolerance._torchft_compat import record_quorums
+from lockstep.runtime.fault_tolerance.alarm import Alarm
 from lockstep.runtime.parallel.mesh import Membership
+from lockstep.runtime.parallel.wrappers import unwrap
 from lockstep.runtime.seed import RandomStates, capture_rng, restore_rng
 
 #: The key of a rank's random states in what a joining group receives (beside the user's own keys).
 _RANDOM = "lockstep.random_states"
 #: Steps in a row that may fail to commit (a member lost at each) before the job ends with the cause.
 MAX_FAILED_STEPS = 20
-
-
-class _QuorumRecorder:
-    """Stands in for torchft's manager client and keeps the last quorum it returned (the replica ids
-    and the healing plan), which the manager does not expose; every other call goes through."""
-
-    def __init__(self, client: Any) -> None:
-        self._client, self.last = client, None
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self._client._quorum(*args, **kwargs)
-        return self.last
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-class _Alarm:
-    """What a participant does when a step's all-reduce fails, so that the others stop waiting at once
-    instead of at the step timeout (two things Gloo does not do):
-
-    - tell the others: a key in the quorum's store (the one torchft's process group rendezvouses
-      through), read by the participants whose all-reduce still waits (on one that failed, not on the
-      one that died: Gloo's abort closes no connection). A store that cannot be reached (its host died
-      with its group) counts as the key;
-    - abort the group without waiting for it: a Gloo group released while one of its all-reduces still
-      waits blocks until that all-reduce times out, so the group is kept until it has ended.
-
-    On CUDA, NCCL's abort ends the others' wait itself: only the abort is done.
-    """
-
-    POLL_S = 0.1  # how often a waiting all-reduce looks at the key
-
-    def __init__(self, group_rank: int, connect_timeout: float, cuda: bool) -> None:
-        self._group_rank, self._timeout, self._cuda = group_rank, connect_timeout, cuda
-        self._quorum_id: int | None = None
-        self._store: Any = None
-        self._key = ""
-        self._retired: list[tuple[Any, Any]] = []  # (torch group, its all-reduce that still waits)
-
-    def arm(self, quorum: Any, step: int) -> None:
-        """The key of this quorum's step ``step`` (a new store client when the quorum changed)."""
-        self._retired = [(group, work) for group, work in self._retired if not work.is_completed()]
-        if self._cuda:
-            return
-        if quorum.quorum_id != self._quorum_id:
-            from torchft.process_group import create_store_client
-
-            self._quorum_id, self._store = quorum.quorum_id, None
-            try:
-                self._store = create_store_client(
-                    f"{quorum.store_address}/lockstep/{quorum.quorum_id}/{self._group_rank}",
-                    timeout=timedelta(seconds=self._timeout))
-            except RuntimeError:  # the store's host is gone: the step's all-reduce will fail by itself
-                pass
-        self._key = f"failed-{step}"
-
-    def wait(self, work: Any) -> None:
-        """Wait for ``work``; raise when it fails, or when another participant says the step failed."""
-        if self._cuda or self._store is None:
-            work.wait()
-            return
-        poll = timedelta(seconds=self.POLL_S)
-        while True:
-            try:
-                work.wait(poll)
-                return
-            except RuntimeError:
-                if work.is_completed():  # it failed, not the poll that ran out
-                    raise
-            if self._rung():
-                raise CollectiveError("another participant's all-reduce of this step failed (a participant was lost)")
-
-    def _rung(self) -> bool:
-        try:
-            return bool(self._store.check([self._key]))
-        except RuntimeError:  # the store's host is gone with its group
-            return True
-
-    def fail(self, pg: Any, work: Any) -> None:
-        """This participant's all-reduce ``work`` on torchft's group ``pg`` failed: tell the others, and
-        abort ``pg`` (torchft makes a new group at the next quorum) without waiting for ``work``."""
-        if self._store is not None:
-            try:
-                self._store.set(self._key, "1")
-            except RuntimeError:
-                pass
-        group = getattr(pg, "_pg", None)  # the torch group that torchft's wrapper lets go of on abort
-        if group is not None and work is not None and not work.is_completed():
-            self._retired.append((group, work))
-        pg.abort()
 
 
 def _manager_store(index: int, address: str, group_size: int) -> tuple[Any, int]:
@@ -198,8 +110,8 @@ class ReplicaGroups:
             heartbeat_interval=timedelta(milliseconds=100), max_retries=MAX_FAILED_STEPS,
             checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
         )
-        self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
-        self._alarm = _Alarm(group_rank, timeouts.connect, device.type == "cuda")
+        self._recorder = record_quorums(self.manager)
+        self._alarm = Alarm(group_rank, timeouts.connect, device.type == "cuda")
         self._members: list[int] = []  # the group indices of the last quorum, in participant order
         self._decided: bool | None = True  # the last step's commit decision (None: a step is under way)
         self._reduced = False
@@ -430,6 +342,39 @@ class ReplicaGroups:
         if randoms is not None:  # last: loading the state may draw none after it
             restore_rng(randoms)
 
+    # -- what the Runtime asks of its replication (replication.py) --------------------------
+    fault_tolerant = True
+
+    @property
+    def gate(self) -> Callable[[Any, int], int]:
+        return self.next_step
+
+    def evaluation_membership(self, membership: Membership) -> Membership:
+        """A group evaluates the whole data over its own ranks (the groups' membership changes; each
+        group's evaluation is its own)."""
+        return Membership(membership.rank, membership.size)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """The first replica group of the step writes the checkpoints; the others skip them."""
+        return self.manager.participating_rank() == 0
+
+    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A checkpoint's metadata, with the steps committed so far."""
+        return {**(metadata or {}), "committed_steps": self.step}
+
+    def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None:
+        """After ``rt.resume`` loaded a checkpoint (``metadata`` and ``step``; None and 0 without one): join
+        the groups at the committed step it stands for."""
+        self.start(state, int((metadata or {}).get("committed_steps", step)))
+
+    def join(self, state: dict[str, Any], step: int) -> None:
+        self.start(state, step)
+
+    @property
+    def step_committed(self) -> bool:
+        return bool(self.committed)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -437,8 +382,6 @@ class ReplicaGroups:
 
 
 def _unwrapped(value: Any) -> Any:
-    from lockstep.runtime.parallel.wrappers import unwrap
-
     return unwrap(value) if isinstance(value, nn.Module) else value
 
 

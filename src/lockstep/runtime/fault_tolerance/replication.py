@@ -1,0 +1,75 @@
+"""Replication: how this job's data-parallel ranks relate to other copies of the job. The Runtime chooses
+one at construction: ``NoReplicas`` (the job alone) or ``groups.ReplicaGroups`` (one replica group of a
+fault-tolerant job, over torchft), and asks it, without an ``if``, what a step, a save, a resume and the
+loaders need."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from lockstep.errors import UsageError
+from lockstep.runtime.parallel.mesh import Membership
+
+
+class Replication(Protocol):
+    @property
+    def fault_tolerant(self) -> bool: ...
+    @property
+    def index(self) -> int | None: ...  # this replica group's number
+
+    @property
+    def gate(self) -> Callable[[Any, int], int] | None: ...  # the step a training loader draws next
+    @property
+    def in_step(self) -> bool: ...  # a step's gradients still go across the groups and its commit is open
+    @property
+    def step_committed(self) -> bool: ...
+
+    def evaluation_membership(self, membership: Membership) -> Membership | None: ...
+    def sum(self, value: torch.Tensor) -> torch.Tensor: ...
+    def reduce_gradients(self, parameters: list[torch.Tensor]) -> None: ...
+    def commit(self) -> bool: ...
+    @property
+    def writes_checkpoints(self) -> bool: ...  # this copy of the job writes the checkpoints
+    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None: ...
+    def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None: ...
+    def join(self, state: dict[str, Any], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class NoReplicas:
+    """The job alone: its data-parallel ranks are every rank there is."""
+
+    fault_tolerant = False
+    index = None
+    gate = None
+    in_step = False
+    step_committed = True
+    writes_checkpoints = True
+
+    def evaluation_membership(self, membership: Membership) -> Membership | None:
+        return None  # evaluation follows the training membership, which never changes
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def reduce_gradients(self, parameters: list[torch.Tensor]) -> None:
+        return None
+
+    def commit(self) -> bool:
+        return True
+
+    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+        return metadata
+
+    def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None:
+        return None  # nothing to join
+
+    def join(self, state: dict[str, Any], step: int) -> None:
+        raise UsageError("rt.join is for a fault-tolerant job: give Runtime(fault_tolerance=...) or start it "
+                         "with `lockstep run --fault-tolerant`.")
+
+    def close(self) -> None:
+        return None
