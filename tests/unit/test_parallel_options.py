@@ -3,7 +3,9 @@ over several meshes' worth of tensors, and float8 refused where it cannot run.""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import sys
 
 import pytest
@@ -257,3 +259,42 @@ def test_forward_backward_on_one_process_is_the_forward_the_loss_and_rt_backward
         assert torch.allclose(mine, theirs, atol=1e-7)
     with pytest.raises(lockstep.ConfigError, match="unknown pipeline schedule"):
         lockstep.Parallel(pp=2, pp_schedule="zigzag")
+
+
+def test_parallel_holds_the_degrees_and_each_strategy_means_one_layout_on_it():
+    """``lockstep.Parallel`` is the one place for the mesh's degrees: each (strategy, Parallel, world size)
+    gives one strategy object and one layout, by hand: (replicate, shard, tp, pp)."""
+    from lockstep.runtime.parallel.strategy import DDP, FSDP, SingleDevice, make_strategy
+
+    def made(strategy, world, parallel=None):
+        chosen, layout = make_strategy(strategy, world, parallel)
+        return type(chosen).__name__, chosen.name, (layout.replicate, layout.shard, layout.tp, layout.pp)
+
+    assert made("ddp", 2) == ("DDP", "ddp", (1, 2, 1, 1))
+    assert made("auto", 4) == ("DDP", "ddp", (1, 4, 1, 1))
+    assert made("fsdp", 4) == ("FSDP", "fsdp", (1, 4, 1, 1))
+    assert made("ddp", 1) == made("fsdp", 1) == ("SingleDevice", "single", (1, 1, 1, 1))
+    assert made(FSDP(cpu_offload=True), 1)[0] == "FSDP"  # offload on one device stays FSDP
+    assert made("fsdp", 8, lockstep.Parallel(tp=2)) == ("FSDP", "fsdp", (1, 4, 2, 1))
+    assert made("fsdp", 16, lockstep.Parallel(replicate=2, tp=4)) == ("FSDP", "fsdp", (2, 2, 4, 1))
+    assert made("fsdp", 8, lockstep.Parallel(pp=2, tp=2)) == ("FSDP", "fsdp", (1, 2, 2, 2))
+    # DDP on a mesh: replication over every data-parallel rank, built as FSDP2 over (replicate, shard = 1)
+    assert made("ddp", 8, lockstep.Parallel(tp=2)) == ("FSDP", "ddp", (4, 1, 2, 1))
+    assert made("auto", 8, lockstep.Parallel(pp=2)) == ("FSDP", "ddp", (4, 1, 1, 2))
+    assert made(DDP(), 8, lockstep.Parallel(tp=2, replicate=4)) == ("FSDP", "ddp", (4, 1, 2, 1))
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # one process: the unsplit reference, said once
+        assert made("fsdp", 1, lockstep.Parallel(tp=2)) == ("SingleDevice", "single", (1, 1, 1, 1))
+    assert "Parallel(tp=2) on one process: the model runs unsplit" in said.getvalue()
+    assert isinstance(make_strategy("ddp", 1)[0], SingleDevice)
+    for refused, message in (
+            (lambda: make_strategy("ddp", 8, lockstep.Parallel(tp=2, replicate=2)), "every data-parallel rank"),
+            (lambda: make_strategy(DDP(static_graph=True), 4, lockstep.Parallel(tp=2)), "none of static_graph"),
+            (lambda: make_strategy("dp", 4, lockstep.Parallel(tp=2)), "strategy 'ddp' or 'fsdp', not 'dp'"),
+            (lambda: make_strategy("fsdp", 6, lockstep.Parallel(tp=4)), "divisible by tp × pp = 4"),
+            (lambda: make_strategy("fsdp", 4, {"tp": 2}), "give lockstep.Parallel"),
+            (lambda: lockstep.Parallel(tp=0), "a degree is a whole number"),
+            (lambda: lockstep.Parallel(cp=2), "context parallel is not built yet"),
+            (lambda: lockstep.FSDP(tp=2, pp=2), r"Runtime\(parallel=lockstep.Parallel\(tp=2, pp=2\)\)"),
+            (lambda: lockstep.DDP(tp_plan={}), "DDP keeps only its own options")):
+        with pytest.raises(lockstep.ConfigError, match=message):
+            refused()

@@ -180,7 +180,9 @@ def make_strategy(strategy: str | Strategy, world_size: int, parallel: Parallel 
                   "of the mesh.", flush=True)
         if isinstance(chosen, FSDP) and (world_size > 1 or chosen.cpu_offload):
             return chosen, MeshLayout.for_world(world_size)
-        return (SingleDevice() if isinstance(chosen, (DDP, FSDP)) else chosen), MeshLayout(1, world_size, 1)
+        if isinstance(chosen, (DDP, FSDP)) and world_size == 1:
+            chosen = SingleDevice()
+        return chosen, MeshLayout(1, world_size, 1)
     if isinstance(chosen, DDP):
         chosen = _replicated_on_a_mesh(chosen)
         return chosen, parallel.layout(world_size, shards=False)
