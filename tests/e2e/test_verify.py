@@ -40,7 +40,7 @@ def _verify_as_the_readme_writes_it(devices: int, script: str, *args: str) -> su
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_a_script_on_a_tensor_parallel_mesh_verifies_against_itself_on_one_process(devices):
-    """FSDP(tp=2): on one process the model runs unsplit (one line says so); on 2 it is tp2, on 4 dp2 x tp2."""
+    """Parallel(tp=2): on one process the model runs unsplit (one line says so); on 2 it is tp2, on 4 dp2 x tp2."""
     done = _verify_as_the_readme_writes_it(devices, "tests/scripts/verify_planted.py", "tokens-tp")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"the run on {devices} processes computes what one process computes: 3 steps agree" in done.stdout

@@ -1,4 +1,4 @@
-"""A Llama on pipeline stages (FSDP(pp=2)) trained through rt.forward_backward, for `lockstep verify`.
+"""A Llama on pipeline stages (Parallel(pp=2)) trained through rt.forward_backward, for `lockstep verify`.
 argv[1]: "ok", or "bug" (the loss is scaled by the rank that computes it: the last stage's differs)."""
 
 import os

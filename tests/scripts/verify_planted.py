@@ -1,6 +1,6 @@
 """Scripts for `lockstep verify`: argv MODE. tokens: a token-averaged loss given with num_items;
 tokens-bug: the same loss averaged per rank without num_items (a planted bug); tokens-tp: the token
-loss on a mesh, ``FSDP(tp=2)``, which one process runs unsplit; batchnorm: a Trainer fit of a model
+loss on a mesh, ``Parallel(tp=2)``, which one process runs unsplit; batchnorm: a Trainer fit of a model
 with BatchNorm (each rank normalises with its own rows' statistics)."""
 
 import os

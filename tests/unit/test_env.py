@@ -248,36 +248,38 @@ def test_torch_elastic_in_a_kubernetes_pod_is_the_kubernetes_route_which_preempt
 
 
 def _run_args(argv):
+    """``lockstep run ARGV`` as the request its engine plans."""
     import argparse
 
     from lockstep.cli.run import add_parser
+    from lockstep.runtime.launch.request import RunRequest
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    return parser.parse_args(["run", *argv])
+    return RunRequest.from_options(parser.parse_args(["run", *argv]))
 
 
 def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_given():
     from lockstep.errors import PreflightError
-    from lockstep.runtime.launch.plan import orchestrator_defaults
+    from lockstep.runtime.launch.request import with_orchestrator_defaults as defaults
 
     pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
            "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"}
-    args = _run_args(["train.py"])
-    notes = orchestrator_defaults(args, pet)
+    args, notes = defaults(_run_args(["train.py"]), pet)
     assert (args.nodes, args.node_rank, args.devices, args.master) == ("2", 1, "4", "job-node-0-0.job:29500")
     assert notes == ["from Kubeflow Trainer's PET_* variables: --nodes 2 --node-rank 1 --devices 4 "
                      "--master job-node-0-0.job:29500"]
-    given = _run_args(["--devices", "2", "--master", "10.0.0.1:1234", "train.py"])  # the command line wins
-    orchestrator_defaults(given, {**pet, "PET_NPROC_PER_NODE": "auto"})
+    # the command line wins
+    given, _ = defaults(_run_args(["--devices", "2", "--master", "10.0.0.1:1234", "train.py"]),
+                        {**pet, "PET_NPROC_PER_NODE": "auto"})
     assert (given.nodes, given.devices, given.master) == ("2", "2", "10.0.0.1:1234")
-    one = _run_args(["train.py"])  # one node: loopback, no master from the variables
-    orchestrator_defaults(one, {**pet, "PET_NNODES": "1", "PET_NODE_RANK": "0"})
+    # one node: loopback, no master from the variables
+    one, _ = defaults(_run_args(["train.py"]), {**pet, "PET_NNODES": "1", "PET_NODE_RANK": "0"})
     assert (one.nodes, one.node_rank, one.master) == ("1", 0, None)
-    plain = _run_args(["train.py"])  # outside Kubernetes: the usual defaults
-    assert orchestrator_defaults(plain, {}) == [] and (plain.nodes, plain.node_rank, plain.devices) == ("1", 0, "auto")
+    plain, notes = defaults(_run_args(["train.py"]), {})  # outside Kubernetes: the usual defaults
+    assert notes == [] and (plain.nodes, plain.node_rank, plain.devices) == ("1", 0, "auto")
     with pytest.raises(PreflightError, match="PET_NODE_RANK"):
-        orchestrator_defaults(_run_args(["train.py"]), {"PET_NODE_RANK": "one"})
+        defaults(_run_args(["train.py"]), {"PET_NODE_RANK": "one"})
 
 
 def test_a_ray_train_worker_is_the_ray_route_with_its_node_rank_and_the_nodes_of_its_placement_group(monkeypatch):
@@ -331,3 +333,27 @@ def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_tak
             plan_ray_job(_run_args(["--engine", "ray", *argv, str(script)]), 2, {})
     with pytest.raises(PreflightError, match="at least 1 worker"):
         plan_ray_job(_run_args(["--engine", "ray", str(script)]), 0, {})
+
+
+@pytest.mark.timeout(120)
+def test_lockstep_run_chooses_one_engine_and_refuses_the_replica_options_without_fault_tolerant(tmp_path):
+    """--replicas, --min-replicas and --step-timeout set the replica groups of a fault-tolerant job: given
+    without --fault-tolerant (to the torch or the Ray engine), they are refused before anything starts."""
+    from lockstep.cli.run import _Checks
+    from lockstep.errors import PreflightError
+    from lockstep.runtime.launch.engines import RayTrain, ReplicaGroups, TorchElastic, engine_for
+    from lockstep.runtime.launch.request import with_orchestrator_defaults
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    kinds = {(): TorchElastic, ("--fault-tolerant",): ReplicaGroups, ("--engine", "ray"): RayTrain}
+    for argv, kind in kinds.items():
+        assert type(engine_for(_run_args([*argv, str(script)]), _Checks(), print)) is kind
+    for engine in ((), ("--engine", "ray")):
+        for option, value in (("--replicas", "3"), ("--min-replicas", "2"), ("--step-timeout", "-1")):
+            request, _ = with_orchestrator_defaults(_run_args([*engine, option, value, str(script)]), {})
+            with pytest.raises(PreflightError, match=f"{option} without --fault-tolerant"):
+                engine_for(request, _Checks(), print).plan(request)
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--step-timeout", "5", str(script)],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 2 and "--step-timeout without --fault-tolerant" in done.stderr, done.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import time
@@ -52,9 +51,11 @@ def test_the_launcher_settings_are_read_from_the_environment():
 
 
 def _args(**over):
-    base = {"replicas": 2, "nodes": "1", "node_rank": 0, "master": None, "rdzv_endpoint": None, "min_replicas": 1,
-            "step_timeout": 30.0, "devices": "4"}
-    return argparse.Namespace(**{**base, **over})
+    from lockstep.runtime.launch.request import RunRequest
+
+    base = {"script": "train.py", "replicas": 2, "nodes": "1", "node_rank": 0, "master": None,
+            "rdzv_endpoint": None, "min_replicas": 1, "step_timeout": 30.0, "devices": "4"}
+    return RunRequest(**{**base, **over})
 
 
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")

@@ -3,9 +3,13 @@ session imported earlier hides a heavy import."""
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +77,58 @@ def test_every_public_name_resolves_whatever_was_imported_before():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
 
+
+
+def _code_lines(source: str) -> tuple[int, ast.Module]:
+    """The lines of ``source`` that hold code: no docstring, comment or blank line."""
+    tree = ast.parse(source)
+    documentation: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            documentation.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    lines: set[int] = set()
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(line for line in range(token.start[0], token.end[0] + 1) if line not in documentation)
+    return len(lines), tree
+
+
+def test_every_module_holds_at_most_400_code_lines_and_every_function_at_most_47_lines():
+    """The house's rule: a room that grows past it is two rooms (docs/architecture.md)."""
+    import lockstep
+
+    large, long = [], []
+    for path in sorted(Path(lockstep.__file__).parent.rglob("*.py")):
+        count, tree = _code_lines(path.read_text())
+        if count > 400:
+            large.append(f"{path.name}: {count} code lines")
+        long += [f"{path.name}:{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and (node.end_lineno or 0) - node.lineno + 1 > 47]
+    assert large == [] and long == [], (large, long)
+
+
+def test_the_runtime_facade_asks_no_if_about_pipelines_or_replica_groups():
+    """The Runtime chooses its model kind (whole, or pipeline stages) and its replication (none, or replica
+    groups) once, at construction; no other branch of runtime.py tests the pipeline degree, the staged model's
+    type, fault tolerance or the replicas."""
+    import lockstep.runtime.runtime as facade
+
+    tree = ast.parse(Path(facade.__file__).read_text())
+    watched = {"pp", "pipeline_parallel_size", "PipelinedModule", "StagedModel", "replicas", "replication",
+               "fault_tolerance", "fault_tolerant"}
+    choosers = {"_make_model_kind", "_make_replication"}
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in choosers:
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "") for n in ast.walk(node.test)}
+                if names & watched:
+                    found.append(f"{function.name}:{node.lineno}")
+    assert found == []

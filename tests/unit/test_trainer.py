@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,13 @@ def test_a_store_keeps_step_values_and_sums_them_exactly_in_float64():
     expected = sum(float(v) * w for v, w in zip(values.double(), weights, strict=True)) / sum(weights)
     assert store.reduce(rt)["loss"] == pytest.approx(expected, rel=1e-15)
     rt.close()
+
+
+def test_the_log_dir_is_known_before_fit_also_for_a_replica_group(tmp_path, monkeypatch):
+    """``trainer.log_dir`` is where the fit will log, before the fit creates the Runtime."""
+    assert lockstep.Trainer(accelerator="cpu", log_dir=tmp_path / "logs").log_dir == tmp_path / "logs"
+    assert lockstep.Trainer(accelerator="cpu", checkpoint_dir=tmp_path / "c").log_dir == tmp_path / "c"
+    assert lockstep.Trainer(accelerator="cpu").log_dir == Path("runs/lockstep")
+    monkeypatch.setenv("LOCKSTEP_FAULT_TOLERANT", "1")  # what `lockstep run --fault-tolerant` sets for group 3
+    monkeypatch.setenv("LOCKSTEP_REPLICA_GROUP", "3")
+    assert lockstep.Trainer(accelerator="cpu", log_dir=tmp_path).log_dir == tmp_path / "replica-group-3"

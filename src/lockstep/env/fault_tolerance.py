@@ -1,6 +1,6 @@
 """Fault tolerance's side of the launcher <-> worker contract: what ``lockstep run --fault-tolerant``
 tells each replica group's processes, and the one step timeout every other wait derives from.
-The groups themselves are ``lockstep.runtime.parallel.replica_groups``; the lighthouse and the
+The groups themselves are ``lockstep.runtime.fault_tolerance.groups``; the lighthouse and the
 supervisor of the groups, ``lockstep.runtime.launch.replicas``."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from lockstep.runtime.parallel.activation_checkpointing import Policy
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.mesh import Membership, Mesh, Parallel
+from lockstep.runtime.parallel.mesh import Membership, Mesh, MeshLayout, Parallel
 from lockstep.runtime.parallel.models import ModelKind, Tools, WholeModel, default_inputs, prepare
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.pipeline.staged import StagedModel
@@ -121,33 +121,18 @@ class Runtime:
         per_sample_rng: bool = False,
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
-        self.config = config = RuntimeConfig(
+        self.config = RuntimeConfig(
             accelerator=accelerator, devices=devices, strategy=strategy, parallel=parallel, precision=precision,
-            seed=seed,
-            deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
+            seed=seed, deterministic=deterministic, benchmark=benchmark, timeout=timeout, backend=backend,
             init_method=init_method, debug=debug, per_sample_rng=per_sample_rng, fault_tolerance=fault_tolerance,
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
-        if self.env.capabilities.agent_watches:
-            as_elastic_worker()
-        launch_workers_if_asked(config, self.env)
-        self.strategy, layout = make_strategy(config.strategy or "auto", self.env.world_size, config.parallel)
-        self.placement = resolve_placement(
-            config.accelerator or "auto", config.devices, self.env, self.strategy.one_process_many_devices,
-        )
-        self.precision = make_precision(config.precision or "32-true", self.placement.device,
-                                        sharded=self.strategy.collective_forward)
-        self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
-        set_determinism(config.deterministic, config.benchmark)
-        self.seed = 0 if config.seed is None else seed_everything(config.seed)
-        self._owns_group = self._join_group(choose_backend(
-            self.placement.accelerator, config.backend, self.placement.shares_gpu,
-            sharded=self.strategy.collective_forward and self.env.world_size > 1))
+        layout = self._start_process()
         # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
         # membership, read per step by the loaders, num_items and gather.
         self.mesh = Mesh(layout, self.rank, self.device.type)
         self._wrapped: list[weakref.ref[nn.Module]] = []
-        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(config.debug))
+        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(self.config.debug))
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
@@ -164,6 +149,26 @@ class Runtime:
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
                                              self._recorder, self.replication)
         self._model = self._make_model_kind()
+
+    def _start_process(self) -> MeshLayout:
+        """This process made a rank of the job: its launcher's watch, self-launch, the strategy, the device,
+        the precision, the seed, and the process group joined. Returns the mesh's degrees."""
+        config, env = self.config, self.env
+        if env.capabilities.agent_watches:
+            as_elastic_worker()
+        launch_workers_if_asked(config, env)
+        self.strategy, layout = make_strategy(config.strategy or "auto", env.world_size, config.parallel)
+        self.placement = resolve_placement(config.accelerator or "auto", config.devices, env,
+                                           self.strategy.one_process_many_devices)
+        self.precision = make_precision(config.precision or "32-true", self.placement.device,
+                                        sharded=self.strategy.collective_forward)
+        self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
+        set_determinism(config.deterministic, config.benchmark)
+        self.seed = 0 if config.seed is None else seed_everything(config.seed)
+        self._owns_group = self._join_group(choose_backend(
+            self.placement.accelerator, config.backend, self.placement.shares_gpu,
+            sharded=self.strategy.collective_forward and env.world_size > 1))
+        return layout
 
     def _make_replication(self) -> Replication:
         """The job alone, or one replica group of a fault-tolerant job, whose data-parallel membership then
@@ -264,12 +269,12 @@ class Runtime:
     @property
     def data_parallel_rank(self) -> int:
         """This rank's place among the ranks that see different batches: ``rank``, except on a mesh with
-        tensor parallelism (``FSDP(tp=...)``), whose ``tp`` peers share one data-parallel rank."""
+        tensor parallelism (``Parallel(tp=...)``), whose ``tp`` peers share one data-parallel rank."""
         return self.membership.rank
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different batches one step sees: ``world_size / tp``."""
+        """How many different batches one step sees: ``world_size / (tp × pp)``."""
         return self.membership.size
 
     @property
@@ -613,10 +618,7 @@ class Runtime:
         In a fault-tolerant job, the first replica group of the step writes it (the others return 0.0
         at once), adding the committed steps to its metadata.
         """
-        if not self.replication.writes_checkpoints:
-            return 0.0
-        return self._checkpoints.save(path, state, blocking, self.replication.checkpoint_metadata(metadata),
-                                      on_commit)
+        return self.replication.save(self._checkpoints.save, path, state, blocking, metadata, on_commit)
 
     def load(self, path: str | Path | Checkpoint, state: dict[str, Any], verify: bool = True) -> dict[str, Any]:
         """Load the checkpoint folder ``path`` (or what ``latest_checkpoint`` found) into ``state``, as

@@ -1,4 +1,5 @@
-"""The Trainer's own part of a checkpoint: its stateful parts, what it saves, how it loads them.
+"""The Trainer's own part of a checkpoint: its stateful parts, what it saves, how it loads them, the
+resume at a fit's start, and the checkpoint a preemption asks for.
 
 Finding, agreeing on, verifying and loading a checkpoint folder are the Runtime's (``rt.save``,
 ``rt.latest_checkpoint``, ``rt.load``: ``lockstep.runtime.checkpoint.life``).
@@ -9,45 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.errors import CheckpointError
+from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime import Checkpoint
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
-
-
-class _Loop:
-    """The loop's own counters: steps, samples, and whether the current epoch's end has run. Where the
-    data stands (epoch, batches done) is stored once, in the training loader's state; ``place`` sets
-    the Trainer's epoch and batch from it when a checkpoint is loaded."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        t = self.trainer
-        return {"global_step": t.global_step, "epoch_ended": t.epoch_ended, "samples_seen": t.samples_seen}
-
-    def load_state_dict(self, loop: dict[str, Any]) -> None:
-        t = self.trainer
-        t.global_step, t.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
-
-
-def place(trainer: Trainer, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
-    """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in
-    checkpoints written before the loader held it alone: the loop's own copy). Saved once the epoch's
-    end ran (its scheduler step, validation): the next epoch starts. Saved at its last batch before
-    that: the resumed epoch has no batch left, only its end to run. (Checkpoints without the flag were
-    written at the end of an epoch of known length.)"""
-    if position is not None and "epoch" in position:
-        epoch, done = int(position["epoch"]), int(position["batches_done"])
-    else:
-        epoch, done = int(loop["epoch"]), int(loop["batches_done_in_epoch"])
-    steps = trainer.steps_per_epoch
-    if loop.get("epoch_ended", steps is not None and done >= steps):
-        epoch, done = epoch + 1, 0
-    trainer.current_epoch = epoch
-    trainer.resume_at(done)
 
 
 class _Each:
@@ -85,7 +52,7 @@ def parts(trainer: Trainer) -> dict[str, Any]:
     """The Trainer's stateful parts besides the module and optimizers, in loading order."""
     callbacks = trainer.callbacks
     named = {
-        "loop": _Loop(trainer),
+        "loop": trainer.loop,
         "schedulers": _Each([s for s, _ in trainer.lr_schedulers]),
         "precision": trainer.runtime.precision,
         "metrics": _Metrics(trainer),
@@ -101,7 +68,7 @@ class _Joined:
     fit: loading them puts the Trainer where the live group is (``place``)."""
 
     def __init__(self, trainer: Trainer) -> None:
-        self.trainer, self.loop = trainer, _Loop(trainer)
+        self.trainer, self.loop = trainer, trainer.loop
 
     def state_dict(self) -> dict[str, Any]:
         loader = self.trainer.train_loader
@@ -109,7 +76,7 @@ class _Joined:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loop.load_state_dict(state)
-        place(self.trainer, state, state["position"])
+        self.loop.place(state, state["position"])
 
 
 def replica_state(trainer: Trainer) -> dict[str, Any]:
@@ -163,7 +130,7 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
         raise CheckpointError(f"{found.path}: its lockstep.json lists no objects (damaged metadata).")
     state = rt.load(found, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
     if isinstance(state.get("loop"), dict):  # before the parts: the metrics ask whether mid-epoch
-        place(trainer, state["loop"], state.get("loader"))
+        trainer.loop.place(state["loop"], state.get("loader"))
     for name, part in parts(trainer).items():
         if name not in state:
             raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
@@ -171,3 +138,60 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
     trainer.fire("on_load_checkpoint", state)
     rt.random_states().load_state_dict(state["rng"])  # last: nothing may draw random numbers after it
     return list(state.get("loggers", []))
+
+
+def restore(trainer: Trainer) -> list[dict[str, Any]] | None:
+    """The fit's start: resume from ``Trainer(resume=...)``; returns the loggers' saved states, or None when
+    nothing was resumed. In a fault-tolerant fit, then join the replica groups: a group behind the live
+    ones takes their state (``rt.join``)."""
+    saved = _resume_asked(trainer)
+    if trainer.runtime.replication.fault_tolerant:
+        trainer.runtime.join(replica_state(trainer), trainer.global_step)
+    return saved
+
+
+def _resume_asked(trainer: Trainer) -> list[dict[str, Any]] | None:
+    config, rt = trainer.config, trainer.runtime
+    if config.resume is None:
+        return None
+    auto = str(config.resume) == "auto"
+    source = config.checkpoint_dir if auto else config.resume
+    assert source is not None, "TrainerConfig checks that resume='auto' has a checkpoint_dir"
+    try:
+        found = rt.latest_checkpoint(source, exact=not auto)
+    except NoSuchCheckpointError:  # said of the argument given: resume='...'
+        raise NoSuchCheckpointError(f"resume={str(source)!r}: no such checkpoint.") from None
+    if found is None:
+        rt.print(f"lockstep: no intact checkpoint in {config.checkpoint_dir}; starting from scratch.")
+        return None
+    saved_loggers = resume(trainer, found)
+    done, epoch = trainer.batches_done_in_epoch, trainer.current_epoch + 1  # epochs count from 1, as in the names
+    where = f"at the start of epoch {epoch}" if done == 0 else f"in epoch {epoch} after its batch {done}"
+    rt.print(f"lockstep: resumed from {found.path} {where}, after step {trainer.global_step}.")
+    return saved_loggers
+
+
+#: The exit status of a preempted fit on a route that cannot requeue: 128 + TERM, as if TERM had ended it.
+PREEMPTED_EXIT = 143
+
+
+def stop_preempted(trainer: Trainer) -> None:
+    """A preemption signal reached some rank: checkpoint at this step on every rank, requeue, exit."""
+    rt = trainer.runtime
+    path = preemption_checkpoint(trainer)
+    outcome = rt.requeue()
+    # A scheduler that cannot be asked to requeue (Kubernetes' Job and JobSet) starts the job again
+    # when it failed: the stop is then a failure, with TERM's exit status.
+    code = 0 if rt.env.capabilities.requeues else PREEMPTED_EXIT
+    then = "" if code == 0 else f"; exiting with {code} so that {rt.env.capabilities.scheduler} starts it again"
+    rt.print(f"lockstep: preempted at step {trainer.global_step}; checkpoint {path}; {outcome}{then}.")
+    rt.close()  # fit's `finally` writes the reports
+    raise SystemExit(code)
+
+
+def preemption_checkpoint(trainer: Trainer) -> Path:
+    """The checkpoint of this step that a preemption (or a node's reclaim notice) asks for; its path."""
+    folder = trainer.config.checkpoint_dir or trainer.log_dir
+    path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}-preempted.ckpt"
+    trainer.save_checkpoint(path)
+    return path

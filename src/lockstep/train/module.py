@@ -13,6 +13,7 @@ from torch import nn
 from lockstep.errors import ConfigError, StateError, UsageError
 
 if TYPE_CHECKING:
+    from lockstep.runtime import Runtime
     from lockstep.train.trainer import Trainer
 
 
@@ -117,6 +118,17 @@ class StepRouter(nn.Module):
         if isinstance(step, torch.Tensor):  # a pipeline stage: the module's own forward on what it receives
             return self.module(step, *args)
         return getattr(self.module, step)(*args)
+
+
+def configure_model(module: Module, rt: Runtime) -> None:
+    """Call the module's ``configure_model()`` once, under FSDP on the meta device (nothing allocated:
+    setup then materialises only this rank's shards)."""
+    hook = getattr(module, "configure_model", None)
+    if hook is None or getattr(module, "_lockstep_configured", False):
+        return
+    with rt.init_module(empty=rt.shards_model):
+        hook()
+    module.__dict__["_lockstep_configured"] = True
 
 
 def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], list[tuple[Any, str]]]:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lockstep.env import DistEnv
 from lockstep.env.fault_tolerance import ENV_GROUP
-from lockstep.errors import ConfigError, NoSuchCheckpointError, StateError, UsageError
+from lockstep.errors import ConfigError, StateError, UsageError
 from lockstep.runtime import (
     DistributedLoader,
     FaultTolerance,
@@ -31,9 +31,11 @@ from lockstep.runtime import (
 from lockstep.train import checkpoint as ckpt
 from lockstep.train.callbacks import Callback, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
+from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
+from lockstep.train.loop import LoopCounter, LoopState
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
-from lockstep.train.module import Module, StepRouter, configure_optimizers, loss_of
+from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers, loss_of
 from lockstep.train.profilers import SimpleProfiler, make_profiler
 
 if TYPE_CHECKING:
@@ -60,6 +62,16 @@ class Trainer:
     process group, or, for a script started with plain ``python`` that asks for several devices,
     re-runs the script as one worker per device (self-launch; this process then never returns).
     """
+
+    # where the fit stands: the loop state's own (``trainer.loop``), read here as in Lightning
+    current_epoch = LoopCounter[int]()
+    global_step = LoopCounter[int]()
+    batches_done_in_epoch = LoopCounter[int]()
+    samples_seen = LoopCounter[int]()
+    steps_per_epoch = LoopCounter["int | None"]()
+    at_step_boundary = LoopCounter[bool]()
+    epoch_ended = LoopCounter[bool]()
+    should_stop = LoopCounter[bool]()  # a callback sets it to end the fit after this step
 
     def __init__(
         self, *, max_epochs: int | None = None, max_steps: int | None = None, devices: Devices = "auto",
@@ -94,21 +106,16 @@ class Trainer:
         self.loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}
-        self.current_epoch = self.global_step = self.batches_done_in_epoch = self.samples_seen = 0
-        self._step_samples = 0  # the global samples of the micro-batches of the step under way
-        self.steps_per_epoch: int | None = 0  # None: a stream without __len__
-        self.should_stop, self.at_step_boundary, self.epoch_ended = False, False, False
+        self.loop = LoopState()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[tuple[Any, str]] = []  # (scheduler, "step" | "epoch")
         self._module: Module | None = None
         self._wrapped: Any = None
         self.train_loader: DistributedLoader | None = None
         self._val_loader: DistributedLoader | None = None
-        self._resume_batches = 0
-        self._validated_at: int | None = None  # the step of the last validation in this fit
+        self.evaluation = Evaluation(self)
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
-        self._batch_samples = 0  # this rank's samples in the current batch: the weight of self.log
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
         self._defining: dict[tuple[str, int, int], list[tuple[str, Callable[..., None]]]] = {}  # see fire
 
@@ -128,7 +135,7 @@ class Trainer:
     @property
     def local_batch_samples(self) -> int:
         """This rank's samples in the current batch."""
-        return self._batch_samples
+        return self.loop.batch_samples
 
     @property
     def is_logging_step(self) -> bool:
@@ -186,8 +193,8 @@ class Trainer:
         options = self._loader_options(loader_options)
         self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
-            self._val_loader = self._eval_loader(val_data, val_batch_size or batch_size, options, "validation")
-        saved_loggers = self._restore()
+            self._val_loader = self.evaluation.loader(val_data, val_batch_size or batch_size, options, "validation")
+        saved_loggers = ckpt.restore(self)
         if rt.is_global_zero:
             self.loggers = make_loggers(self._logger_specs, self.log_dir)
             if saved_loggers is not None:  # each continues its run and drops what it logged after the checkpoint
@@ -198,10 +205,10 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
-            while not self._finished():
+            while not self.loop.finished(self.config.max_epochs, self.config.max_steps):
                 self._train_epoch()
-            if self._val_loader is not None and self._validated_at != self.global_step:
-                self._validate_during_fit()  # whatever ended the fit, its final step is validated
+            if self._val_loader is not None and self.loop.validated_at != self.global_step:
+                self.evaluation.during_fit()  # whatever ended the fit, its final step is validated
             self.fire("on_train_end")  # ModelCheckpoint saves the final step, if it is not saved yet
             rt.wait_for_save()  # a checkpoint still being written in the background
             self._report_final_checkpoint()
@@ -231,32 +238,17 @@ class Trainer:
     def validate(self, module: Module, data: Any, batch_size: int | None = None,
                  loader_options: dict[str, Any] | None = None) -> dict[str, float]:
         """Run ``validation_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self._evaluate_once(module, data, batch_size, "validation_step", loader_options)
+        return self.evaluation.once(module, data, batch_size, "validation_step", loader_options)
 
     def test(self, module: Module, data: Any, batch_size: int | None = None,
              loader_options: dict[str, Any] | None = None) -> dict[str, float]:
         """Run ``test_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self._evaluate_once(module, data, batch_size, "test_step", loader_options)
+        return self.evaluation.once(module, data, batch_size, "test_step", loader_options)
 
     def predict(self, module: Module, data: Any, batch_size: int | None = None,
                 loader_options: dict[str, Any] | None = None) -> Any:
         """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample)."""
-        rt = self._start(module, with_optimizers=False)
-        loader = self._eval_loader(data, batch_size, self._loader_options(loader_options), "predict")
-        self._stores = []
-        rt.sync_buffers(self._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
-        self._wrapped.eval()
-        with torch.no_grad():
-            outputs = [self._evaluation_step("predict_step", batch, i) for i, batch in enumerate(loader)]
-        _check_not_empty(loader, "predict", bool(outputs))
-        return rt.gather(outputs, loader=loader)
-
-    def _eval_loader(self, data: Any, batch_size: int | None, options: dict[str, Any], stage: str
-                     ) -> DistributedLoader:
-        """``rt.eval_loader`` for ``stage``, refusing data that holds no samples before any step."""
-        loader = self.runtime.eval_loader(data, batch_size=batch_size, **options)
-        _check_not_empty(loader, stage, None)
-        return loader
+        return self.evaluation.predict(module, data, batch_size, loader_options)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
@@ -273,7 +265,7 @@ class Trainer:
                              "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
                              "would ever reduce it: log from a step, or pass reduced values to "
                              "trainer.log_metrics({...}).")
-        weight = batch_size if batch_size is not None else self._batch_samples
+        weight = batch_size if batch_size is not None else self.loop.batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
         device = self.runtime.device  # where the sums live: a value elsewhere (a CPU number on a GPU run) moves
@@ -295,10 +287,6 @@ class Trainer:
         blocked = ckpt.save(self, Path(path), blocking=blocking, then=then)
         self.log_metrics({"checkpoint_blocked_s": blocked})
 
-    def resume_at(self, batches_done: int) -> None:
-        """Continue the current epoch after ``batches_done`` batches (what loading a checkpoint sets)."""
-        self._resume_batches = self.batches_done_in_epoch = batches_done
-
     # -- set-up and resume --------------------------------------------------------------------------
     def _start(self, module: Module, with_optimizers: bool) -> Runtime:
         """Create the Runtime on first use (see the class docstring), then set ``module`` up on it."""
@@ -316,7 +304,7 @@ class Trainer:
                                   f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
             module.attach(self)
-            self._configure_model(module, self._runtime)
+            configure_model(module, self._runtime)
             if not self.compiled:
                 self._runtime.compile(module, compile)
                 self.compiled = list(self._runtime.compiled)
@@ -326,17 +314,6 @@ class Trainer:
                                           activation_checkpointing=self.config.activation_checkpointing)
             self._wrapped = wrapped[0] if self.optimizers else wrapped
         return self._runtime
-
-    @staticmethod
-    def _configure_model(module: Module, rt: Runtime) -> None:
-        """Call the module's ``configure_model()`` once, under FSDP on the meta device (nothing allocated:
-        setup then materialises only this rank's shards)."""
-        hook = getattr(module, "configure_model", None)
-        if hook is None or getattr(module, "_lockstep_configured", False):
-            return
-        with rt.init_module(empty=rt.shards_model):
-            hook()
-        module.__dict__["_lockstep_configured"] = True
 
     def _loader_options(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """``Trainer(num_workers=...)``, then what the call gave (``collate_fn``, ``pin_memory``, ...)."""
@@ -349,41 +326,7 @@ class Trainer:
                                   "(lockstep draws its order the same on every rank and splits each global batch).")
         return {**options, **(given or {})}
 
-    def _restore(self) -> list[dict[str, Any]] | None:
-        """Resume from ``resume``; returns the loggers' saved states, or None when nothing was resumed.
-        In a fault-tolerant fit, then join the replica groups: a group behind the live ones takes their
-        state (``rt.join``)."""
-        saved = self._restore_checkpoint()
-        if self.runtime.replication.fault_tolerant:
-            self.runtime.join(ckpt.replica_state(self), self.global_step)
-        return saved
-
-    def _restore_checkpoint(self) -> list[dict[str, Any]] | None:
-        if self.config.resume is None:
-            return None
-        rt = self.runtime
-        auto = str(self.config.resume) == "auto"
-        source = self.config.checkpoint_dir if auto else self.config.resume
-        assert source is not None, "TrainerConfig checks that resume='auto' has a checkpoint_dir"
-        try:
-            found = rt.latest_checkpoint(source, exact=not auto)
-        except NoSuchCheckpointError:  # said of the argument given: resume='...'
-            raise NoSuchCheckpointError(f"resume={str(source)!r}: no such checkpoint.") from None
-        if found is None:
-            rt.print(f"lockstep: no intact checkpoint in {self.config.checkpoint_dir}; starting from scratch.")
-            return None
-        saved_loggers = ckpt.resume(self, found)
-        done, epoch = self.batches_done_in_epoch, self.current_epoch + 1  # epochs count from 1, as in the names
-        where = f"at the start of epoch {epoch}" if done == 0 else f"in epoch {epoch} after its batch {done}"
-        rt.print(f"lockstep: resumed from {found.path} {where}, after step {self.global_step}.")
-        return saved_loggers
-
     # -- the training loop, in reading order ------------------------------------------------------
-    def _finished(self) -> bool:
-        max_epochs, max_steps = self.config.max_epochs, self.config.max_steps
-        return (self.should_stop or (max_steps is not None and self.global_step >= max_steps)
-                or (max_epochs is not None and self.current_epoch >= max_epochs))
-
     def _train_epoch(self) -> None:
         """One pass over the training data, from where a resumed run left off."""
         assert self.train_loader is not None
@@ -404,15 +347,13 @@ class Trainer:
 
     def _start_epoch(self, loader: DistributedLoader) -> int:
         """Position the loader; a resumed epoch keeps the metric sums restored from the checkpoint."""
-        start, self._resume_batches = self._resume_batches, 0
+        start = self.loop.start_epoch()
         position = loader.state_dict()  # restored from a checkpoint: it may hold the stream's own state
         if (position["epoch"], position["batches_done"]) != (self.current_epoch, start):
             position = {"epoch": self.current_epoch, "batches_done": start}
         loader.load_state_dict(position)
-        self.batches_done_in_epoch, self.epoch_ended = start, False
         if start == 0:
             self.metrics.reset()
-        self._step_samples = 0
         fault_tolerant = self.runtime.replication.fault_tolerant  # a step's values count once it commits
         self._stores = [self.metrics.step] if fault_tolerant else [self.metrics.window, self.metrics.epoch]
         self.fire("on_train_epoch_start")
@@ -421,13 +362,12 @@ class Trainer:
 
     def _train_batch(self, batch: Any, batch_idx: int) -> bool:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
-        rt, k = self.runtime, self.config.accumulate_grad_batches
-        assert self.train_loader is not None
-        self._batch_samples = self.train_loader.local_batch_size(batch_idx)
+        rt, k, loop, loader = self.runtime, self.config.accumulate_grad_batches, self.loop, self.train_loader
+        assert loader is not None
+        loop.start_batch(batch_idx, loader.local_batch_size(batch_idx), k)
         self.fire("on_train_batch_start", batch, batch_idx)
-        self.at_step_boundary = (batch_idx + 1) % k == 0 or batch_idx + 1 == self.steps_per_epoch
         pipelined = rt.pipeline_parallel_size > 1
-        with rt.no_sync(self._wrapped, enabled=not self.at_step_boundary):
+        with rt.no_sync(self._wrapped, enabled=not loop.at_step_boundary):
             if pipelined:
                 outputs = self._pipeline_step(batch)
                 loss, items = outputs["loss"], outputs.get("num_items")
@@ -446,30 +386,20 @@ class Trainer:
                         rt.backward(loss, num_items=items)
                     else:
                         rt.backward(loss / k if k > 1 else loss)
-        self._step_samples += self.train_loader.global_batch_size(batch_idx)
-        self.batches_done_in_epoch = batch_idx + 1
-        if self.at_step_boundary:
+        samples = loop.end_batch(batch_idx, loader.global_batch_size(batch_idx))
+        if samples is not None:  # a step boundary
             committed = self._optimizer_step()
-            samples, self._step_samples = self._step_samples, 0
             if rt.replication.fault_tolerant:  # what the step logged counts once it commits
                 self.metrics.end_step(committed)
             if not committed:  # fault tolerance: a replica group died during the step; its batches come again
                 return False
-            self.samples_seen += samples
+            loop.stepped(samples)
+            self.profiler.step()
             if self.is_logging_step:
                 self.log_metrics(self.metrics.window.reduce(rt))
                 self.metrics.window.reset()
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
-        return self.at_step_boundary
-
-    def _evaluation_step(self, step: str, batch: Any, batch_idx: int) -> Any:
-        """``validation_step``, ``test_step`` or ``predict_step`` (under ``torch.no_grad``). On pipeline stages the
-        module's step runs as it is, and its calls of the module itself (``self(inputs)``) run the input through
-        every stage in turn: every rank of the pipeline gets the model's output (docs/parallelism.md)."""
-        if self.runtime.pipeline_parallel_size == 1:
-            return self._wrapped(step, batch, batch_idx)
-        with self.module._calls_through(self._wrapped):
-            return getattr(self.module, step)(batch, batch_idx)
+        return loop.at_step_boundary
 
     def _pipeline_step(self, batch: Any) -> dict[str, Any]:
         """A training batch on pipeline stages: the module's ``forward`` cut into stages, its ``loss_fn(output,
@@ -503,23 +433,21 @@ class Trainer:
             for scheduler, interval in self.lr_schedulers:
                 if interval == "step":
                     scheduler.step()
-        self.global_step += 1
-        self.profiler.step()
         return True
 
     def _after_step(self) -> bool:
         """After an optimizer step: preemption, mid-epoch validation; True when training is over."""
         rt = self.runtime
         if rt.should_stop():
-            self._preempted()
+            ckpt.stop_preempted(self)
         if rt.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
-            path = self._preemption_checkpoint()
+            path = ckpt.preemption_checkpoint(self)
             rt.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
                      f"{self.global_step}; training goes on until the node goes.")
         interval = self.config.val_check_interval
         if interval and self.global_step % interval == 0:
-            self._validate_during_fit()
-        return self._finished()
+            self.evaluation.during_fit()
+        return self.loop.finished(self.config.max_epochs, self.config.max_steps)
 
     def _end_epoch(self) -> None:
         self.epoch_ended = True  # a checkpoint from here on resumes at the next epoch's start
@@ -534,64 +462,9 @@ class Trainer:
         self.metrics.epoch.reset()
         self._stores = []  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
-            self._validate_during_fit()
+            self.evaluation.during_fit()
         self.fire("on_train_epoch_end")
-        self.current_epoch += 1
-
-    def _preempted(self) -> None:
-        """A preemption signal reached some rank: checkpoint at this step on every rank, requeue, exit."""
-        rt = self.runtime
-        path = self._preemption_checkpoint()
-        outcome = rt.requeue()
-        # A scheduler that cannot be asked to requeue (Kubernetes' Job and JobSet) starts the job again
-        # when it failed: the stop is then a failure, with TERM's exit status.
-        code = 0 if rt.env.capabilities.requeues else PREEMPTED_EXIT
-        then = "" if code == 0 else f"; exiting with {code} so that {rt.env.capabilities.scheduler} starts it again"
-        rt.print(f"lockstep: preempted at step {self.global_step}; checkpoint {path}; {outcome}{then}.")
-        rt.close()  # fit's `finally` writes the reports
-        raise SystemExit(code)
-
-    def _preemption_checkpoint(self) -> Path:
-        """The checkpoint of this step that a preemption asks for (every rank); its path."""
-        folder = self.config.checkpoint_dir or self.log_dir
-        path = folder / f"epoch={self.current_epoch + 1}-step={self.global_step:08d}-preempted.ckpt"
-        self.save_checkpoint(path)
-        return path
-
-    # -- evaluation ------------------------------------------------------------------------------
-    def _validate_during_fit(self) -> None:
-        assert self._val_loader is not None
-        stores = self._stores
-        self._run_eval(self._val_loader, "validation_step")
-        self._validated_at = self.global_step
-        self.fire("on_validation_epoch_end")
-        self._stores = stores
-        self._wrapped.train()
-
-    def _run_eval(self, loader: DistributedLoader, step: str) -> dict[str, float]:
-        store = MetricStore()
-        self._stores = [store]
-        self.runtime.sync_buffers(self._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
-        self._wrapped.eval()
-        batch_idx = -1
-        with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
-                self._batch_samples = loader.local_batch_size(batch_idx)
-                with self._hook(step):
-                    self._evaluation_step(step, batch, batch_idx)
-        _check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
-        metrics = store.reduce(self.runtime)  # once, after the loop: ranks may hold different batch counts
-        self._stores = []
-        self.log_metrics(metrics)
-        return metrics
-
-    def _evaluate_once(self, module: Module, data: Any, batch_size: int | None, step: str,
-                       loader_options: dict[str, Any] | None) -> dict[str, float]:
-        self._start(module, with_optimizers=False)
-        if not hasattr(module, step):
-            raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
-        loader = self._eval_loader(data, batch_size, self._loader_options(loader_options), step.removesuffix("_step"))
-        return self._run_eval(loader, step)
+        self.loop.end_epoch()
 
     # -- callbacks and reports ---------------------------------------------------------------------
     def _hook(self, name: str) -> contextlib.AbstractContextManager[None]:
@@ -626,23 +499,6 @@ class Trainer:
             self.runtime.print(f"profiler report ({self.profiler.name}), rank 0:\n{text}")
         for logger in self.loggers:
             logger.finalize()
-
-
-def _check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None) -> None:
-    """Evaluating over no samples is a mistake (an empty split, a filter that kept nothing), refused
-    as empty training data is: before any step where the data has a length, else (a stream
-    without ``__len__``) once a pass yielded no batch, which happens on every rank at once."""
-    try:
-        empty = len(loader.dataset) == 0
-    except TypeError:  # a stream without __len__: known once read
-        empty = yielded is False
-    if empty:
-        raise ConfigError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
-                          "cover nothing. Check the dataset's path, filter or split, or pass no data.")
-
-
-#: The exit status of a preempted fit on a route that cannot requeue: 128 + TERM, as if TERM had ended it.
-PREEMPTED_EXIT = 143
 
 
 def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,

@@ -185,7 +185,7 @@ class DistributedLoader:
         self._stream: StreamShard | None = None
         self._count_ranks = count_ranks  # how many ranks pass True (a collective), to agree on a stream's end
         # Asked before each batch which step to draw (fault tolerance: the quorum, and a step drawn again
-        # when it did not commit; parallel/replica_groups.py).
+        # when it did not commit; fault_tolerance/groups.py).
         self._gate = gate if training else None
         batches = getattr(sampler, "batches", None)
         if isinstance(batches, StreamBatches):
@@ -240,47 +240,13 @@ class DistributedLoader:
         return sampler.local_size(step) * sampler.world_size / sampler.global_size(step)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._pending is not None:
-            (epoch, start), self._pending = self._pending, None
-        else:
-            epoch, start = (self._epoch + 1 if self._started else 0), 0
-        if self._stream is not None:
-            self._start_stream(epoch, start, workers_started=self._started)
-        self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
-        self.sampler.set_epoch(epoch, start)
-        observer, batches, stream = self._observer, iter(self.loader), self._stream
-        if self.loader.persistent_workers and self._workers is None:
-            # Persistent workers outlive the pass. Freed by the garbage collector (this loader in a
-            # reference cycle, e.g. with its Runtime), the DataLoader would find its queues to them
-            # closed already and wait 5 s for each: this shuts them down first, while they answer.
-            self._workers = weakref.finalize(self, shutdown_workers, batches)
-        if observer is not None:
-            observer.pass_started(self)
+        """One pass: each batch of this rank, on the device, the observer told which is current."""
+        epoch, start = self._begin_pass()
+        observer = self._observer
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
-        clock = time.perf_counter
-        # DataLoader workers draw batches ahead under the membership of then: when it changes (a replica
-        # left or joined), the pass starts again at this step, and what they drew is dropped.
-        member = getattr(self.sampler, "membership", None) if stream is None and self.loader.num_workers else None
-        drawn_for = (member.rank, member.size) if member is not None else None
-        gate, step = self._gate, start
         try:
-            while True:
-                if gate is not None and ((wanted := gate(self, step)) != step or self._epoch != epoch):
-                    step, epoch = wanted, self._epoch  # a step drawn again, or where a peer's state put it
-                    self.sampler.set_epoch(epoch, step)
-                    batches = iter(self.loader)
-                if member is not None and (member.rank, member.size) != drawn_for:
-                    drawn_for = (member.rank, member.size)
-                    self.sampler.set_epoch(epoch, step)
-                    batches = iter(self.loader)
-                waited = clock()
-                batch = next(batches, _END)
-                self.wait_s += clock() - waited
-                if stream is not None:
-                    batch = self._stream_batch(step, batch)
-                if batch is _END:
-                    return
+            for step, batch in self._draws(epoch, start):
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
@@ -290,10 +256,57 @@ class DistributedLoader:
                     if observer is not None:
                         observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real), strict=True)})
                 yield batch
-                step += 1
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
                 observer.batch_ended(self)
+
+    def _begin_pass(self) -> tuple[int, int]:
+        """The pass's epoch and first step (a loaded position, else the next epoch from its start), with
+        the stream and the sampler placed there and the observer told."""
+        if self._pending is not None:
+            (epoch, start), self._pending = self._pending, None
+        else:
+            epoch, start = (self._epoch + 1 if self._started else 0), 0
+        if self._stream is not None:
+            self._start_stream(epoch, start, workers_started=self._started)
+        self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
+        self.sampler.set_epoch(epoch, start)
+        if self._observer is not None:
+            self._observer.pass_started(self)
+        return epoch, start
+
+    def _draws(self, epoch: int, step: int) -> Iterator[tuple[int, Any]]:
+        """The step source: each step of the pass and its batch as the DataLoader fetched it, drawn again
+        from a step when the gate (fault tolerance) names another one, or when the data-parallel
+        membership changed under DataLoader workers that drew ahead under the old one (what they drew is
+        dropped); a stream's batches through its pass (``_stream_batch``)."""
+        batches = iter(self.loader)
+        if self.loader.persistent_workers and self._workers is None:
+            # Persistent workers outlive the pass. Freed by the garbage collector (this loader in a
+            # reference cycle, e.g. with its Runtime), the DataLoader would find its queues to them
+            # closed already and wait 5 s for each: this shuts them down first, while they answer.
+            self._workers = weakref.finalize(self, shutdown_workers, batches)
+        stream, gate, clock = self._stream, self._gate, time.perf_counter
+        member = getattr(self.sampler, "membership", None) if stream is None and self.loader.num_workers else None
+        drawn_for = (member.rank, member.size) if member is not None else None
+        while True:
+            again = False
+            if gate is not None and ((wanted := gate(self, step)) != step or self._epoch != epoch):
+                step, epoch, again = wanted, self._epoch, True  # a step drawn again, or where a peer's state put it
+            if member is not None and (member.rank, member.size) != drawn_for:
+                drawn_for, again = (member.rank, member.size), True
+            if again:
+                self.sampler.set_epoch(epoch, step)
+                batches = iter(self.loader)
+            waited = clock()
+            batch = next(batches, _END)
+            self.wait_s += clock() - waited
+            if stream is not None:
+                batch = self._stream_batch(step, batch)
+            if batch is _END:
+                return
+            yield step, batch
+            step += 1
 
     def rewind(self, step: int) -> None:
         """The position is ``step`` batches into the current pass (a step drawn again is not done)."""

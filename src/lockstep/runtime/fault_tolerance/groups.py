@@ -354,14 +354,13 @@ class ReplicaGroups:
         group's evaluation is its own)."""
         return Membership(membership.rank, membership.size)
 
-    @property
-    def writes_checkpoints(self) -> bool:
-        """The first replica group of the step writes the checkpoints; the others skip them."""
-        return self.manager.participating_rank() == 0
-
-    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A checkpoint's metadata, with the steps committed so far."""
-        return {**(metadata or {}), "committed_steps": self.step}
+    def save(self, save: Callable[..., float], path: Any, state: dict[str, Any], blocking: bool,
+             metadata: dict[str, Any] | None, on_commit: Callable[[], None] | None) -> float:
+        """The first replica group of the step writes the checkpoint, adding the committed steps to its
+        metadata; the others return 0.0 at once."""
+        if self.manager.participating_rank() != 0:
+            return 0.0
+        return save(path, state, blocking, {**(metadata or {}), "committed_steps": self.step}, on_commit)
 
     def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None:
         """After ``rt.resume`` loaded a checkpoint (``metadata`` and ``step``; None and 0 without one): join

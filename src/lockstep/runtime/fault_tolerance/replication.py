@@ -6,12 +6,16 @@ loaders need."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from lockstep.errors import UsageError
 from lockstep.runtime.parallel.mesh import Membership
+
+#: ``Checkpoints.save``: (path, state, blocking, metadata, on_commit) -> the seconds it blocked
+Save = Callable[[Any, dict[str, Any], bool, "dict[str, Any] | None", "Callable[[], None] | None"], float]
 
 
 class Replication(Protocol):
@@ -31,9 +35,8 @@ class Replication(Protocol):
     def sum(self, value: torch.Tensor) -> torch.Tensor: ...
     def reduce_gradients(self, parameters: list[torch.Tensor]) -> None: ...
     def commit(self) -> bool: ...
-    @property
-    def writes_checkpoints(self) -> bool: ...  # this copy of the job writes the checkpoints
-    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None: ...
+    def save(self, save: Save, path: str | Path, state: dict[str, Any], blocking: bool,
+             metadata: dict[str, Any] | None, on_commit: Callable[[], None] | None) -> float: ...
     def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None: ...
     def join(self, state: dict[str, Any], step: int) -> None: ...
     def close(self) -> None: ...
@@ -47,7 +50,6 @@ class NoReplicas:
     gate = None
     in_step = False
     step_committed = True
-    writes_checkpoints = True
 
     def evaluation_membership(self, membership: Membership) -> Membership | None:
         return None  # evaluation follows the training membership, which never changes
@@ -61,8 +63,9 @@ class NoReplicas:
     def commit(self) -> bool:
         return True
 
-    def checkpoint_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
-        return metadata
+    def save(self, save: Save, path: str | Path, state: dict[str, Any], blocking: bool,
+             metadata: dict[str, Any] | None, on_commit: Callable[[], None] | None) -> float:
+        return save(path, state, blocking, metadata, on_commit)
 
     def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None:
         return None  # nothing to join

@@ -1,16 +1,14 @@
 """``lockstep run``'s plan: every check of a request that can fail before a process starts (the
 script, the nodes, the rendezvous, the network between the nodes), and what the torch elastic
-agent will then start on this node. ``cli/run.py`` parses the command line and runs the plan."""
+agent will then start on this node. The engines (``engines.py``) plan a request with it."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from lockstep.errors import PreflightError
 from lockstep.runtime.comm.network import (
@@ -20,6 +18,7 @@ from lockstep.runtime.comm.network import (
     interfaces,
     socket_interface_variables,
 )
+from lockstep.runtime.launch.request import RunRequest, check_script
 
 
 @dataclass(frozen=True)
@@ -79,32 +78,32 @@ def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
     return variables, [line] if line else [], source
 
 
-def _elastic_rendezvous(args: argparse.Namespace) -> tuple[str, int, bool, list[str]]:
+def _elastic_rendezvous(request: RunRequest) -> tuple[str, int, bool, list[str]]:
     """(host, port, whether this node hosts it, torchrun options) of a c10d rendezvous on
     ``--rdzv-endpoint`` or ``--master``."""
-    endpoint = args.rdzv_endpoint or args.master
+    endpoint = request.rdzv_endpoint or request.master
     if not endpoint:
         raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
-    host, port = _split_host_port(endpoint, "--rdzv-endpoint" if args.rdzv_endpoint else "--master")
+    host, port = _split_host_port(endpoint, "--rdzv-endpoint" if request.rdzv_endpoint else "--master")
     # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
     # test compares with the address of the host name, a loopback address on many images.
     address = _resolve(host)
     hosting = not address.startswith("127.") and address in interfaces().values()
-    conf = ",".join(filter(None, ["is_host=true" if hosting else "", args.rdzv_conf]))
-    options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
+    conf = ",".join(filter(None, ["is_host=true" if hosting else "", request.rdzv_conf]))
+    options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", request.rdzv_id]
     return host, port, hosting, options + (["--rdzv-conf", conf] if conf else [])
 
 
-def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, object | None, list[str]]:
+def _static_rendezvous(request: RunRequest, nodes: int) -> tuple[str, int, object | None, list[str]]:
     """(host, port, store hosted here, torchrun options) of a static rendezvous on node 0."""
-    if args.master:
-        host, port = _split_host_port(args.master, "--master")
+    if request.master:
+        host, port = _split_host_port(request.master, "--master")
     elif nodes > 1:
         raise PreflightError("--nodes > 1 needs --master HOST:PORT (node 0's address) or --rdzv-endpoint.")
     else:
         host, port = "127.0.0.1", 0  # single node: loopback only, a free port
     store = None
-    if args.node_rank == 0:
+    if request.node_rank == 0:
         try:
             store, port = host_store(host, port)
         except OSError as error:
@@ -114,76 +113,33 @@ def _static_rendezvous(args: argparse.Namespace, nodes: int) -> tuple[str, int, 
                 "single node."
             ) from None
     options = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
-               "--node-rank", str(args.node_rank)]
+               "--node-rank", str(request.node_rank)]
     return host, port, store, options
 
 
-#: What Kubeflow Trainer's torch runtime puts in each node's pod (as torchrun reads them): the node
-#: count, processes per node ("auto" or a count), this pod's node rank (its Job completion index), and
-#: node 0's address (``<job>-node-0-0.<job>``, the headless service) and port.
-KUBEFLOW_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
-
-
-def orchestrator_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
-    """Fill the options not given on the command line (None) from Kubeflow Trainer's ``PET_*``
-    variables when they are set, as torchrun does, so that ``lockstep run train.py`` is a TrainJob's
-    entrypoint; else from the usual defaults. Returns the lines that say what was taken."""
-    pet = {name: environ[name] for name in KUBEFLOW_VARIABLES if environ.get(name)}
-    taken = []
-    if args.nodes is None and "PET_NNODES" in pet:
-        args.nodes = pet["PET_NNODES"]
-        taken.append(f"--nodes {args.nodes}")
-    if args.node_rank is None and "PET_NODE_RANK" in pet:
-        try:
-            args.node_rank = int(pet["PET_NODE_RANK"])
-        except ValueError:
-            raise PreflightError(f"PET_NODE_RANK={pet['PET_NODE_RANK']!r}: a node rank is a whole number.") from None
-        taken.append(f"--node-rank {args.node_rank}")
-    if args.devices is None and "PET_NPROC_PER_NODE" in pet:
-        args.devices = pet["PET_NPROC_PER_NODE"]
-        taken.append(f"--devices {args.devices}")
-    several = args.nodes is not None and str(args.nodes) not in ("1", "1:1")
-    if several and not (args.master or args.rdzv_endpoint) and {"PET_MASTER_ADDR", "PET_MASTER_PORT"} <= set(pet):
-        args.master = f"{pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}"
-        taken.append(f"--master {args.master}")
-    args.nodes = "1" if args.nodes is None else args.nodes
-    args.node_rank = 0 if args.node_rank is None else args.node_rank
-    args.devices = "auto" if args.devices is None else args.devices
-    return [f"from Kubeflow Trainer's PET_* variables: {' '.join(taken)}"] if taken else []
-
-
-def check_script(args: argparse.Namespace) -> None:
-    """The script (or the module, with ``-m``) exists; raises PreflightError."""
-    if args.module:
-        if importlib.util.find_spec(args.script) is None:
-            raise PreflightError(f"-m {args.script}: no such module on this Python's path.")
-    elif not Path(args.script).is_file():
-        raise PreflightError(f"{args.script}: no such script (looked in {Path.cwd()}).")
-
-
-def plan(args: argparse.Namespace, check_names: Callable[[], None],
+def plan(request: RunRequest, check_names: Callable[[], None],
          resolve_devices: Callable[[], tuple[int, str | None]]) -> Plan:
     """Every check that can fail before a process starts, in the order a user fixes them; raises
-    PreflightError. ``args``: ``lockstep run``'s options. The checks that need the training side
+    PreflightError. ``request``: what ``lockstep run`` was asked. The checks that need the training side
     (the names of strategies and precisions, the devices) are the caller's: ``check_names`` and
     ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set)."""
-    check_script(args)
+    check_script(request)
     check_names()
-    nodes = parse_nodes(str(args.nodes))
-    elastic = nodes[0] != nodes[1] or bool(args.rdzv_endpoint)
-    if not elastic and not 0 <= args.node_rank < nodes[0]:
-        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
-    restarts = args.max_restarts if args.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
+    nodes = parse_nodes(str(request.nodes))
+    elastic = nodes[0] != nodes[1] or bool(request.rdzv_endpoint)
+    if not elastic and not 0 <= (request.node_rank or 0) < nodes[0]:
+        raise PreflightError(f"--node-rank {request.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
+    restarts = request.max_restarts if request.max_restarts is not None else (3 if nodes[0] != nodes[1] else 0)
     if restarts < 0:
         raise PreflightError("--max-restarts must be 0 or more.")
     nproc, visible = resolve_devices()
     options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
                "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
-        host, port, hosting, rendezvous = _elastic_rendezvous(args)
+        host, port, hosting, rendezvous = _elastic_rendezvous(request)
         store = None
     else:
-        host, port, store, rendezvous = _static_rendezvous(args, nodes[0])
+        host, port, store, rendezvous = _static_rendezvous(request, nodes[0])
         hosting = store is not None
     environment, notes, local_address = _network(host, nodes[1])
     if elastic:
@@ -195,7 +151,7 @@ def plan(args: argparse.Namespace, check_names: Callable[[], None],
         # the round it created the store. Without sharing, every round publishes it again.
         environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # "--": the script's own options are never taken for the agent's (argparse would match --log to --log-dir)
-    target = (["-m"] if args.module else []) + ["--", args.script, *args.script_args]
+    target = (["-m"] if request.module else []) + ["--", request.script, *request.script_args]
     return Plan(nproc, visible, host, port, options + rendezvous + target, store, elastic, nodes, environment, notes,
                 local_address, hosting)
 
@@ -212,41 +168,46 @@ class ReplicaPlan:
     group_address: str  # where a group's rendezvous (its store, its manager) listens: reachable by the others
     environment: dict[str, str]  # for the groups: the network interface between the nodes
     notes: list[str]
+    min_replicas: int = 1
+    step_timeout: float = 30.0
 
 
-def plan_replica_groups(args: argparse.Namespace, nproc: int, visible: str | None, gpus: bool) -> ReplicaPlan:
+def plan_replica_groups(request: RunRequest, nproc: int, visible: str | None, gpus: bool) -> ReplicaPlan:
     """``--fault-tolerant``: ``--replicas`` groups on each of ``--nodes`` nodes, which split this node's
     processes (and GPUs) evenly; on several nodes, node 0 (``--master HOST:PORT``) hosts the lighthouse
     at that address. Raises PreflightError."""
-    replicas = args.replicas
+    replicas = 2 if request.replicas is None else request.replicas
+    min_replicas = 1 if request.min_replicas is None else request.min_replicas
+    step_timeout = 30.0 if request.step_timeout is None else request.step_timeout
     if importlib.util.find_spec("torchft") is None:
         raise PreflightError("--fault-tolerant needs torchft: pip install 'lockstep[ft]'.")
-    nodes = parse_nodes(str(args.nodes))
-    if nodes[0] != nodes[1] or args.rdzv_endpoint:
+    nodes = parse_nodes(str(request.nodes))
+    if nodes[0] != nodes[1] or request.rdzv_endpoint:
         raise PreflightError("--fault-tolerant takes a fixed number of nodes (--nodes N, --master HOST:PORT): replica "
                              "groups come and go without re-forming the job, so --nodes MIN:MAX and --rdzv-endpoint "
                              "have no use with it.")
-    if not 0 <= args.node_rank < nodes[0]:
-        raise PreflightError(f"--node-rank {args.node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
+    node_rank = request.node_rank or 0
+    if not 0 <= node_rank < nodes[0]:
+        raise PreflightError(f"--node-rank {node_rank} does not fit --nodes {nodes[0]} (0..{nodes[0] - 1}).")
     if replicas < 1 or nproc % replicas:
         raise PreflightError(f"--replicas {replicas} must divide the {nproc} process(es) of --devices "
-                             f"{args.devices}: each replica group gets the same number.")
+                             f"{request.devices}: each replica group gets the same number.")
     total = replicas * nodes[0]
-    if args.min_replicas < 1 or args.min_replicas > total:
-        raise PreflightError(f"--min-replicas {args.min_replicas}: give 1 to {total} (--replicas {replicas} on each "
+    if min_replicas < 1 or min_replicas > total:
+        raise PreflightError(f"--min-replicas {min_replicas}: give 1 to {total} (--replicas {replicas} on each "
                              f"of {nodes[0]} node(s)).")
-    if not args.step_timeout > 0:
-        raise PreflightError(f"--step-timeout {args.step_timeout}: a positive number of seconds.")
+    if not step_timeout > 0:
+        raise PreflightError(f"--step-timeout {step_timeout}: a positive number of seconds.")
     size = nproc // replicas
     ids = visible.split(",") if visible is not None else [str(i) for i in range(nproc)]
     devices = [",".join(ids[g * size:(g + 1) * size]) for g in range(replicas)] if gpus else [str(size)] * replicas
     if nodes[0] == 1:
-        host, port = ("127.0.0.1", 0) if not args.master else _split_host_port(args.master, "--master")
-        return ReplicaPlan(devices, 0, host, port, True, "127.0.0.1", {}, [])
-    if not args.master:
+        host, port = ("127.0.0.1", 0) if not request.master else _split_host_port(request.master, "--master")
+        return ReplicaPlan(devices, 0, host, port, True, "127.0.0.1", {}, [], min_replicas, step_timeout)
+    if not request.master:
         raise PreflightError("--fault-tolerant on several nodes needs --master HOST:PORT: node 0 hosts the "
                              "lighthouse there, and the other nodes' groups reach it there.")
-    host, port = _split_host_port(args.master, "--master")
+    host, port = _split_host_port(request.master, "--master")
     environment, notes, local_address = _network(host, nodes[0])
-    return ReplicaPlan(devices, args.node_rank * replicas, host, port, args.node_rank == 0, local_address,
-                       environment, notes)
+    return ReplicaPlan(devices, node_rank * replicas, host, port, node_rank == 0, local_address, environment, notes,
+                       min_replicas, step_timeout)

@@ -20,6 +20,7 @@ from typing import Any
 
 from lockstep.errors import ConfigError, MissingExtraError, PreflightError, WorkerError
 from lockstep.runtime.launch.plan import parse_nodes
+from lockstep.runtime.launch.request import RunRequest
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class RayJob:
     environment: dict[str, str] = field(default_factory=dict)  # set in every worker before the script
 
 
-def plan_ray_job(args: Any, devices_per_node: int, environment: dict[str, str]) -> RayJob:
+def plan_ray_job(args: RunRequest, devices_per_node: int, environment: dict[str, str]) -> RayJob:
     """``lockstep run``'s options as a Ray job; raises PreflightError for what Ray cannot do."""
     for option, value in (("--node-rank", args.node_rank), ("--master", args.master),
                           ("--rdzv-endpoint", args.rdzv_endpoint), ("--fault-tolerant", args.fault_tolerant)):

@@ -96,8 +96,7 @@ class Parallel:
         if self.cp != 1:
             raise ConfigError(f"Parallel(cp={self.cp}): context parallel is not built yet; leave cp at 1 (split "
                               "long sequences with tensor parallel's sequence_parallel style meanwhile).")
-        if self.pp > 1:
-            check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, "Parallel")
+        check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, "Parallel")
 
     def __repr__(self) -> str:
         """The degrees and options given (those that differ from the defaults)."""

@@ -1,0 +1,168 @@
+"""The engines behind ``lockstep run``: what starts and supervises the workers. Each plans a ``RunRequest``
+(every check that can fail before a process starts, raising ``PreflightError``) and runs the plan (its
+exit status is the command's). ``engine_for`` chooses one, once:
+
+- ``TorchElastic``: the torch elastic agent on this node (one node or several, fixed or MIN:MAX);
+- ``RayTrain``: Ray Train's workers on the Ray cluster of ``RAY_ADDRESS`` (``--engine ray``);
+- ``ReplicaGroups``: the replica groups of a fault-tolerant job, each a ``lockstep run`` of its own, under a
+  supervisor that hosts torchft's lighthouse (``--fault-tolerant``).
+
+The checks that need the training side (strategy and precision names, the devices, which import torch)
+are the caller's (``TrainingChecks``): this package never loads the training side.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
+from lockstep.errors import PreflightError
+from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
+from lockstep.runtime.launch.node_watch import NodeWatch
+from lockstep.runtime.launch.plan import Plan, ReplicaPlan, plan, plan_replica_groups
+from lockstep.runtime.launch.request import RunRequest, check_script
+
+Say = Callable[[str], None]
+#: The options of one engine only, as the command line names them.
+_FAULT_TOLERANCE_ONLY = {"replicas": "--replicas", "min_replicas": "--min-replicas", "step_timeout": "--step-timeout"}
+
+
+class TrainingChecks(Protocol):
+    """What only the training side can check (it imports torch); ``cli/run.py`` gives it."""
+
+    def names(self, strategy: str | None, precision: str | None) -> None: ...
+    def devices(self, devices: str, accelerator: str) -> tuple[int, str | None]: ...  # processes, CUDA_VISIBLE_DEVICES
+    def workers_per_node(self, devices: str | None) -> int: ...
+    def gpus(self, accelerator: str) -> bool: ...
+
+
+class Engine(Protocol):
+    def plan(self, request: RunRequest) -> Any: ...
+    def run(self, job: Any) -> int: ...
+
+
+def engine_for(request: RunRequest, checks: TrainingChecks, say: Say) -> Engine:
+    """The engine ``request`` asks for."""
+    if request.engine == "ray":
+        return RayTrain(checks, say)
+    if request.fault_tolerant:
+        return ReplicaGroups(checks, say)
+    return TorchElastic(checks, say)
+
+
+def _refuse_fault_tolerance_options(request: RunRequest) -> None:
+    given = [option for name, option in _FAULT_TOLERANCE_ONLY.items() if getattr(request, name) is not None]
+    if given:
+        raise PreflightError(f"{', '.join(given)} without --fault-tolerant: these set the replica groups of a "
+                             "fault-tolerant job; add --fault-tolerant, or leave them out.")
+
+
+class TorchElastic:
+    """The torch elastic agent on this node, with lockstep's node watch on several nodes."""
+
+    def __init__(self, checks: TrainingChecks, say: Say) -> None:
+        self.checks, self.say = checks, say
+
+    def plan(self, request: RunRequest) -> tuple[RunRequest, Plan]:
+        _refuse_fault_tolerance_options(request)
+        assert request.devices is not None, "with_orchestrator_defaults fills the devices"
+        devices = request.devices
+        return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
+                             lambda: self.checks.devices(devices, request.accelerator))
+
+    def run(self, job: tuple[RunRequest, Plan]) -> int:
+        request, planned = job
+        for name, value in request.runtime_choices().items():  # the workers inherit it: the documented contract
+            os.environ[RUNTIME_VARIABLES[name]] = value
+        if planned.visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = planned.visible_devices
+        os.environ.update(planned.environment)
+        for note in planned.notes:
+            self.say(note)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(planned.nproc)))
+        return run_elastic(planned.torchrun_args, _watch(planned, request.node_rank or 0))
+
+
+def _watch(job: Plan, node_rank: int) -> NodeWatch | None:
+    """The node watch of a job on several nodes (None on one node)."""
+    if job.nodes[1] < 2 or job.master_port is None:
+        return None
+    where = ", ".join(filter(None, [socket.gethostname(), job.local_address]))
+    secret = job_secret_from_environ()
+    if secret is None:
+        print(f"lockstep run: LOCKSTEP_JOB_SECRET is not set: the messages that stop nodes are not signed, and "
+              f"whoever reaches {job.master_addr}:{job.master_port} can forge one. Set the same secret on every "
+              "node (see docs/reliability.md).", file=sys.stderr, flush=True)
+    if job.elastic:  # a silent node leaves the job, which goes on without it
+        return NodeWatch(job.master_addr, job.master_port, f"node {where}", stop_this_node, stop_local_workers,
+                         job.hosts_store, secret=secret)
+    return NodeWatch(job.master_addr, job.master_port, f"node {node_rank} ({where})", stop_this_node,
+                     stop_this_node, job.hosts_store, secret=secret)
+
+
+class RayTrain:
+    """``--engine ray``: the script on the workers of a Ray cluster, through Ray Train."""
+
+    def __init__(self, checks: TrainingChecks, say: Say) -> None:
+        self.checks, self.say = checks, say
+
+    def plan(self, request: RunRequest) -> Any:
+        from lockstep.runtime.launch.ray_engine import plan_ray_job
+
+        _refuse_fault_tolerance_options(request)
+        check_script(request)
+        self.checks.names(request.strategy, request.precision)
+        per_node = self.checks.workers_per_node(request.devices)
+        environment = {RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()}
+        return plan_ray_job(request, per_node, environment)
+
+    def run(self, job: Any) -> int:
+        from lockstep.runtime.launch.ray_engine import run_ray_job
+
+        return run_ray_job(job, self.say)
+
+
+class ReplicaGroups:
+    """``--fault-tolerant``: host the lighthouse (node 0), run each of this node's replica groups as a
+    ``lockstep run`` of its own, and replace a group that dies."""
+
+    def __init__(self, checks: TrainingChecks, say: Say) -> None:
+        self.checks, self.say = checks, say
+
+    def plan(self, request: RunRequest) -> tuple[RunRequest, ReplicaPlan, int]:
+        check_script(request)
+        self.checks.names(request.strategy, request.precision)
+        assert request.devices is not None, "with_orchestrator_defaults fills the devices"
+        nproc, visible = self.checks.devices(request.devices, request.accelerator)
+        return request, plan_replica_groups(request, nproc, visible, self.checks.gpus(request.accelerator)), nproc
+
+    def run(self, job: tuple[RunRequest, ReplicaPlan, int]) -> int:
+        from lockstep.env.fault_tolerance import FaultTolerance
+        from lockstep.runtime.comm.network import free_port
+        from lockstep.runtime.launch.replicas import ReplicaGroupsRun
+
+        request, planned, nproc = job
+        config = FaultTolerance(min_replicas=planned.min_replicas, step_timeout=planned.step_timeout)
+        chosen = [item for name, value in request.runtime_choices().items() for item in (f"--{name}", value)]
+
+        def command(index: int) -> list[str]:
+            # on several nodes, the group's rendezvous listens on this node's address: the other groups reach
+            # its store and its manager there
+            where = (["--master", f"{planned.group_address}:{free_port(planned.group_address)}"]
+                     if planned.environment else [])
+            return [sys.executable, "-m", "lockstep.cli.main", "run", "--devices",
+                    planned.devices[index - planned.first_index], *where, *chosen, "--max-restarts", "0",
+                    *(["-m"] if request.module else []), request.script, *request.script_args]
+
+        for note in planned.notes:
+            self.say(note)
+        restarts = 3 if request.max_restarts is None else request.max_restarts
+        environment = {**planned.environment,
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))}
+        groups = range(planned.first_index, planned.first_index + len(planned.devices))
+        return ReplicaGroupsRun(groups, command, lambda index: environment, config, restarts, self.say,
+                                (planned.lighthouse_host, planned.lighthouse_port), planned.hosts_lighthouse).run()

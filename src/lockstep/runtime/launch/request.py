@@ -1,0 +1,101 @@
+"""``RunRequest``: what ``lockstep run`` was asked, as one plain value (the command line's options, or a
+program's own), which every engine plans from; the defaults an orchestrator fills in; the script's check."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lockstep.errors import PreflightError
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """``lockstep run``'s options (``lockstep run --help`` says each); None: not given."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    module: bool = False  # ``-m``: script is a module name
+    devices: str | None = None
+    accelerator: str = "auto"
+    nodes: str | None = None
+    node_rank: int | None = None
+    master: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "lockstep"
+    rdzv_conf: str | None = None
+    max_restarts: int | None = None
+    fault_tolerant: bool = False
+    replicas: int | None = None
+    min_replicas: int | None = None
+    step_timeout: float | None = None
+    engine: str = "torch"
+    storage: str | None = None
+    name: str | None = None
+    resize_interval: float | None = None
+    strategy: str | None = None
+    precision: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Any) -> RunRequest:
+        """From parsed options (an ``argparse.Namespace``, or any object with these attributes)."""
+        values = {f.name: getattr(options, f.name) for f in dataclasses.fields(cls) if hasattr(options, f.name)}
+        values["script_args"] = tuple(values.get("script_args") or ())
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> RunRequest:
+        return dataclasses.replace(self, **changes)
+
+    def runtime_choices(self) -> dict[str, str]:
+        """``--accelerator/--strategy/--precision`` as given (``auto`` is no choice): what the workers'
+        Runtime takes when the script leaves them unset."""
+        return {name: value for name in ("accelerator", "strategy", "precision")
+                if (value := getattr(self, name)) and value != "auto"}
+
+
+#: What Kubeflow Trainer's torch runtime puts in each node's pod (as torchrun reads them): the node
+#: count, processes per node ("auto" or a count), this pod's node rank (its Job completion index), and
+#: node 0's address (``<job>-node-0-0.<job>``, the headless service) and port.
+KUBEFLOW_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) -> tuple[RunRequest, list[str]]:
+    """The options not given (None) filled from Kubeflow Trainer's ``PET_*`` variables when they are set, as
+    torchrun does, so that ``lockstep run train.py`` is a TrainJob's entrypoint; else from the usual
+    defaults. Returns the request and the lines that say what was taken."""
+    pet = {name: environ[name] for name in KUBEFLOW_VARIABLES if environ.get(name)}
+    changes: dict[str, Any] = {}
+    if request.nodes is None and "PET_NNODES" in pet:
+        changes["nodes"] = pet["PET_NNODES"]
+    if request.node_rank is None and "PET_NODE_RANK" in pet:
+        try:
+            changes["node_rank"] = int(pet["PET_NODE_RANK"])
+        except ValueError:
+            raise PreflightError(f"PET_NODE_RANK={pet['PET_NODE_RANK']!r}: a node rank is a whole number.") from None
+    if request.devices is None and "PET_NPROC_PER_NODE" in pet:
+        changes["devices"] = pet["PET_NPROC_PER_NODE"]
+    nodes = changes.get("nodes", request.nodes)
+    several = nodes is not None and str(nodes) not in ("1", "1:1")
+    if (several and not (request.master or request.rdzv_endpoint)
+            and {"PET_MASTER_ADDR", "PET_MASTER_PORT"} <= set(pet)):
+        changes["master"] = f"{pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}"
+    options = {"nodes": "--nodes", "node_rank": "--node-rank", "devices": "--devices", "master": "--master"}
+    taken = [f"{options[name]} {changes[name]}" for name in options if name in changes]
+    filled = request.replace(**changes)
+    filled = filled.replace(nodes="1" if filled.nodes is None else filled.nodes,
+                            node_rank=0 if filled.node_rank is None else filled.node_rank,
+                            devices="auto" if filled.devices is None else filled.devices)
+    return filled, [f"from Kubeflow Trainer's PET_* variables: {' '.join(taken)}"] if taken else []
+
+
+def check_script(request: RunRequest) -> None:
+    """The script (or the module, with ``-m``) exists; raises PreflightError."""
+    if request.module:
+        if importlib.util.find_spec(request.script) is None:
+            raise PreflightError(f"-m {request.script}: no such module on this Python's path.")
+    elif not Path(request.script).is_file():
+        raise PreflightError(f"{request.script}: no such script (looked in {Path.cwd()}).")

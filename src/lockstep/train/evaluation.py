@@ -1,0 +1,108 @@
+"""The Trainer's evaluation passes: validation during a fit, ``validate``, ``test`` and ``predict``. Each runs
+over an evaluation loader (every sample once, on one rank, in dataset order), with every rank on rank 0's
+buffers (BatchNorm statistics), and reduces its metric sums once, after the pass (the ranks may hold
+different numbers of batches)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lockstep.errors import ConfigError, UsageError
+from lockstep.runtime import DistributedLoader
+from lockstep.train.metrics import MetricStore
+
+if TYPE_CHECKING:
+    from lockstep.train.module import Module
+    from lockstep.train.trainer import Trainer
+
+
+class Evaluation:
+    """One Trainer's evaluation passes (``trainer.evaluation``)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def loader(self, data: Any, batch_size: int | None, options: dict[str, Any], stage: str) -> DistributedLoader:
+        """``rt.eval_loader`` for ``stage``, refusing data that holds no samples before any step."""
+        loader = self.trainer.runtime.eval_loader(data, batch_size=batch_size, **options)
+        check_not_empty(loader, stage, None)
+        return loader
+
+    def once(self, module: Module, data: Any, batch_size: int | None, step: str,
+             loader_options: dict[str, Any] | None) -> dict[str, float]:
+        """``validate`` or ``test``: one pass of ``step`` over ``data``; its metrics."""
+        t = self.trainer
+        t._start(module, with_optimizers=False)
+        if not hasattr(module, step):
+            raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
+        loader = self.loader(data, batch_size, t._loader_options(loader_options), step.removesuffix("_step"))
+        return self.run(loader, step)
+
+    def during_fit(self) -> None:
+        """Validation inside a fit: the training stage's metric sums are kept for after it."""
+        t = self.trainer
+        assert t._val_loader is not None
+        stores = t._stores
+        self.run(t._val_loader, "validation_step")
+        t.loop.validated_at = t.global_step
+        t.fire("on_validation_epoch_end")
+        t._stores = stores
+        t._wrapped.train()
+
+    def run(self, loader: DistributedLoader, step: str) -> dict[str, float]:
+        """One pass of ``step``; its metrics, reduced over the ranks and logged."""
+        t = self.trainer
+        store = MetricStore()
+        t._stores = [store]
+        t.runtime.sync_buffers(t._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
+        t._wrapped.eval()
+        batch_idx = -1
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(loader):
+                t.loop.batch_samples = loader.local_batch_size(batch_idx)
+                with t._hook(step):
+                    self.step(step, batch, batch_idx)
+        check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
+        metrics = store.reduce(t.runtime)  # once, after the loop: ranks may hold different batch counts
+        t._stores = []
+        t.log_metrics(metrics)
+        return metrics
+
+    def predict(self, module: Module, data: Any, batch_size: int | None,
+                loader_options: dict[str, Any] | None) -> Any:
+        """``predict_step`` outputs of every sample, in dataset order, on every rank."""
+        t = self.trainer
+        rt = t._start(module, with_optimizers=False)
+        loader = self.loader(data, batch_size, t._loader_options(loader_options), "predict")
+        t._stores = []
+        rt.sync_buffers(t._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
+        t._wrapped.eval()
+        with torch.no_grad():
+            outputs = [self.step("predict_step", batch, i) for i, batch in enumerate(loader)]
+        check_not_empty(loader, "predict", bool(outputs))
+        return rt.gather(outputs, loader=loader)
+
+    def step(self, step: str, batch: Any, batch_idx: int) -> Any:
+        """``validation_step``, ``test_step`` or ``predict_step`` (under ``torch.no_grad``). On pipeline stages the
+        module's step runs as it is, and its calls of the module itself (``self(inputs)``) run the input through
+        every stage in turn: every rank of the pipeline gets the model's output (docs/parallelism.md)."""
+        t = self.trainer
+        if t.runtime.pipeline_parallel_size == 1:
+            return t._wrapped(step, batch, batch_idx)
+        with t.module._calls_through(t._wrapped):
+            return getattr(t.module, step)(batch, batch_idx)
+
+
+def check_not_empty(loader: DistributedLoader, stage: str, yielded: bool | None) -> None:
+    """Evaluating over no samples is a mistake (an empty split, a filter that kept nothing), refused
+    as empty training data is: before any step where the data has a length, else (a stream
+    without ``__len__``) once a pass yielded no batch, which happens on every rank at once."""
+    try:
+        empty = len(loader.dataset) == 0
+    except TypeError:  # a stream without __len__: known once read
+        empty = yielded is False
+    if empty:
+        raise ConfigError(f"the {stage} data ({type(loader.dataset).__name__}) holds no samples: {stage} would "
+                          "cover nothing. Check the dataset's path, filter or split, or pass no data.")

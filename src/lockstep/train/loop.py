@@ -1,0 +1,107 @@
+"""``LoopState``: the Trainer's loop counters, owned and written here alone (the Trainer's loop calls its
+methods; a checkpoint restores them). Where the data stands (epoch, batches done) is stored once, in the
+training loader's state; ``place`` puts the loop there when a checkpoint or a live replica group's state
+is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
+
+
+@dataclass
+class LoopState:
+    """Where a fit stands. ``current_epoch`` counts from 0; ``global_step`` counts committed optimizer
+    steps; ``batches_done_in_epoch`` the batches of the current epoch handed out; ``samples_seen`` the
+    global samples of the committed steps."""
+
+    current_epoch: int = 0
+    global_step: int = 0
+    batches_done_in_epoch: int = 0
+    samples_seen: int = 0
+    steps_per_epoch: int | None = 0  # None: a stream without __len__
+    should_stop: bool = False  # a callback asked the fit to end (EarlyStopping)
+    at_step_boundary: bool = False  # the current batch ends an accumulation: the optimizer steps after it
+    epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
+    batch_samples: int = 0  # this rank's samples in the current batch: the weight of self.log
+    step_samples: int = 0  # the global samples of the micro-batches of the step under way
+    resume_batches: int = 0  # where the next epoch's pass starts (a resumed epoch)
+    validated_at: int | None = None  # the step of the last validation in this fit
+
+    def finished(self, max_epochs: int | None, max_steps: int | None) -> bool:
+        return (self.should_stop or (max_steps is not None and self.global_step >= max_steps)
+                or (max_epochs is not None and self.current_epoch >= max_epochs))
+
+    def start_epoch(self) -> int:
+        """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
+        start, self.resume_batches = self.resume_batches, 0
+        self.batches_done_in_epoch, self.epoch_ended, self.step_samples = start, False, 0
+        return start
+
+    def start_batch(self, batch_idx: int, local_samples: int, accumulate: int) -> None:
+        self.batch_samples = local_samples
+        self.at_step_boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.steps_per_epoch
+
+    def end_batch(self, batch_idx: int, global_samples: int) -> int | None:
+        """The batch is done; at a step boundary, the samples of the step's batches (else None)."""
+        self.step_samples += global_samples
+        self.batches_done_in_epoch = batch_idx + 1
+        if not self.at_step_boundary:
+            return None
+        samples, self.step_samples = self.step_samples, 0
+        return samples
+
+    def stepped(self, samples: int) -> None:
+        """The step of ``samples`` global samples was committed."""
+        self.global_step += 1
+        self.samples_seen += samples
+
+    def end_epoch(self) -> None:
+        self.current_epoch += 1
+
+    def resume_at(self, batches_done: int) -> None:
+        """Continue the current epoch after ``batches_done`` batches (what loading a checkpoint sets)."""
+        self.resume_batches = self.batches_done_in_epoch = batches_done
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, loop: dict[str, Any]) -> None:
+        self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
+
+    def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
+        """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in
+        checkpoints written before the loader held it alone: the loop's own copy). Saved once the epoch's
+        end ran (its scheduler step, validation): the next epoch starts. Saved at its last batch before
+        that: the resumed epoch has no batch left, only its end to run. (Checkpoints without the flag were
+        written at the end of an epoch of known length.)"""
+        if position is not None and "epoch" in position:
+            epoch, done = int(position["epoch"]), int(position["batches_done"])
+        else:
+            epoch, done = int(loop["epoch"]), int(loop["batches_done_in_epoch"])
+        steps = self.steps_per_epoch
+        if loop.get("epoch_ended", steps is not None and done >= steps):
+            epoch, done = epoch + 1, 0
+        self.current_epoch = epoch
+        self.resume_at(done)
+
+
+class LoopCounter(Generic[T]):
+    """A Trainer attribute that is the loop state's own (``trainer.global_step`` is ``trainer.loop.global_step``):
+    what callbacks and loggers read on the Trainer, as in Lightning."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> LoopCounter[T]: ...
+    @overload
+    def __get__(self, trainer: object, owner: type) -> T: ...
+
+    def __get__(self, trainer: object, owner: type) -> Any:
+        return self if trainer is None else getattr(trainer.loop, self.name)  # type: ignore[attr-defined]
+
+    def __set__(self, trainer: object, value: T) -> None:
+        setattr(trainer.loop, self.name, value)  # type: ignore[attr-defined]
