@@ -210,7 +210,7 @@ def test_the_help_of_run_names_every_strategy():
     commands = next(a for a in build_parser()._actions if a.dest == "command")
     text = " ".join(commands.choices["run"].format_help().split())
     for name in ("ddp", "fsdp", "dp", "single"):
-        assert make_strategy(name, 1).name and name in text
+        assert make_strategy(name, 1)[0].name and name in text
 
 
 def test_lockstep_run_on_ray_with_no_cluster_at_ray_address_says_so_within_seconds(tmp_path):

@@ -125,7 +125,7 @@ def test_saved_on_dp2_tp2_resumes_on_dp4_dp1_tp2_and_one_process(tmp_path):
 
 
 def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
-    with pytest.raises(RanksFailed, match="divisible by 4"):
+    with pytest.raises(RanksFailed, match="divisible by tp × pp = 4"):
         run_ranks(mc.mesh_weights, 2, lockstep.Parallel(tp=4))
     with pytest.raises(RanksFailed, match="num_key_value_heads=2 does not divide by tp=4"):
         run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=4))

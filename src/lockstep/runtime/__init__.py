@@ -1,19 +1,10 @@
 """The runtime layer: usable alone, with your own training loop.
 
-``runtime.py`` is the facade (``Runtime``); each subpackage owns one concern and says in its
-``__init__`` what it must not import:
-
-- ``data/``: the global order, samplers, streams, the loader and its batch observer;
-- ``parallel/``: strategies (DDP, FSDP, DP, single), precision, devices, wrappers, compile,
-  ``num_items``, meta-device initialisation;
-- ``checkpoint/``: the Checkpointer, the on-disk format, integrity checks, consolidation;
-- ``comm/``: the process group, collectives over nested data, network interfaces;
-- ``faults/``: the watchdog, preemption, root-cause reports, process lifetime;
-- ``launch/``: the launcher side (``lockstep.launch``, elastic, node watch, membership).
-
-Below them sit ``tree`` (the one walker of nested data), ``seed``, ``files`` and ``_torch_compat``
-(every private torch API). The names below load on first use, so ``import lockstep.runtime``
-costs nothing beyond torch's own import until one is used.
+``runtime.py`` is the facade (``Runtime``) over one room per concern (``data``, ``parallel`` with its
+``pipeline`` room, ``fault_tolerance``, ``checkpoint``, ``comm``, ``faults``, ``launch``); each room's
+``__init__`` says what it must not import, and docs/architecture.md is the one map of them. The names
+below load on first use, so ``import lockstep.runtime`` costs nothing beyond torch's own import until
+one is used.
 """
 
 from __future__ import annotations
