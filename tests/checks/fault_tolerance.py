@@ -44,3 +44,60 @@ def check_exact(tmp: Path, reference: dict, finished: list[str], pattern: str = 
         assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
         assert torch.equal(result["weights"], results[0]["weights"])
     return results
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process under it (from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children[int(fields[1])].append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _address(hex_address: str) -> str:
+    """/proc/net/tcp{,6}'s little-endian hex address as text."""
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    address = ipaddress.IPv6Address(words)
+    return str(address.ipv4_mapped or address)
+
+
+def listening(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket that ``pids`` listen on (each read in its own network
+    namespace: /proc/PID/net)."""
+    import os
+
+    found = []
+    for pid in pids:
+        sockets: dict[str, tuple[str, int]] = {}
+        try:
+            for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A":  # LISTEN
+                        host, port = fields[1].split(":")
+                        sockets[fields[9]] = (_address(host), int(port, 16))
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # the process ended meanwhile
+            continue
+        for link in links:
+            inode = link[len("socket:["):-1] if link.startswith("socket:[") else None
+            if inode in sockets:
+                found.append((pid, *sockets[inode]))
+    return found

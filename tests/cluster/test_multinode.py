@@ -20,7 +20,7 @@ import torch
 import lockstep
 from checks import dist as checks
 from checks import trainer as tc
-from checks.fault_tolerance import check_exact
+from checks.fault_tolerance import check_exact, listening
 from lockstep import DistEnv, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -373,6 +373,11 @@ def test_fault_tolerant_groups_on_two_nodes_train_on_when_a_whole_node_dies_and_
         while time.monotonic() < deadline and (not log.exists() or log.read_text().count('"committed": true') < 3):
             time.sleep(0.1)
         assert log.exists() and log.read_text().count('"committed": true') >= 3, "node 1 never trained"
+        for namespace, _, address in two_hosts:  # each node's sockets: on its address towards node 0, or loopback
+            node_pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
+                                       timeout=10).stdout.split()
+            sockets = listening([int(pid) for pid in node_pids])
+            assert sockets and all(host in (address, "127.0.0.1") for _, host, _ in sockets), (namespace, sockets)
         pids = subprocess.run(["ip", "netns", "pids", two_hosts[1][0]], capture_output=True, text=True,
                               timeout=10).stdout.split()
         for pid in pids:  # the whole node: its launcher, the group's agent, the worker

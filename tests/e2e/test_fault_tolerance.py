@@ -206,3 +206,62 @@ def test_a_trainer_fit_trains_on_when_a_group_is_killed_and_ends_at_the_one_proc
         assert float((result["weights"] - reference["weights"]).abs().max()) < 1e-6
     assert torch.equal(results[0]["weights"], results[1]["weights"])
     assert "replica group 1 ended" in run.stderr and "joined [1]" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def _kill_rpc(address: str, port: int) -> str:
+    """torchft's ``ManagerService/Kill`` sent to ``address:port`` (an empty request); what came back. (A
+    manager that takes it ends its group before it answers: the call then fails too, and the job's output
+    says "got kill request".)"""
+    import socket
+
+    import grpc
+
+    try:
+        socket.create_connection((address, port), timeout=3).close()
+    except ConnectionRefusedError:
+        return "refused: connection"
+    with grpc.insecure_channel(f"{address}:{port}") as channel:
+        kill = channel.unary_unary("/torchft.ManagerService/Kill", request_serializer=lambda _: b"",
+                                   response_deserializer=lambda raw: raw)
+        try:
+            kill(None, timeout=3)
+        except grpc.RpcError as error:
+            return f"refused: {error.code().name}"
+        return "answered"
+
+
+def test_a_fault_tolerant_job_on_one_node_listens_on_loopback_only_and_a_forged_kill_reaches_no_group(tmp_path,
+                                                                                                    reference):
+    """Every socket of `lockstep run --fault-tolerant` on one node (the lighthouse, the stores, each group's
+    torchft manager, whose gRPC service answers Kill from anyone) listens on loopback; a Kill sent to this
+    machine's other address at each of those ports reaches no group, and the job ends at the one-process
+    weights."""
+    from checks.fault_tolerance import listening, process_tree
+    from lockstep.runtime.comm.network import interfaces
+
+    pytest.importorskip("grpc")
+    run = subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                            "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
+                            str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.5"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(committed_steps(tmp_path)) < 3 and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)  # both groups up and stepping: every server of the job is listening
+        sockets = listening(process_tree(run.pid))
+        ports = sorted({port for _, _, port in sockets})
+        assert len(ports) >= 4, sockets  # the lighthouse, the groups' stores and managers at least
+        beyond = [(pid, host, port) for pid, host, port in sockets if not host.startswith("127.") and host != "::1"]
+        assert beyond == [], f"listening beyond loopback: {beyond}"
+        others = [address for address in interfaces().values() if address and not address.startswith("127.")]
+        for address in others[:1]:
+            answers = {port: _kill_rpc(address, port) for port in ports}
+            assert set(answers.values()) == {"refused: connection"}, answers
+        out, err = run.communicate(timeout=150)
+    finally:
+        if run.poll() is None:  # a failed check: the job is stopped (its groups die with their supervisor)
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, err[-3000:]
+    assert "got kill request" not in out + err and "replica group 0 ended" not in err, err[-3000:]
+    check_exact(tmp_path, reference, ["g0", "g1"])

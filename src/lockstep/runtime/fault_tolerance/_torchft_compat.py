@@ -8,11 +8,22 @@ by name, not somewhere in a step.
 - ``ProcessGroupGloo._pg`` (the torch process group inside torchft's reconfigurable wrapper): a Gloo
   group released while one of its all-reduces still waits blocks until that all-reduce times out, so the
   group is kept until its work ends. No public alternative: ``abort`` drops the reference.
+- ``torchft.manager.ManagerServer``, the name ``Manager.__init__`` builds its group's server with: torchft
+  binds that server to ``[::]:{port}`` (every interface) and offers no bind address, and its gRPC service
+  answers ``Kill``, ``ShouldCommit`` and ``Quorum`` from anyone who reaches it. ``manager_bound_to``
+  replaces the name while one ``Manager`` is built, so that its server binds to one address, the one its
+  peers reach it by; torchft's own ``bind`` argument then carries the address. No public alternative
+  (torchft 0.2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
+
+_BINDING = threading.Lock()  # one Manager built at a time under the replaced name
 
 
 class QuorumRecorder:
@@ -41,3 +52,23 @@ def record_quorums(manager: Any) -> QuorumRecorder:
 def torch_group(pg: Any) -> Any:
     """The torch process group inside torchft's process group ``pg`` (None when it holds none)."""
     return getattr(pg, "_pg", None)
+
+
+@contextlib.contextmanager
+def manager_bound_to(address: str) -> Iterator[None]:
+    """While a torchft ``Manager`` is built inside the block, its ``ManagerServer`` listens on ``address``
+    only (the port torchft chose), not on every interface."""
+    import torchft.manager as manager_module
+
+    server_class = manager_module.ManagerServer
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+    def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return server_class(*args, bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    with _BINDING:
+        manager_module.ManagerServer = bound_server
+        try:
+            yield
+        finally:
+            manager_module.ManagerServer = server_class

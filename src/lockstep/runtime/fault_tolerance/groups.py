@@ -35,7 +35,7 @@ from torch import nn
 
 from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
 from lockstep.errors import CollectiveError, ConfigError, StateError
-from lockstep.runtime.fault_tolerance._torchft_compat import record_quorums
+from lockstep.runtime.fault_tolerance._torchft_compat import manager_bound_to, record_quorums
 from lockstep.runtime.fault_tolerance.alarm import Alarm
 from lockstep.runtime.parallel.mesh import Membership
 from lockstep.runtime.parallel.wrappers import unwrap
@@ -101,15 +101,16 @@ class ReplicaGroups:
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self._store, store_port = _manager_store(self.index, address, group_size)
         self.state: dict[str, Any] | None = None
-        self.manager = Manager(
-            pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
-            min_replica_size=config.min_replicas, use_async_quorum=False, timeout=collective,
-            quorum_timeout=timedelta(seconds=timeouts.quorum), connect_timeout=timedelta(seconds=timeouts.connect),
-            rank=group_rank, world_size=group_size, store_addr=address, store_port=store_port, hostname=address,
-            lighthouse_addr=config.lighthouse, replica_id=f"lockstep_{self.index}",
-            heartbeat_interval=timedelta(milliseconds=100), max_retries=MAX_FAILED_STEPS,
-            checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
-        )
+        with manager_bound_to(address):  # its gRPC server (Kill, ShouldCommit, Quorum) on this address only
+            self.manager = Manager(
+                pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
+                min_replica_size=config.min_replicas, use_async_quorum=False, timeout=collective,
+                quorum_timeout=timedelta(seconds=timeouts.quorum), connect_timeout=timedelta(seconds=timeouts.connect),
+                rank=group_rank, world_size=group_size, store_addr=address, store_port=store_port, hostname=address,
+                lighthouse_addr=config.lighthouse, replica_id=f"lockstep_{self.index}",
+                heartbeat_interval=timedelta(milliseconds=100), max_retries=MAX_FAILED_STEPS,
+                checkpoint_transport=PGTransport(pg, timeout=collective, device=device),
+            )
         self._recorder = record_quorums(self.manager)
         self._alarm = Alarm(group_rank, timeouts.connect, device.type == "cuda")
         self._members: list[int] = []  # the group indices of the last quorum, in participant order

@@ -165,4 +165,5 @@ class ReplicaGroups:
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))}
         groups = range(planned.first_index, planned.first_index + len(planned.devices))
         return ReplicaGroupsRun(groups, command, lambda index: environment, config, restarts, self.say,
-                                (planned.lighthouse_host, planned.lighthouse_port), planned.hosts_lighthouse).run()
+                                (planned.lighthouse_host, planned.lighthouse_port), planned.hosts_lighthouse,
+                                planned.group_address).run()

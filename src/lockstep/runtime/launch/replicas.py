@@ -72,12 +72,15 @@ class ReplicaGroupsRun:
     say: Callable[[str], None]
     lighthouse: tuple[str, int] = ("127.0.0.1", 0)  # where it listens (port 0: a free one)
     hosts_lighthouse: bool = True  # False: another node (node 0) hosts it at ``lighthouse``
+    group_address: str = "127.0.0.1"  # where each group's store, torchft manager and rendezvous listen
 
     def run(self) -> int:
         house = Lighthouse(self.config, *self.lighthouse) if self.hosts_lighthouse else None
         address = house.address if house is not None else "http://{}:{}".format(*self.lighthouse)
         self.say(f"fault tolerance: replica groups {list(self.groups)} here, lighthouse at {address}, at least "
-                 f"{self.config.min_replicas} live, step timeout {self.config.step_timeout:g} s")
+                 f"{self.config.min_replicas} live, step timeout {self.config.step_timeout:g} s; each group's "
+                 f"store, torchft manager and rendezvous listen on {self.group_address} only (unauthenticated: "
+                 "docs/reliability.md)")
         running: dict[int, subprocess.Popen[bytes]] = {}
         restarts = dict.fromkeys(self.groups, 0)
         failed: dict[int, int] = {}
