@@ -328,3 +328,27 @@ def merged_gather(n: int) -> dict:
         dicts.append({"index": index, "square": index**2})
         pairs.append(Doubled(index, 2 * index))
     return {"dicts": rt.gather(dicts), "pairs": rt.gather(pairs), "batches": len(dicts)}
+
+
+class _WithSpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_parameter_steps() -> str:
+    """Two steps of a model with a parameter its forward never uses, under plain DDP: the error's text."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = _WithSpare()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        for _ in range(2):
+            rt.backward(model(torch.randn(8, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    except lockstep.UsageError as error:
+        return str(error)
+    return "no error"

@@ -158,3 +158,16 @@ def test_a_dataset_class_defined_in_the_script_reaches_the_loader_workers_of_lau
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"samples of rank 0: {[i * i for i in range(12)]}" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_lockstep_launch_without_the_main_guard_says_so_in_a_few_lines(tmp_path):
+    """Each worker imports the script again; a script that calls lockstep.launch at import made each worker
+    try to launch in turn (141 lines of multiprocessing's traceback, no word of the cause)."""
+    script = tmp_path / "train.py"
+    script.write_text("import lockstep\n\n\ndef main():\n    return lockstep.Runtime(accelerator='cpu').rank\n\n\n"
+                      "print(lockstep.launch(main, nprocs=2))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    said = [line for line in (done.stdout + done.stderr).splitlines() if not line.startswith(("W1", "Failed to"))]
+    assert done.returncode == 1 and 'if __name__ == "__main__":' in done.stderr, done.stderr
+    assert len(said) <= 15 and "bootstrapping phase" not in done.stderr, "\n".join(said)

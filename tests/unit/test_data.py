@@ -250,3 +250,18 @@ def test_persistent_workers_of_a_loader_freed_by_the_garbage_collector_stop_at_o
     gc.collect()
     assert time.monotonic() - start < 4
 
+
+
+def test_a_ported_distributed_sampler_set_epoch_line_is_harmless():
+    """``train_loader.sampler.set_epoch(epoch)`` from a plain DDP script: nothing changes, each pass of the
+    loader is still the next epoch (the same batches as without the line)."""
+    import lockstep
+
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv(), seed=3)
+    plain = rt.loader(data, batch_size=4, shuffle=True)
+    ported = rt.loader(data, batch_size=4, shuffle=True)
+    for epoch in range(3):
+        ported.sampler.set_epoch(epoch + 7)  # any number: lockstep seeds each pass itself
+        assert [b[0].tolist() for b in ported] == [b[0].tolist() for b in plain]
+    rt.eval_loader(data, batch_size=4).sampler.set_epoch(1)

@@ -171,7 +171,7 @@ def _stream(world: int, shuffle: bool = True) -> list[list[int]]:
     samplers = [GlobalBatchSampler(FixedBatches(Shuffled(23, 0) if shuffle else Arange(23), 8, False),
                                    Membership(r, world)) for r in range(world)]
     for sampler in samplers:
-        sampler.set_epoch(0, 0)
+        sampler.place(0, 0)
     shares = [list(s) for s in samplers]
     return [sorted(i for r in range(world) for i in shares[r][step]) for step in range(len(shares[0]))]
 

@@ -270,7 +270,7 @@ class DistributedLoader:
         if self._stream is not None:
             self._start_stream(epoch, start, workers_started=self._started)
         self._epoch, self._batches_done, self._started, self._pass_start = epoch, start, True, start
-        self.sampler.set_epoch(epoch, start)
+        self.sampler.place(epoch, start)
         if self._observer is not None:
             self._observer.pass_started(self)
         return epoch, start
@@ -296,7 +296,7 @@ class DistributedLoader:
             if member is not None and (member.rank, member.size) != drawn_for:
                 drawn_for, again = (member.rank, member.size), True
             if again:
-                self.sampler.set_epoch(epoch, step)
+                self.sampler.place(epoch, step)
                 batches = iter(self.loader)
             waited = clock()
             batch = next(batches, _END)

@@ -43,10 +43,16 @@ class GlobalBatchSampler(Sampler[Indices]):
         """The global batch size (None when a batch sampler chooses the batches)."""
         return getattr(self.batches, "batch_size", None)
 
-    def set_epoch(self, epoch: int, start_step: int) -> None:
+    def place(self, epoch: int, start_step: int) -> None:
+        """The pass of ``epoch`` from step ``start_step`` (the loader's call at each pass)."""
         self.epoch, self.start_step = epoch, start_step
         self.batches.set_epoch(epoch)
         self._last_share = ((-1, 0, 0), (0, 0))  # a batch sampler's sizes change with the epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to do: each pass of the loader is the next epoch, its order seeded by (seed, epoch), and a
+        checkpoint keeps where the loader stands. Kept so that a ported ``DistributedSampler`` line
+        (``loader.sampler.set_epoch(epoch)``) is harmless."""
 
     def steps_per_epoch(self) -> int:
         return len(self.batches)
@@ -99,8 +105,12 @@ class ShardSampler(Sampler[Indices]):
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
 
-    def set_epoch(self, epoch: int, start_step: int) -> None:
+    def place(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to do: an evaluation pass covers the same shard whatever the epoch (as
+        ``GlobalBatchSampler.set_epoch``)."""
 
     def local_size(self, step: int) -> int:
         return max(0, min(self.batch_size, self.stop - self.start - step * self.batch_size))

@@ -43,6 +43,11 @@ from lockstep.runtime.files import write_atomic
 from lockstep.runtime.launch.elastic import threads_per_process
 
 GRACE_S = 2.0
+#: A worker's exit status when it found ``lockstep.launch`` called while it imported the script.
+UNGUARDED_EXIT = 86
+UNGUARDED = ("lockstep.launch was called while a worker process imported the script: each worker imports "
+             "it again, so the call must sit under `if __name__ == \"__main__\":` (with what trains in a "
+             "function that launch runs).")
 
 
 
@@ -292,6 +297,8 @@ def _outcome(
         reason = f"did not finish within {timeout}s" if timed_out else "was stopped after another rank failed"
         return RankOutcome(rank, False, error=f"rank {rank} {reason}", pid=pid)
     # Died on its own without a Python traceback (a signal, os._exit, a crash): the likely cause.
+    if code == UNGUARDED_EXIT:
+        return RankOutcome(rank, False, error=UNGUARDED, failed_at=0.0, pid=pid)
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return RankOutcome(rank, False, error=f"rank {rank} {how}", failed_at=0.0, pid=pid)
 
@@ -316,6 +323,9 @@ def launch(
     Under a launcher (torchrun, srun, ``lockstep run``, ...) this process already is one rank:
     ``fn(*args)`` then runs here, once, and each rank gets its own return value.
     """
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):  # a worker importing the script
+        print(f"lockstep: {UNGUARDED}", file=sys.stderr, flush=True)
+        os._exit(UNGUARDED_EXIT)  # a traceback of the worker's start would only hide the line above
     if DistEnv.from_environ().is_distributed:  # already one rank of a launched job: run here
         return fn(*args)
     outcomes = spawn(fn, nprocs, args, timeout=timeout, keep_all=False)

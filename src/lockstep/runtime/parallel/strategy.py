@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -10,7 +11,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.fsdp import FSDP
 from lockstep.runtime.parallel.mesh import Mesh, MeshLayout, Parallel, refuses_degrees
@@ -95,7 +96,7 @@ class DDP(_Replicated):
                 )
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         module = module.to(placement.device)
-        return DistributedDataParallel(
+        return _ExplainedDDP(
             module,
             device_ids=list(placement.device_ids) or None,
             find_unused_parameters=self.find_unused_parameters,
@@ -116,6 +117,33 @@ class DDP(_Replicated):
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
         assert isinstance(wrapped, DistributedDataParallel)
         return wrapped.no_sync()
+
+
+class _ExplainedDDP(DistributedDataParallel):
+    """DistributedDataParallel whose failure at a parameter that got no gradient in the last backward
+    (torch's 100-line ``Expected to have finished reduction``) is one line naming the parameters."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as error:
+            if "Expected to have finished reduction in the prior iteration" not in str(error):
+                raise
+            raise UsageError(_unused_parameters(self.module, str(error))) from None
+
+
+def _unused_parameters(module: nn.Module, message: str) -> str:
+    """The line for parameters that received no gradient: named from torch's indices when it gives them."""
+    trained = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    names = [trained[i] for i in indices if i < len(trained)] or [
+        name for name, parameter in module.named_parameters() if parameter.requires_grad and parameter.grad is None]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (f"DDP: parameter(s) {shown or '(torch did not say which)'} received no gradient in the last backward "
+            "(the forward did not use them, or the loss did not depend on them), so DDP's gradient reduction never "
+            "finished. Use them, set requires_grad=False on them, or pass strategy=lockstep.DDP("
+            "find_unused_parameters=True) (slower: it searches the graph every step).")
 
 
 @dataclass(frozen=True)
