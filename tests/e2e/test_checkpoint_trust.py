@@ -290,3 +290,20 @@ def test_on_two_ranks_each_checks_its_share_and_both_skip_the_damaged_checkpoint
     assert "after step 4." in out
     for weights in resumed:
         assert torch.allclose(weights, uninterrupted, atol=1e-6, rtol=0)  # 2 ranks: equal up to summation order
+
+
+def test_lockstep_checkpoint_verify_of_a_run_folder_checks_each_checkpoint_in_it(tmp_path):
+    """A run folder (what resume="auto" scans) is verified checkpoint by checkpoint, not called damaged."""
+    _fit(tmp_path, max_steps=6, save_top_k=-1)  # checkpoints at steps 2, 4, 6, and last.ckpt
+    cli = [sys.executable, "-m", "lockstep.cli.main", "checkpoint", "verify", str(tmp_path)]
+    intact = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert intact.returncode == 0, intact.stderr
+    assert "a run folder, 3 of 3 checkpoint(s) intact; resume='auto' loads epoch=2-step=00000006.ckpt" in intact.stdout
+    newest = tmp_path / "epoch=2-step=00000006.ckpt"
+    _flip(_shard(newest))
+    damaged = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert damaged.returncode == 1 and f"{newest}: damaged or unsafe" in damaged.stderr, damaged.stderr
+    assert "2 of 3 checkpoint(s) intact; resume='auto' loads epoch=1-step=00000004.ckpt" in damaged.stdout
+    (tmp_path / "empty").mkdir()
+    empty = subprocess.run([*cli[:-1], str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 1 and "holds no checkpoint folder" in empty.stderr, empty.stderr

@@ -25,7 +25,8 @@ def add_parser(commands: Any) -> None:
     inspect.add_argument("folder", type=Path)
     inspect.set_defaults(func=_inspect)
     check = actions.add_parser(
-        "verify", help="check every file against the checksums written at commit, and that nothing in it runs code")
+        "verify", help="check every file against the checksums written at commit, and that nothing in it runs code "
+        "(a run folder: each checkpoint in it)")
     check.add_argument("folder", type=Path)
     check.set_defaults(func=_verify)
     consolidate = actions.add_parser(
@@ -46,19 +47,37 @@ def add_parser(commands: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """One checkpoint folder; or a run folder, each checkpoint in it, as ``resume="auto"`` scans it."""
+    from lockstep.runtime.checkpoint.format import is_checkpoint_folder
+    from lockstep.runtime.checkpoint.life import complete_checkpoints
+
+    folder = Path(args.folder)
+    if is_checkpoint_folder(folder) or not folder.is_dir():
+        return 0 if _verify_one(folder) else 1
+    found = complete_checkpoints(folder)
+    if not found:
+        print(f"lockstep: {folder}: holds no checkpoint folder (none with a lockstep.json).", file=sys.stderr)
+        return 1
+    intact = [checkpoint for checkpoint in found if _verify_one(checkpoint.path)]
+    newest = f"; resume='auto' loads {intact[0].path.name}" if intact else "; resume='auto' finds none to load"
+    print(f"lockstep: {folder}: a run folder, {len(intact)} of {len(found)} checkpoint(s) intact{newest}.")
+    return 0 if len(intact) == len(found) else 1
+
+
+def _verify_one(folder: Path) -> bool:
     from lockstep.runtime.checkpoint.consolidate import problems_of
     from lockstep.runtime.checkpoint.format import read_metadata
 
-    problems = problems_of(args.folder)
+    problems = problems_of(folder)
     for problem in problems:
         print(f"lockstep: {problem}", file=sys.stderr)
     if problems:
-        print(f"lockstep: {args.folder}: damaged or unsafe; do not load it.", file=sys.stderr)
-        return 1
-    files = read_metadata(args.folder).get("files")
+        print(f"lockstep: {folder}: damaged or unsafe; do not load it.", file=sys.stderr)
+        return False
+    files = read_metadata(folder).get("files")
     how = f"{len(files)} files match their checksums" if files else "written without checksums (older lockstep)"
-    print(f"lockstep: {args.folder}: intact ({how}); nothing in it runs code when loaded.")
-    return 0
+    print(f"lockstep: {folder}: intact ({how}); nothing in it runs code when loaded.")
+    return True
 
 
 def _inspect(args: argparse.Namespace) -> int:

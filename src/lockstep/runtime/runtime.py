@@ -558,8 +558,10 @@ class Runtime:
         """True on every rank when any rank received the preemption signal (USR1 or TERM).
 
         Every rank must call it at the same points (e.g. each step boundary); it is one small
-        all-reduce under SLURM and free elsewhere (always False). On True: save a checkpoint, call
-        ``rt.requeue()``, and exit; the requeued job resumes from the checkpoint. A process that
+        all-reduce under a scheduler that preempts with a grace period (SLURM's ``srun``; a pod under
+        Kubernetes, whose TERM comes before the kill) and free elsewhere (always False). On True: save a
+        checkpoint, call ``rt.requeue()``, and exit; the requeued (or restarted) job resumes from the
+        checkpoint. A process that
         has never called it when the signal comes has 5 seconds to do so; after that the signal
         ends it as it would without lockstep.
         """
