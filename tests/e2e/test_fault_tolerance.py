@@ -265,3 +265,18 @@ def test_a_fault_tolerant_job_on_one_node_listens_on_loopback_only_and_a_forged_
     assert run.returncode == 0, err[-3000:]
     assert "got kill request" not in out + err and "replica group 0 ended" not in err, err[-3000:]
     check_exact(tmp_path, reference, ["g0", "g1"])
+
+
+def test_a_taken_lighthouse_port_is_said_with_its_address_before_any_group_starts(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                              "--devices", "2", "--accelerator", "cpu", "--master", f"127.0.0.1:{port}", str(SCRIPT),
+                              str(tmp_path / "g{group}.pt")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"the lighthouse cannot listen on 127.0.0.1:{port} (Address already in use" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not list(tmp_path.iterdir()), run.stderr

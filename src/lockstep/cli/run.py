@@ -163,8 +163,7 @@ def run_command(args: argparse.Namespace) -> int:
         for note in notes:
             _say(note)
         engine = engine_for(request, _Checks(), _say)
-        job = engine.plan(request)
-    except PreflightError as error:
+        return engine.run(engine.plan(request))
+    except PreflightError as error:  # before any worker started (the lighthouse's port is found taken as it starts)
         print(f"lockstep run: {error}", file=sys.stderr)
         return 2
-    return engine.run(job)

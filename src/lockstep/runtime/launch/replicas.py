@@ -21,6 +21,7 @@ from lockstep.env.fault_tolerance import (
     FaultTolerance,
     import_torchft,
 )
+from lockstep.errors import PreflightError
 
 
 class Lighthouse:
@@ -33,9 +34,14 @@ class Lighthouse:
         from torchft._torchft import LighthouseServer
 
         timeouts = config.timeouts()
-        self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=config.min_replicas,
-                                        join_timeout_ms=int(timeouts.join * 1000), quorum_tick_ms=20,
-                                        heartbeat_timeout_ms=int(timeouts.heartbeat * 1000))
+        try:
+            self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=config.min_replicas,
+                                            join_timeout_ms=int(timeouts.join * 1000), quorum_tick_ms=20,
+                                            heartbeat_timeout_ms=int(timeouts.heartbeat * 1000))
+        except RuntimeError as error:  # torchft says what the socket said, without the address
+            raise PreflightError(f"the lighthouse cannot listen on {host}:{port} ({error}): the port is in use by "
+                                 "another program or the address is not this node's; pick a free --master port, "
+                                 "or leave --master out on a single node.") from None
         bound_port = self._server.address().rsplit(":", 1)[1]
         self.address = f"http://{host if host not in ('0.0.0.0', '::', '[::]') else '127.0.0.1'}:{bound_port}"
 
