@@ -352,3 +352,35 @@ def unused_parameter_steps() -> str:
     except lockstep.UsageError as error:
         return str(error)
     return "no error"
+
+
+def batchnorm_eval_warnings() -> dict:
+    """A BatchNorm model trained on this rank's rows: how often ``model.eval()`` warns, before and after
+    ``rt.sync_buffers(model)``."""
+    import warnings
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def train(steps: int) -> None:
+        model.train()
+        for step, (x,) in enumerate(rt.loader(TensorDataset(torch.randn(32, 4)), batch_size=8)):
+            if step == steps:
+                break
+            rt.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def warned() -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.eval()
+            model.eval()
+        return sum("rt.sync_buffers(model)" in str(w.message) for w in caught)
+
+    train(2)
+    unsynced = warned()
+    train(1)
+    rt.sync_buffers(model)
+    return {"unsynced": unsynced, "synced": warned()}

@@ -25,3 +25,12 @@ def test_batchnorm_predictions_and_metrics_on_2_processes_are_the_saved_models(t
         assert torch.allclose(result["rows"], expected, atol=1e-6, rtol=0)
         assert abs(result["val_loss"] - loss) < 1e-6
 
+
+
+def test_evaluating_batchnorm_trained_on_several_ranks_without_sync_buffers_is_said_once():
+    """Each rank's running statistics moved with its own rows: model.eval() says so once (naming
+    rt.sync_buffers), and says nothing once the buffers were synchronised; on one process, nothing."""
+    from lockstep.testing import run_ranks
+
+    assert run_ranks(tc.checks.batchnorm_eval_warnings, 2) == [{"unsynced": 1, "synced": 0}] * 2
+    assert run_ranks(tc.checks.batchnorm_eval_warnings, 1) == [{"unsynced": 0, "synced": 0}]

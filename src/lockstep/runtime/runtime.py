@@ -48,7 +48,7 @@ from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.pipeline.staged import StagedModel
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
-from lockstep.runtime.parallel.wrappers import WrappedModule, unwrap
+from lockstep.runtime.parallel.wrappers import STATISTICS_MOVED, WrappedModule, unwrap
 from lockstep.runtime.seed import RandomStates, seed_everything, set_determinism
 from lockstep.runtime.verify import StepRecorder
 
@@ -545,9 +545,11 @@ class Runtime:
         ranks compute with, and save, the same model. ``rt.save`` and the Trainer (before
         evaluation, prediction and checkpoints) call it for you. Every rank must call it.
         """
-        buffers = [b for b in unwrap(model).buffers() if not b.is_meta]
+        module = unwrap(model)
+        buffers = [b for b in module.buffers() if not b.is_meta]
         if self.world_size > 1:
             self._model.sync_buffers(buffers, src)
+            module.__dict__.pop(STATISTICS_MOVED, None)  # every rank holds rank src's statistics again
 
     def broadcast(self, data: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``data`` on every rank."""

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import UsageError
@@ -60,6 +62,9 @@ class WrappedModule(nn.Module):
         self.__dict__["_precision"] = precision
         self.__dict__["_stand_in"] = stand_in
         self.__dict__["_watchdog"] = watchdog
+        # running statistics (BatchNorm) that each rank moves with its own rows, on several ranks
+        self.__dict__["_tracks_stats"] = tracks_statistics(module) and dist.is_initialized() and \
+            dist.get_world_size() > 1
 
     @property
     def forward_module(self) -> nn.Module:
@@ -67,6 +72,8 @@ class WrappedModule(nn.Module):
         return self._forward_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_tracks_stats"] and self.training and torch.is_grad_enabled():
+            self.__dict__["module"].__dict__[STATISTICS_MOVED] = True  # until rt.sync_buffers
         watchdog: Watchdog | None = self.__dict__["_watchdog"]
         if watchdog is None:
             return self._forward_rows(*args, **kwargs)
@@ -91,6 +98,18 @@ class WrappedModule(nn.Module):
             output = target(*args, **kwargs)
         return precision.convert_output(output)
 
+    def train(self, mode: bool = True) -> WrappedModule:
+        """``model.eval()`` after training on several ranks, whose BatchNorm statistics each moved with its
+        own rows: said once, as every rank would evaluate (and save) a different model."""
+        module = self.__dict__["module"]
+        if not mode and module.__dict__.get(STATISTICS_MOVED) and not module.__dict__.get(_WARNED):
+            module.__dict__[_WARNED] = True
+            warnings.warn("lockstep: model.eval() after training on several ranks: each rank's BatchNorm running "
+                          "statistics moved with its own rows, so the ranks would evaluate different models. Call "
+                          "rt.sync_buffers(model) before evaluating (every rank gets rank 0's; the Trainer does "
+                          "this itself).", stacklevel=2)
+        return super().train(mode)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -102,6 +121,16 @@ class WrappedModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.__dict__["module"].load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+#: Set on a module (its ``__dict__``) while its running statistics moved since the last ``rt.sync_buffers``.
+STATISTICS_MOVED = "_lockstep_statistics_moved"
+_WARNED = "_lockstep_statistics_warned"
+
+
+def tracks_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` holds running statistics that a training forward moves (BatchNorm's)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
 
 
 def unwrap(module: nn.Module) -> nn.Module:
