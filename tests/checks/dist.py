@@ -384,3 +384,24 @@ def batchnorm_eval_warnings() -> dict:
     train(1)
     rt.sync_buffers(model)
     return {"unsynced": unsynced, "synced": warned()}
+
+
+def plain_backward_warnings(use_rt_backward: bool, clip: bool = False) -> int:
+    """An epoch of 19 samples in global batches of 8 on this rank's share (the last batch of 3 splits 2/1),
+    the backward through ``loss.backward()`` or ``rt.backward``: how many of lockstep's warnings came."""
+    import warnings
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = make_model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for x, y in rt.loader(make_data(19), batch_size=8):
+                loss = F.cross_entropy(model(x), y)
+                rt.backward(loss) if use_rt_backward else loss.backward()
+                if clip:
+                    rt.clip_grad_norm_(model, optimizer, 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+    return sum("Call rt.backward(loss) instead" in str(w.message) for w in caught)

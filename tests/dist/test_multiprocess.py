@@ -232,3 +232,11 @@ def test_a_parameter_without_gradient_under_ddp_is_one_line_naming_it_and_the_op
     for message in run_ranks(checks.unused_parameter_steps, 2):
         assert "spare.weight, spare.bias" in message and "find_unused_parameters=True" in message, message
         assert "\n" not in message and "used.weight" not in message, message
+
+
+def test_a_plain_loss_backward_before_a_step_on_an_unevenly_split_batch_is_said_once():
+    """loss.backward() kept from a ported script: right while the ranks hold as many rows, not on the short
+    last batch (2 rows against 1), where it is said once; rt.backward (with or without clipping) says nothing."""
+    assert run_ranks(checks.plain_backward_warnings, 2, False) == [1, 1]
+    assert run_ranks(checks.plain_backward_warnings, 2, True) == [0, 0]
+    assert run_ranks(checks.plain_backward_warnings, 2, True, True) == [0, 0]

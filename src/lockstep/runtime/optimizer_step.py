@@ -19,6 +19,7 @@ A step of an optimizer set up by ``rt.setup``, top to bottom:
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -43,14 +44,20 @@ class OptimizerStep:
     """Owns the order of the optimizer step for one Runtime (see the module docstring)."""
 
     def __init__(self, precision: Precision, items: ItemNormalizer, checkpoints: Checkpoints,
-                 watchdog: Watchdog, recorder: StepRecorder | None, replication: Replication) -> None:
+                 watchdog: Watchdog, recorder: StepRecorder | None, replication: Replication,
+                 loss_weight: Callable[[], float] = lambda: 1.0) -> None:
         self.precision, self.items, self.checkpoints = precision, items, checkpoints
         self.watchdog, self.recorder, self.replication = watchdog, recorder, replication
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._loss_weight = loss_weight  # the current batch's (rt.backward multiplies its loss by it)
+        self._checked = False  # this step's backward was looked at (by clip, before the step)
+        self._warned = False
 
     def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """One optimizer step; ``step`` is the optimizer's own (unpatched) step."""
         self.checkpoints.raise_if_failed()                      # 1
+        self._check_backward()
+        self._checked = False
         self.items.finish_step()                                # 2
         if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
             self._reduce_over_replicas()
@@ -66,6 +73,8 @@ class OptimizerStep:
     def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
              norm_type: float) -> torch.Tensor:
         """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
+        self._check_backward()
+        self._checked = True
         self.items.finish_step()
         if self.replication.in_step:
             self._reduce_over_replicas()
@@ -99,6 +108,19 @@ class OptimizerStep:
         patched._lockstep_patched = True  # type: ignore[attr-defined]
         mark_wrapped_by_lr_scheduler(original, patched)  # a scheduler made before setup wrapped step(): ours calls it
         optimizer.step = types.MethodType(patched, optimizer)  # type: ignore[method-assign]
+
+    def _check_backward(self) -> None:
+        """A step after a batch split unevenly over the ranks (its loss weight is not 1) whose backward did not
+        go through ``rt.backward`` (a ported ``loss.backward()``): the gradients are then not the global
+        batch's mean. Said once."""
+        if self._checked or self._warned or self._loss_weight() == 1.0 or self.items.backwards_this_step:
+            return
+        self._warned = True
+        warnings.warn(
+            f"lockstep: optimizer.step() after a batch that the ranks split unevenly (this rank's loss weight "
+            f"{self._loss_weight():.4g}), and no rt.backward since the last step: a plain loss.backward() averages "
+            "the ranks' means as if every rank held as many rows, so the gradients are not those of the global "
+            "batch's mean. Call rt.backward(loss) instead.", stacklevel=4)
 
     def _reduce_over_replicas(self) -> None:
         """Every attached optimizer's gradients averaged over the replica groups (once a step)."""

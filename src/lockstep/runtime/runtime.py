@@ -147,7 +147,7 @@ class Runtime:
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
-                                             self._recorder, self.replication)
+                                             self._recorder, self.replication, lambda: self._current.loss_weight)
         self._model = self._make_model_kind()
 
     def _start_process(self) -> MeshLayout:

@@ -62,6 +62,11 @@ class ItemNormalizer:
             self._first_divisors.append((constant_divisor(loss), count))
         return (count / self.scale).float()
 
+    @property
+    def backwards_this_step(self) -> bool:
+        """Whether ``rt.backward`` (with or without ``num_items``) ran since the last optimizer step."""
+        return bool(self._plain_backwards) or self._pending is not None
+
     def plain_backward(self) -> None:
         if self._pending is not None:
             raise ConfigError(_MIXED)
