@@ -343,7 +343,9 @@ class Runtime:
         """One micro-step: ``loss_fn(model(inputs(batch)), batch)`` and its backward as ``rt.backward`` runs it;
         returns the loss, detached. The same call runs a model split into pipeline stages (``pp > 1``), where
         the first stage takes the inputs, each micro-batch's output reaches ``loss_fn`` on the last stage with
-        its own rows of ``batch``, and the loss returned is the step's on every rank.
+        its own rows of ``batch``, and the loss returned is the same on every rank of the pipeline. The loss is
+        this data-parallel rank's (the mean over its rows or items), so it changes with the world size:
+        ``rt.all_reduce(loss)`` averages it over the data-parallel ranks (docs/parallelism.md).
 
         ``inputs``: what the model is called with (default a dict batch's ``input_ids``, a tuple's first
         item, or the batch itself); the output ``loss_fn`` receives is a Hugging Face model's ``logits``, else
