@@ -75,3 +75,12 @@ def test_compare_names_the_first_step_and_what_diverged():
         reference, [_record(1, 2.0, 1.0, 0.5), _record(2, 1.5, 0.8, 0.41)], 1e-4, 1e-6)[1]
     assert "step 1: the gradient norm differs" in compare(reference, [_record(1, 2.0, 1.1, 0.5)], 1e-4, 1e-6)[1]
     assert "the run stopped after 1 steps" in compare(reference, [_record(1, 2.0, 1.0, 0.5)], 1e-4, 1e-6)[1]
+
+
+def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
+    nan = float("nan")
+    both_nan = compare([_record(1, nan, 1.0, 0.5)], [_record(1, nan, 1.0, 0.5)], 1e-4, 1e-6)[1]
+    assert both_nan is not None and "step 1: the loss is not a number" in both_nan
+    frozen = [_record(1, 2.0, 0.0, 0.5), _record(2, 2.0, 0.0, 0.5)]
+    divergence = compare(frozen, [dict(step) for step in frozen], 1e-4, 1e-6)[1]
+    assert divergence is not None and divergence.startswith("nothing was compared: the gradients were zero")

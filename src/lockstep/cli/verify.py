@@ -105,8 +105,13 @@ def _steps(folder: Path) -> list[dict[str, Any]]:
     return [torch.load(path, map_location="cpu", weights_only=True) for path in sorted(folder.glob("step-*.pt"))]
 
 
+#: How a report begins where the runs agree only because nothing was computed.
+NOTHING_COMPARED = "nothing was compared"
+
+
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:
-    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or (math.isnan(a) and math.isnan(b))
+    """Within the tolerance; a loss or norm that is not a number never agrees, not even with another."""
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
 
 
 def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rtol: float, atol: float
@@ -136,6 +141,9 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
         gap, name, beyond = _weights_gap(ref["weights"], got["weights"], rtol, atol)
         lines.append(f"{ref['step']:>4}  {ref['loss']:>16.9g}  {got['loss']:>16.9g}  {ref['grad_norm']:>14.7g}  "
                      f"{got['grad_norm']:>14.7g}  {gap:>17.3g}  {name}")
+        if not all(math.isfinite(value) for value in (ref["loss"], got["loss"])):
+            return lines, (f"step {ref['step']}: the loss is not a number ({got['loss']:.9g}, and {ref['loss']:.9g} on "
+                           "one process): nothing from this step on can be compared")
         if not _close(ref["loss"], got["loss"], rtol, atol):
             return lines, (f"step {ref['step']}: the loss differs ({got['loss']:.9g} against {ref['loss']:.9g} on one "
                            "process): the forward or the loss computes something per rank")
@@ -146,6 +154,10 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
             return lines, f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g})"
     if len(other) < len(reference):
         return lines, f"the run stopped after {len(other)} steps, one process made {len(reference)}"
+    if all(step["grad_norm"] == 0 for step in [*reference, *other]):
+        return lines, (f"{NOTHING_COMPARED}: the gradients were zero at every step of both runs, so no step "
+                       "moved the model (an optimizer whose parameters are not the model's, a loss detached from it, "
+                       "or a learning rate of 0)")
     return lines, None
 
 
@@ -194,6 +206,9 @@ def verify_command(args: argparse.Namespace) -> int:
         causes = _causes(root / "many", divergence) if divergence else []
     print("\n".join(lines))
     setup = f"{args.devices} processes" + (f", strategy {args.strategy}" if args.strategy else "")
+    if divergence is not None and divergence.startswith(NOTHING_COMPARED):
+        print(f"lockstep verify: {divergence}.", file=sys.stderr)
+        return 1
     if divergence is None:
         print(f"lockstep verify: the run on {setup} computes what one process computes: {args.steps} steps agree "
               f"within rtol {args.rtol:g}, atol {args.atol:g}.")
