@@ -405,3 +405,14 @@ def plain_backward_warnings(use_rt_backward: bool, clip: bool = False) -> int:
                 optimizer.step()
                 optimizer.zero_grad()
     return sum("Call rt.backward(loss) instead" in str(w.message) for w in caught)
+
+
+def loader_of_sharded_data() -> str:
+    """What ``rt.loader`` says of data that the script already split by rank (``files[rank::world_size]``)."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    mine = list(range(19))[rt.rank::rt.world_size]  # 10 and 9 samples
+    try:
+        rt.loader(TensorDataset(torch.tensor(mine)), batch_size=4)
+    except lockstep.ConfigError as error:
+        return str(error)
+    return "accepted"

@@ -66,3 +66,14 @@ def test_a_billion_sample_dataset_starts_and_resumes_at_once():
     assert torch.equal(torch.cat(first), permutation(torch.arange(64)))
     assert torch.equal(torch.cat(later), permutation(torch.arange(64 * 10**6, 64 * 10**6 + 64)))
 
+
+
+def test_data_already_split_by_rank_is_refused_by_the_training_loader_naming_each_ranks_length():
+    """lockstep splits the data itself: a per-rank shard would be split again (half the data per epoch), or, with
+    unequal lengths, the ranks would disagree on the number of steps and all-reduce mismatched batches."""
+    from checks import dist as checks
+    from lockstep.testing import run_ranks
+
+    for message in run_ranks(checks.loader_of_sharded_data, 2):
+        assert "a different number of samples on each rank (rank 0: 10, rank 1: 9)" in message, message
+        assert "give every rank the whole dataset" in message

@@ -45,6 +45,7 @@ class Loaders:
     say: Callable[[str], None]
     gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
     evaluation_membership: Membership | None = None  # fault tolerance: the group's own ranks
+    every_rank: Callable[[int], list[int]] | None = None  # a number of each rank (an all-gather; None: one rank)
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
@@ -54,6 +55,8 @@ class Loaders:
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
         if isinstance(batches, FixedBatches):
             self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
+        if not is_stream(dataset):
+            self._check_whole(dataset_length(dataset), type(dataset).__name__)
         if self.gate is not None and isinstance(batches, StreamBatches):
             raise ConfigError(f"{type(dataset).__name__} is a stream: a fault-tolerant job draws a step again when "
                               "it does not commit, which a stream cannot do. Give a map-style dataset.")
@@ -86,6 +89,17 @@ class Loaders:
         if batch_size > samples:
             self.say(f"lockstep: batch_size={batch_size} is larger than the training data ({samples} samples): "
                      f"each epoch is one step of {samples} samples.")
+
+    def _check_whole(self, samples: int, name: str) -> None:
+        """Every rank was given the whole dataset: lockstep splits it itself. Data already split by rank
+        (``files[rank::world_size]``, a per-rank reader) would be split again (half the data per epoch, or
+        ranks that disagree on the number of steps): refused where the ranks' lengths differ."""
+        lengths = self.every_rank(samples) if self.every_rank is not None else [samples]
+        if len(set(lengths)) > 1:
+            shown = ", ".join(f"rank {rank}: {length}" for rank, length in enumerate(lengths))
+            raise ConfigError(f"the training data ({name}) holds a different number of samples on each rank ({shown}): "
+                              "lockstep splits the data over the ranks itself, so give every rank the whole dataset "
+                              "(no files[rank::world_size], per-rank reader or DistributedSampler).")
 
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
