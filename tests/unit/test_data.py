@@ -265,3 +265,22 @@ def test_a_ported_distributed_sampler_set_epoch_line_is_harmless():
         ported.sampler.set_epoch(epoch + 7)  # any number: lockstep seeds each pass itself
         assert [b[0].tolist() for b in ported] == [b[0].tolist() for b in plain]
     rt.eval_loader(data, batch_size=4).sampler.set_epoch(1)
+
+
+def test_a_last_global_batch_with_fewer_rows_than_ranks_is_refused_before_the_first_step_naming_drop_last():
+    """18 samples in global batches of 8 on 4 data-parallel ranks: the last batch's 2 rows would leave two ranks
+    without rows (a dict batch fails to collate, a Hugging Face model fails on zero rows)."""
+    import lockstep
+    from lockstep.runtime.data.assembly import Loaders
+    from lockstep.runtime.parallel.mesh import Membership
+
+    def loaders(rank: int, size: int) -> Loaders:
+        return Loaders(Membership(rank, size), size, torch.device("cpu"), 0, None, False, False, None, print,
+                       every_rank=lambda n: [n] * size)
+
+    data = torch.utils.data.TensorDataset(torch.arange(18))
+    with pytest.raises(lockstep.ConfigError, match=r"holds 2 sample\(s\) \(18 samples in batches of 8\), fewer than "
+                                                   r"the 4 data-parallel ranks.*drop_last=True"):
+        loaders(3, 4).training(data, 8, {})
+    assert len(loaders(3, 4).training(data, 8, {"drop_last": True})) == 2
+    assert len(loaders(1, 2).training(data, 8, {})) == 3  # 2 rows over 2 ranks: one each

@@ -52,11 +52,12 @@ class Loaders:
         dataset, opts = resolve_loader_options(data, batch_size, options, self.membership.size,
                                               self.local_world_size, self.device)
         shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
+        if not is_stream(dataset) and hasattr(dataset, "__len__"):  # first: the checks below then agree on every rank
+            self._check_whole(len(dataset), type(dataset).__name__)
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
         if isinstance(batches, FixedBatches):
             self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
-        if not is_stream(dataset):
-            self._check_whole(dataset_length(dataset), type(dataset).__name__)
+            self._check_every_rank_has_rows(batches)
         if self.gate is not None and isinstance(batches, StreamBatches):
             raise ConfigError(f"{type(dataset).__name__} is a stream: a fault-tolerant job draws a step again when "
                               "it does not commit, which a stream cannot do. Give a map-style dataset.")
@@ -89,6 +90,18 @@ class Loaders:
         if batch_size > samples:
             self.say(f"lockstep: batch_size={batch_size} is larger than the training data ({samples} samples): "
                      f"each epoch is one step of {samples} samples.")
+
+    def _check_every_rank_has_rows(self, batches: FixedBatches) -> None:
+        """A global batch with fewer rows than data-parallel ranks would leave a rank without rows, which many
+        models cannot run on (and a per-rank mean over no rows is no number): refused before the first step."""
+        ranks = self.membership.size
+        smallest = min(batches.size(len(batches) - 1), batches.batch_size) if len(batches) else ranks
+        if smallest < ranks:
+            samples = len(batches.sequence)
+            raise ConfigError(f"the last global batch of each epoch holds {smallest} sample(s) ({samples} samples in "
+                              f"batches of {batches.batch_size}), fewer than the {ranks} data-parallel "
+                              "ranks: some ranks would get none. Pass drop_last=True, or a batch size that leaves "
+                              f"at least {ranks} samples in the last batch.")
 
     def _check_whole(self, samples: int, name: str) -> None:
         """Every rank was given the whole dataset: lockstep splits it itself. Data already split by rank
