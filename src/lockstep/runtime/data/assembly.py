@@ -112,7 +112,7 @@ class Loaders:
             shown = ", ".join(f"rank {rank}: {length}" for rank, length in enumerate(lengths))
             raise ConfigError(f"the training data ({name}) holds a different number of samples on each rank ({shown}): "
                               "lockstep splits the data over the ranks itself, so give every rank the whole dataset "
-                              "(no files[rank::world_size], per-rank reader or DistributedSampler).")
+                              "(no files[rank::world_size] or per-rank reader).")
 
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
