@@ -173,3 +173,42 @@ def test_the_log_dir_is_known_before_fit_also_for_a_replica_group(tmp_path, monk
     monkeypatch.setenv("LOCKSTEP_FAULT_TOLERANT", "1")  # what `lockstep run --fault-tolerant` sets for group 3
     monkeypatch.setenv("LOCKSTEP_REPLICA_GROUP", "3")
     assert lockstep.Trainer(accelerator="cpu", log_dir=tmp_path).log_dir == tmp_path / "replica-group-3"
+
+
+class _LightningStyle(lockstep.Module):
+    """A module as a LightningModule writes it: save_hyperparameters, self.hparams.lr, self.log's flags."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.1, name: str = "run") -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore="name")
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("steps_only", loss, on_step=True, on_epoch=False, sync_dist=True, prog_bar=True, logger=True)
+        self.log_dict({"epoch_only": loss * 2}, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def test_a_lightning_style_module_keeps_its_hyperparameters_and_its_log_flags(tmp_path):
+    """save_hyperparameters, hparams (also as attributes), log_dict and self.log's on_step / on_epoch / sync_dist
+    / logger ported as written; what has no meaning here is refused by name."""
+    module = _LightningStyle(hidden=6)
+    assert module.hparams == {"hidden": 6, "lr": 0.1} and module.hparams.hidden == 6
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    trainer = tc.quiet_trainer(max_epochs=1, loggers=("csv",), log_dir=tmp_path, log_every_n_steps=1)
+    trainer.fit(module, data, batch_size=4)
+    assert json.loads((tmp_path / "hparams.json").read_text())["hidden"] == 6
+    columns = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "steps_only" in columns and "steps_only_epoch" not in columns, columns
+    assert "epoch_only_epoch" in columns and "epoch_only" not in columns, columns
+    with pytest.raises(lockstep.UsageError, match="takes no sync_ranks"):
+        module.log("x", 1.0, sync_ranks=True)
+    with pytest.raises(lockstep.UsageError, match="reduce_fx='max'"):
+        module.log("x", 1.0, reduce_fx="max")
+    with pytest.raises(lockstep.UsageError, match="call it inside __init__"):
+        module.save_hyperparameters()

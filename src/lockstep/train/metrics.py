@@ -131,6 +131,12 @@ class TrainingMetrics:
         self.epoch.reset()
         self.step.reset()
 
+    def without(self, stores: list[MetricStore], on_step: bool | None, on_epoch: bool | None) -> list[MetricStore]:
+        """``stores`` less the logged steps' window (``on_step=False``) and the epoch's (``on_epoch=False``):
+        where ``self.log(..., on_step=, on_epoch=)`` adds a value."""
+        left_out = [self.window] * (on_step is False) + [self.epoch] * (on_epoch is False)
+        return [store for store in stores if all(store is not other for other in left_out)]
+
     def end_step(self, committed: bool) -> None:
         if committed:
             self.window.absorb(self.step)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -25,7 +26,8 @@ class MetricSink(Protocol):
     """Where ``Module.log`` sends a metric (the Trainer, while it runs the module)."""
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-                      batch_size: int | torch.Tensor | None = None) -> None: ...
+                      batch_size: int | torch.Tensor | None = None, on_step: bool | None = None,
+                      on_epoch: bool | None = None) -> None: ...
 
 
 class Module(nn.Module):
@@ -95,16 +97,83 @@ class Module(nn.Module):
         return self.trainer.runtime.device
 
     def log(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-            batch_size: int | torch.Tensor | None = None) -> None:
+            batch_size: int | torch.Tensor | None = None, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: Any = "mean", **lightning: Any) -> None:
         """Record a metric for this step; no host sync.
 
         Values accumulate on the device, weighted by this rank's samples in the batch (counted by
         the loader; ``batch_size`` overrides it, e.g. with a count of tokens, which may be a
         tensor). They are reduced over all ranks every ``log_every_n_steps`` and at the end of
         each epoch, where the value is exact over the whole dataset.
+
+        Lightning's spellings keep their meaning where lockstep has one: in ``training_step``,
+        ``on_step=False`` leaves the value out of the logged steps and ``on_epoch=False`` out of the
+        epoch's value (``NAME_epoch``); ``reduce_fx`` is the mean only. ``sync_dist``,
+        ``sync_dist_group``, ``rank_zero_only``, ``logger``, ``enable_graph`` and
+        ``add_dataloader_idx`` are taken and change nothing: every value is reduced over all ranks,
+        exactly, detached, and goes to every logger (docs/migrating-from-lightning.md).
         """
+        unknown = sorted(set(lightning) - _LIGHTNING_LOG_OPTIONS)
+        if unknown:
+            raise UsageError(f"self.log({name!r}, ...) takes no {', '.join(unknown)}: its options are prog_bar, "
+                             "batch_size, on_step, on_epoch (and Lightning's sync_dist, logger, ... which change "
+                             "nothing here).")
+        if reduce_fx not in ("mean", torch.mean):
+            raise UsageError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): lockstep reduces a metric by its "
+                             "sample-weighted mean over the whole dataset only; log the values and reduce them "
+                             "yourself, or pass reduce_fx='mean'.")
         sink: MetricSink = self.trainer
-        sink.record_metric(name, value, prog_bar=prog_bar, batch_size=batch_size)
+        sink.record_metric(name, value, prog_bar=prog_bar, batch_size=batch_size, on_step=on_step,
+                           on_epoch=on_epoch)
+
+    def log_dict(self, metrics: Mapping[str, float | torch.Tensor], **options: Any) -> None:
+        """``self.log`` of each entry, with the same options (Lightning's ``log_dict``)."""
+        for name, value in metrics.items():
+            self.log(name, value, **options)
+
+    def save_hyperparameters(self, *names: str, ignore: str | Sequence[str] = ()) -> None:
+        """Keep the arguments of the ``__init__`` that calls it (all, or ``names``) in ``self.hparams``,
+        as Lightning does; the Trainer logs them with its own settings at the start of a fit."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None or caller.f_code.co_name != "__init__":
+            raise UsageError("save_hyperparameters() keeps the arguments of __init__: call it inside __init__.")
+        code = caller.f_code
+        arguments = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+        skipped = {ignore} if isinstance(ignore, str) else set(ignore)
+        chosen = names or arguments
+        missing = [name for name in chosen if name not in arguments]
+        if missing:
+            raise UsageError(f"save_hyperparameters({', '.join(map(repr, missing))}): __init__ takes no such "
+                             "argument.")
+        self.hparams.update({name: caller.f_locals[name] for name in chosen if name not in skipped})
+
+    @property
+    def hparams(self) -> Hyperparameters:
+        """What ``save_hyperparameters`` kept (a dict whose keys read as attributes too, ``self.hparams.lr``;
+        empty until it is called)."""
+        saved = self.__dict__.get("_lockstep_hparams")
+        if saved is None:
+            saved = self.__dict__["_lockstep_hparams"] = Hyperparameters()
+        return saved  # type: ignore[no-any-return]
+
+    @hparams.setter
+    def hparams(self, values: Mapping[str, Any]) -> None:
+        self.__dict__["_lockstep_hparams"] = Hyperparameters(values)
+
+
+class Hyperparameters(dict[str, Any]):
+    """``Module.hparams``: a dict whose keys read as attributes too, as Lightning's ``AttributeDict``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        return super().__getattribute__(name)  # Python's own AttributeError for a name it does not hold
+
+
+#: What Lightning's ``self.log`` takes that changes nothing in lockstep (every value is reduced exactly).
+_LIGHTNING_LOG_OPTIONS = {"sync_dist", "sync_dist_group", "rank_zero_only", "logger", "enable_graph",
+                          "add_dataloader_idx", "metric_attribute"}
 
 
 class StepRouter(nn.Module):

@@ -257,25 +257,28 @@ class Trainer:
             logger.log_metrics(metrics, self.global_step)
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
-                      batch_size: int | torch.Tensor | None = None) -> None:
+                      batch_size: int | torch.Tensor | None = None, on_step: bool | None = None,
+                      on_epoch: bool | None = None) -> None:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
-        loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums."""
+        loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums
+        (``on_step=False``/``on_epoch=False``: not to the logged steps' / the epoch's)."""
         if not self._stores:  # between stages the sums are already reduced: the value would vanish
             raise StateError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
                              "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
                              "would ever reduce it: log from a step, or pass reduced values to "
                              "trainer.log_metrics({...}).")
+        stores = self._stores if on_step is None is on_epoch else self.metrics.without(self._stores, on_step, on_epoch)
         weight = batch_size if batch_size is not None else self.loop.batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
         device = self.runtime.device  # where the sums live: a value elsewhere (a CPU number on a GPU run) moves
         if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device == device:
             value = value.detach() if value.requires_grad else value  # the per-step case: kept as it is
-            for store in self._stores:
+            for store in stores:
                 store.add_scalar(name, value, weight)
         else:
             weighted = weighted_value(name, value, weight, device)
-            for store in self._stores:
+            for store in stores:
                 store.add(name, weighted, weight)
         if prog_bar:
             self.progress_bar_metrics.add(name)
