@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,8 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
     assert run.returncode == 0, run.stderr[-3000:]
     check_exact(tmp_path, reference, ["g0", "g1", "g2"])
     assert "replica group 2 ended" in run.stderr and "starting a replacement (1 of 3)" in run.stderr, run.stderr
+    assert "every worker of replica group 2 was stopped; the other groups train on" in run.stderr, run.stderr
+    assert "every worker of the job was stopped" not in run.stderr, run.stderr
     assert "left [2]" in run.stdout and "joined [2]" in run.stdout, run.stdout
     assert run.stdout.count("healed from") == 1, run.stdout  # the replacement; no live group is left out after
 
@@ -280,3 +283,39 @@ def test_a_taken_lighthouse_port_is_said_with_its_address_before_any_group_start
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"the lighthouse cannot listen on 127.0.0.1:{port} (Address already in use" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and not list(tmp_path.iterdir()), run.stderr
+
+
+def test_a_replica_group_stopped_by_sigterm_stops_the_job_instead_of_being_replaced(tmp_path):
+    """SIGTERM (or SIGINT) that reaches one group from outside means stop, not failure: the supervisor stops every
+    group and exits non-zero; nothing is left running."""
+    from checks.fault_tolerance import process_tree
+
+    run = subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                            "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
+                            str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.5"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(committed_steps(tmp_path)) < 2 and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        agents = [pid for pid in process_tree(run.pid)
+                  if b"--devices" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid != run.pid]
+        assert agents, "no group's agent found"
+        os.kill(agents[0], signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        time.sleep(1.0)  # the groups' agents and workers end with the supervisor
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(int(pid), str(tmp_path))]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 1, err[-3000:]
+    assert re.search(r"replica group \d was stopped \(exit code 143\); stopping the job", err), err[-3000:]
+    assert "starting a replacement" not in err and left == [], (left, err[-3000:])
+
+
+def _cmdline_has(pid: int, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Any, NoReturn
 
+from lockstep.env.fault_tolerance import ENV_GROUP, ENV_ON
 from lockstep.errors import StateError
 from lockstep.runtime.comm.network import host_store
 from lockstep.runtime.faults.root_cause import lost_a_peer
@@ -166,7 +167,10 @@ def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
         except ValueError:
             how = f"signal {-failure.exitcode}"
     cause = f"rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} failed with {how}"
-    print(f"lockstep: {cause}; every worker of the job was stopped.", file=sys.stderr)
+    group = os.environ.get(ENV_GROUP) if os.environ.get(ENV_ON) == "1" else None  # a fault-tolerant job's group
+    stopped = (f"every worker of replica group {group} was stopped; the other groups train on" if group is not None
+               else "every worker of the job was stopped")
+    print(f"lockstep: {cause}; {stopped}.", file=sys.stderr)
     if all(_lost_a_peer(f) for f in failures.values()):
         finished = sorted(set(range(nproc)) - {f.local_rank for f in failures.values()}) if nproc else []
         ranks = ", ".join(map(str, finished))

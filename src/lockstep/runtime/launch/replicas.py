@@ -57,6 +57,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+#: A group's exit status when SIGINT or SIGTERM stopped it (its agent exits with 128 + the signal).
+_STOPPED = {-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM}
+
+
 def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -101,23 +105,19 @@ class ReplicaGroupsRun:
                     self.say(f"fault tolerance: the training is done; stopping replica group(s) {sorted(running)}, "
                              "which did not end with it")
                     break
-                for index, proc in list(running.items()):
-                    code = proc.poll()
-                    if code is None:
-                        continue
+                ended = {index: code for index, proc in running.items() if (code := proc.poll()) is not None}
+                for index, code in ended.items():
                     del running[index]
                     if code == 0:
                         finished_at = finished_at or time.monotonic()
-                        continue
-                    if restarts[index] < self.max_restarts and finished_at is None:
+                    elif restarts[index] < self.max_restarts and finished_at is None and code not in _STOPPED:
                         restarts[index] += 1
                         self.say(f"fault tolerance: replica group {index} ended ({_how(code)}); starting a "
                                  f"replacement ({restarts[index]} of {self.max_restarts})")
                         running[index] = self._start(index, address, replacement=True)
                     elif finished_at is None:
                         failed[index] = code
-                        self.say(f"fault tolerance: replica group {index} ended ({_how(code)}), no restart left "
-                                 f"(--max-restarts {self.max_restarts})")
+                        self._say_ended(index, code)
         except KeyboardInterrupt:
             self.say("fault tolerance: stopped; stopping the replica groups")
             failed.update(dict.fromkeys(running, 1))
@@ -127,6 +127,15 @@ class ReplicaGroupsRun:
             if house is not None:
                 house.shutdown()
         return 0 if finished_at is not None or not failed else 1
+
+    def _say_ended(self, index: int, code: int) -> None:
+        """A group that ended for good: stopped from outside (SIGINT, SIGTERM: the job is stopped with it), or
+        failed with no restart left."""
+        if code in _STOPPED:
+            self.say(f"fault tolerance: replica group {index} was stopped ({_how(code)}); stopping the job")
+            raise KeyboardInterrupt
+        self.say(f"fault tolerance: replica group {index} ended ({_how(code)}), no restart left "
+                 f"(--max-restarts {self.max_restarts})")
 
     def _start(self, index: int, lighthouse: str, replacement: bool = False) -> subprocess.Popen[bytes]:
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
