@@ -386,24 +386,27 @@ def batchnorm_eval_warnings() -> dict:
     return {"unsynced": unsynced, "synced": warned()}
 
 
-def plain_backward_warnings(use_rt_backward: bool, clip: bool = False) -> int:
+def plain_backward_warnings(use_rt_backward: bool, clip: bool = False, optimizers: int = 1) -> int:
     """An epoch of 19 samples in global batches of 8 on this rank's share (the last batch of 3 splits 2/1),
     the backward through ``loss.backward()`` or ``rt.backward``: how many of lockstep's warnings came."""
     import warnings
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     model = make_model()
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    groups = [list(model.parameters())[:2], list(model.parameters())[2:]][-optimizers:] if optimizers == 2 else \
+        [list(model.parameters())]
+    model, *steppers = rt.setup(model, *(torch.optim.SGD(group, lr=0.1) for group in groups))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             for x, y in rt.loader(make_data(19), batch_size=8):
                 loss = F.cross_entropy(model(x), y)
                 rt.backward(loss) if use_rt_backward else loss.backward()
-                if clip:
-                    rt.clip_grad_norm_(model, optimizer, 1.0)
-                optimizer.step()
-                optimizer.zero_grad()
+                for optimizer in steppers:  # as the Trainer does: clip, then step, each optimizer in turn
+                    if clip:
+                        rt.clip_grad_norm_(model, optimizer, 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
     return sum("Call rt.backward(loss) instead" in str(w.message) for w in caught)
 
 
@@ -416,3 +419,4 @@ def loader_of_sharded_data() -> str:
     except lockstep.ConfigError as error:
         return str(error)
     return "accepted"
+

@@ -182,10 +182,11 @@ def test_ddp_options_reach_distributed_data_parallel():
             Runtime(accelerator="cpu", strategy=lockstep.DDP(sync_batchnorm=True)).setup(torch.nn.BatchNorm1d(4))
         except ValueError as error:
             message = str(error)
-        return type(ddp).__name__, ddp.static_graph, ddp.find_unused_parameters, ddp.gradient_as_bucket_view, message
+        is_ddp = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+        return is_ddp, ddp.static_graph, ddp.find_unused_parameters, ddp.gradient_as_bucket_view, message
 
-    for name, static, unused, bucket_view, message in run_ranks(configured, 2):
-        assert (name, static, unused, bucket_view) == ("DistributedDataParallel", True, True, True)
+    for is_ddp, static, unused, bucket_view, message in run_ranks(configured, 2):
+        assert (is_ddp, static, unused, bucket_view) == (True, True, True, True)
         assert "sync_batchnorm=True needs CUDA devices" in message
 
 
@@ -240,3 +241,4 @@ def test_a_plain_loss_backward_before_a_step_on_an_unevenly_split_batch_is_said_
     assert run_ranks(checks.plain_backward_warnings, 2, False) == [1, 1]
     assert run_ranks(checks.plain_backward_warnings, 2, True) == [0, 0]
     assert run_ranks(checks.plain_backward_warnings, 2, True, True) == [0, 0]
+    assert run_ranks(checks.plain_backward_warnings, 2, True, True, 2) == [0, 0]  # two optimizers, one backward

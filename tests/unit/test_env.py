@@ -354,6 +354,10 @@ def test_lockstep_run_chooses_one_engine_and_refuses_the_replica_options_without
             request, _ = with_orchestrator_defaults(_run_args([*engine, option, value, str(script)]), {})
             with pytest.raises(PreflightError, match=f"{option} without --fault-tolerant"):
                 engine_for(request, _Checks(), print).plan(request)
+    ray_ft, _ = with_orchestrator_defaults(_run_args(["--engine", "ray", "--fault-tolerant", "--replicas", "3",
+                                                      str(script)]), {})
+    with pytest.raises(PreflightError, match="--fault-tolerant is for the torch engine"):
+        engine_for(ray_ft, _Checks(), print).plan(ray_ft)
     done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--step-timeout", "5", str(script)],
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 2 and "--step-timeout without --fault-tolerant" in done.stderr, done.stderr

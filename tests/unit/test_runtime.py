@@ -375,3 +375,11 @@ def test_a_report_that_waits_for_heartbeats_is_cut_short_by_the_launchers_term_n
     assert not _sleep_unless_stopped(20)
     assert time.monotonic() - start < 5
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_statistics_that_each_rank_moves_with_its_own_rows_are_batchnorms_not_syncbatchnorms():
+    from lockstep.runtime.parallel.wrappers import tracks_statistics
+
+    assert tracks_statistics(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert not tracks_statistics(nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2)))
+    assert not tracks_statistics(nn.BatchNorm1d(2, track_running_stats=False))

@@ -210,5 +210,8 @@ def test_a_lightning_style_module_keeps_its_hyperparameters_and_its_log_flags(tm
         module.log("x", 1.0, sync_ranks=True)
     with pytest.raises(lockstep.UsageError, match="reduce_fx='max'"):
         module.log("x", 1.0, reduce_fx="max")
+    for mean in ("avg", "MEAN", torch.mean):  # Lightning's spellings of the mean: taken (then refused here as
+        with pytest.raises(lockstep.StateError, match="outside training_step"):  # outside a step, not for reduce_fx)
+            module.log("x", 1.0, reduce_fx=mean)
     with pytest.raises(lockstep.UsageError, match="call it inside __init__"):
         module.save_hyperparameters()

@@ -45,19 +45,20 @@ class OptimizerStep:
 
     def __init__(self, precision: Precision, items: ItemNormalizer, checkpoints: Checkpoints,
                  watchdog: Watchdog, recorder: StepRecorder | None, replication: Replication,
-                 loss_weight: Callable[[], float] = lambda: 1.0) -> None:
+                 batch: Callable[[], tuple[float, object]] = lambda: (1.0, None)) -> None:
         self.precision, self.items, self.checkpoints = precision, items, checkpoints
         self.watchdog, self.recorder, self.replication = watchdog, recorder, replication
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        self._loss_weight = loss_weight  # the current batch's (rt.backward multiplies its loss by it)
-        self._checked = False  # this step's backward was looked at (by clip, before the step)
+        self._batch = batch  # the current batch's loss weight (rt.backward multiplies its loss by it), and which it is
+        self._backward_for: object = None  # the batch that an rt.backward was seen for
         self._warned = False
 
-    def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
-        """One optimizer step; ``step`` is the optimizer's own (unpatched) step."""
+    def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any], closure: bool = False) -> Any:
+        """One optimizer step; ``step`` is the optimizer's own (unpatched) step (``closure``: it runs the
+        backward itself)."""
         self.checkpoints.raise_if_failed()                      # 1
-        self._check_backward()
-        self._checked = False
+        if not closure:
+            self._check_backward()
         self.items.finish_step()                                # 2
         if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
             self._reduce_over_replicas()
@@ -74,7 +75,6 @@ class OptimizerStep:
              norm_type: float) -> torch.Tensor:
         """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
         self._check_backward()
-        self._checked = True
         self.items.finish_step()
         if self.replication.in_step:
             self._reduce_over_replicas()
@@ -101,7 +101,7 @@ class OptimizerStep:
                 return original() if closure is None else original(closure)
             inside = True
             try:
-                return run(self, lambda: original() if closure is None else original(closure))
+                return run(self, lambda: original() if closure is None else original(closure), closure is not None)
             finally:
                 inside = False
 
@@ -110,17 +110,23 @@ class OptimizerStep:
         optimizer.step = types.MethodType(patched, optimizer)  # type: ignore[method-assign]
 
     def _check_backward(self) -> None:
-        """A step after a batch split unevenly over the ranks (its loss weight is not 1) whose backward did not
-        go through ``rt.backward`` (a ported ``loss.backward()``): the gradients are then not the global
+        """A step after a batch split unevenly over the ranks (its loss weight is not 1) for which no backward
+        went through ``rt.backward`` (a ported ``loss.backward()``): the gradients are then not the global
         batch's mean. Said once."""
-        if self._checked or self._warned or self._loss_weight() == 1.0 or self.items.backwards_this_step:
+        weight, batch = self._batch()
+        if self._warned or weight == 1.0:
+            return
+        if self.items.backwards_this_step:  # seen now; a later optimizer of the same batch finds the count spent
+            self._backward_for = batch
+            return
+        if batch is not None and batch == self._backward_for:
             return
         self._warned = True
         warnings.warn(
             f"lockstep: optimizer.step() after a batch that the ranks split unevenly (this rank's loss weight "
-            f"{self._loss_weight():.4g}), and no rt.backward since the last step: a plain loss.backward() averages "
-            "the ranks' means as if every rank held as many rows, so the gradients are not those of the global "
-            "batch's mean. Call rt.backward(loss) instead.", stacklevel=4)
+            f"{weight:.4g}), and no rt.backward since the last step: a plain loss.backward() averages the ranks' "
+            "means as if every rank held as many rows, so the gradients are not those of the global batch's mean. "
+            "Call rt.backward(loss) instead.", stacklevel=4)
 
     def _reduce_over_replicas(self) -> None:
         """Every attached optimizer's gradients averaged over the replica groups (once a step)."""

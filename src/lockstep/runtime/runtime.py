@@ -147,7 +147,7 @@ class Runtime:
         self.compiled: list[str] = []  # what setup(compile=...) compiled: block names, "" for a whole model
         self._recorder = self._make_recorder()
         self._optimizer_step = OptimizerStep(self.precision, self._items, self._checkpoints, self._watchdog,
-                                             self._recorder, self.replication, lambda: self._current.loss_weight)
+                                             self._recorder, self.replication, self._current_batch)
         self._model = self._make_model_kind()
 
     def _start_process(self) -> MeshLayout:
@@ -169,6 +169,10 @@ class Runtime:
             self.placement.accelerator, config.backend, self.placement.shares_gpu,
             sharded=self.strategy.collective_forward and env.world_size > 1))
         return layout
+
+    def _current_batch(self) -> tuple[float, object]:
+        """The loss weight of the batch the loop holds, and which batch it is (kind, epoch, index)."""
+        return self._current.loss_weight, self._watchdog.batch
 
     def _make_replication(self) -> Replication:
         """The job alone, or one replica group of a fault-tolerant job, whose data-parallel membership then
@@ -456,7 +460,8 @@ class Runtime:
         Each step's global batch is a contiguous slice of one permutation seeded by (seed, epoch);
         each ``iter()`` is the next epoch. ``data`` is a map-style dataset or a DataLoader, which is
         re-created with the same dataset, collate_fn and options. Other keyword arguments go to
-        DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``, ...).
+        DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``, ...). Every rank must call it, in the same
+        order: it compares the dataset's length across the ranks (one small all-gather).
         """
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if value is not None:

@@ -108,7 +108,8 @@ class Module(nn.Module):
 
         Lightning's spellings keep their meaning where lockstep has one: in ``training_step``,
         ``on_step=False`` leaves the value out of the logged steps and ``on_epoch=False`` out of the
-        epoch's value (``NAME_epoch``); ``reduce_fx`` is the mean only. ``sync_dist``,
+        epoch's value (``NAME_epoch``; in a fault-tolerant fit both flags are ignored: a step's values join
+        both when it commits); ``reduce_fx`` is the mean only (``"mean"``, ``"avg"``, ``torch.mean``). ``sync_dist``,
         ``sync_dist_group``, ``rank_zero_only``, ``logger``, ``enable_graph`` and
         ``add_dataloader_idx`` are taken and change nothing: every value is reduced over all ranks,
         exactly, detached, and goes to every logger (docs/migrating-from-lightning.md).
@@ -118,7 +119,7 @@ class Module(nn.Module):
             raise UsageError(f"self.log({name!r}, ...) takes no {', '.join(unknown)}: its options are prog_bar, "
                              "batch_size, on_step, on_epoch (and Lightning's sync_dist, logger, ... which change "
                              "nothing here).")
-        if reduce_fx not in ("mean", torch.mean):
+        if reduce_fx is not torch.mean and str(reduce_fx).lower() not in ("mean", "avg"):
             raise UsageError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): lockstep reduces a metric by its "
                              "sample-weighted mean over the whole dataset only; log the values and reduce them "
                              "yourself, or pass reduce_fx='mean'.")

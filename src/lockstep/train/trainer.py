@@ -177,7 +177,8 @@ class Trainer:
         asked = self.config.runtime.fault_tolerance or FaultTolerance.from_environ()
         if asked is None:
             return None
-        return asked.replica_group if asked.replica_group is not None else int(os.environ.get(ENV_GROUP) or 0)
+        raw = os.environ.get(ENV_GROUP) or "0"
+        return asked.replica_group if asked.replica_group is not None else int(raw) if raw.isdigit() else None
 
     # -- public entry points ------------------------------------------------------------------------
     def fit(self, module: Module, train_data: Any, val_data: Any = None, batch_size: int | None = None,

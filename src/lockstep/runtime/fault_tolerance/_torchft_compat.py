@@ -23,6 +23,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from lockstep.errors import ConfigError
+
 _BINDING = threading.Lock()  # one Manager built at a time under the replaced name
 
 
@@ -55,16 +57,23 @@ def torch_group(pg: Any) -> Any:
 
 
 @contextlib.contextmanager
-def manager_bound_to(address: str) -> Iterator[None]:
+def manager_bound_to(address: str, group: int) -> Iterator[None]:
     """While a torchft ``Manager`` is built inside the block, its ``ManagerServer`` listens on ``address``
-    only (the port torchft chose), not on every interface."""
+    only (the port torchft chose), not on every interface; an address it cannot listen on is said, naming
+    replica group ``group``."""
     import torchft.manager as manager_module
 
     server_class = manager_module.ManagerServer
     host = f"[{address}]" if ":" in address and not address.startswith("[") else address
 
     def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
-        return server_class(*args, bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kwargs)
+        where = f"{host}:{bind.rsplit(':', 1)[1]}"
+        try:
+            return server_class(*args, bind=where, **kwargs)
+        except RuntimeError as error:  # torchft says what the socket said
+            raise ConfigError(f"replica group {group}: its torchft manager cannot listen on {where} ({error}): "
+                              "MASTER_ADDR must be an address of this node (lockstep run --fault-tolerant sets "
+                              "it).") from None
 
     with _BINDING:
         manager_module.ManagerServer = bound_server

@@ -23,6 +23,7 @@ One step timeout sets every wait (``FaultTolerance.timeouts``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zlib
@@ -101,7 +102,9 @@ class ReplicaGroups:
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self._store, store_port = _manager_store(self.index, address, group_size)
         self.state: dict[str, Any] | None = None
-        with manager_bound_to(address):  # its gRPC server (Kill, ShouldCommit, Quorum) on this address only
+        with manager_bound_to(address, self.index) if group_rank == 0 else contextlib.nullcontext():
+            # rank 0 of the group builds its torchft manager's gRPC server (Kill, ShouldCommit, Quorum): on this
+            # address only
             self.manager = Manager(
                 pg=pg, load_state_dict=self._load_state, state_dict=self._state_dict,
                 min_replica_size=config.min_replicas, use_async_quorum=False, timeout=collective,

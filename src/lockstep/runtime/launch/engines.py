@@ -55,6 +55,8 @@ def engine_for(request: RunRequest, checks: TrainingChecks, say: Say) -> Engine:
 
 
 def _refuse_fault_tolerance_options(request: RunRequest) -> None:
+    if request.fault_tolerant:  # the engine refuses --fault-tolerant itself (Ray), or is the replica groups'
+        return
     given = [option for name, option in _FAULT_TOLERANCE_ONLY.items() if getattr(request, name) is not None]
     if given:
         raise PreflightError(f"{', '.join(given)} without --fault-tolerant: these set the replica groups of a "

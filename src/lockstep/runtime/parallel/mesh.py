@@ -67,7 +67,7 @@ class Parallel:
             batch (default: the number of stages). A step is ``rt.forward_backward(model, batch, loss_fn)``.
         replicate: with FSDP, groups that each hold a whole sharded copy (HSDP); the rest of the
             data-parallel ranks shard. With DDP every data-parallel rank holds a whole copy: leave it
-            unset (or give the data-parallel degree).
+            unset (another value than the data-parallel degree is refused).
         cp: context parallel, not built yet: anything but 1 is refused.
 
     With DDP (or ``"auto"``), tensor or pipeline parallel means data parallel by replication on the mesh:

@@ -118,7 +118,8 @@ class WholeModel:
         forward_module = tools.strategy.wrap(module, tools.placement, tools.precision, tools.mesh)
         eval_module = tools.strategy.eval_module(forward_module)
         watch = tools.watchdog if tools.strategy.collective_forward else None  # a forward that is a collective
-        return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch),
+        replicas = tools.mesh.layout.data_parallel_size
+        return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas),
                 forward_module)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -129,21 +129,23 @@ class _ExplainedDDP(DistributedDataParallel):
         except RuntimeError as error:
             if "Expected to have finished reduction in the prior iteration" not in str(error):
                 raise
-            raise UsageError(_unused_parameters(self.module, str(error))) from None
+            raise UsageError(_unused_parameters(self.module, str(error), self.find_unused_parameters)) from None
 
 
-def _unused_parameters(module: nn.Module, message: str) -> str:
-    """The line for parameters that received no gradient: named from torch's indices when it gives them."""
+def _unused_parameters(module: nn.Module, message: str, searched: bool) -> str:
+    """The line for parameters that received no gradient: named from torch's indices when it gives them.
+    ``searched``: DDP already looked for unused parameters (``find_unused_parameters=True``)."""
     trained = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
     found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
     indices = [int(i) for i in found.group(1).split()] if found else []
     names = [trained[i] for i in indices if i < len(trained)] or [
         name for name, parameter in module.named_parameters() if parameter.requires_grad and parameter.grad is None]
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    fix = ("make the loss depend on every output of the forward" if searched else
+           "pass strategy=lockstep.DDP(find_unused_parameters=True) (slower: it searches the graph every step)")
     return (f"DDP: parameter(s) {shown or '(torch did not say which)'} received no gradient in the last backward "
             "(the forward did not use them, or the loss did not depend on them), so DDP's gradient reduction never "
-            "finished. Use them, set requires_grad=False on them, or pass strategy=lockstep.DDP("
-            "find_unused_parameters=True) (slower: it searches the graph every step).")
+            f"finished. Use them, set requires_grad=False on them, or {fix}.")
 
 
 @dataclass(frozen=True)

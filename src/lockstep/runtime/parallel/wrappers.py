@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import UsageError
@@ -53,7 +52,7 @@ class WrappedModule(nn.Module):
     def __init__(
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
-        watchdog: Watchdog | None = None,
+        watchdog: Watchdog | None = None, replicas: int = 1,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -62,9 +61,8 @@ class WrappedModule(nn.Module):
         self.__dict__["_precision"] = precision
         self.__dict__["_stand_in"] = stand_in
         self.__dict__["_watchdog"] = watchdog
-        # running statistics (BatchNorm) that each rank moves with its own rows, on several ranks
-        self.__dict__["_tracks_stats"] = tracks_statistics(module) and dist.is_initialized() and \
-            dist.get_world_size() > 1
+        # running statistics (BatchNorm) that each data-parallel replica (of ``replicas``) moves with its own rows
+        self.__dict__["_tracks_stats"] = replicas > 1 and tracks_statistics(module)
 
     @property
     def forward_module(self) -> nn.Module:
@@ -107,7 +105,7 @@ class WrappedModule(nn.Module):
             warnings.warn("lockstep: model.eval() after training on several ranks: each rank's BatchNorm running "
                           "statistics moved with its own rows, so the ranks would evaluate different models. Call "
                           "rt.sync_buffers(model) before evaluating (every rank gets rank 0's; the Trainer does "
-                          "this itself).", stacklevel=2)
+                          "this itself).", stacklevel=3)
         return super().train(mode)
 
     def __getattr__(self, name: str) -> Any:
@@ -129,8 +127,10 @@ _WARNED = "_lockstep_statistics_warned"
 
 
 def tracks_statistics(module: nn.Module) -> bool:
-    """Whether ``module`` holds running statistics that a training forward moves (BatchNorm's)."""
-    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
+    """Whether ``module`` holds running statistics that a training forward moves with this rank's rows alone
+    (BatchNorm's; SyncBatchNorm's cover the global batch)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+               and not isinstance(m, nn.SyncBatchNorm) for m in module.modules())
 
 
 def unwrap(module: nn.Module) -> nn.Module:

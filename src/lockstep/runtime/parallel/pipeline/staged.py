@@ -62,7 +62,8 @@ class StagedModel:
         pipeline = Pipeline(views, self.mine, self.num_stages, self.schedule, self.microbatches,
                             tools.placement.device, tools.mesh.pp_group(), tools.all_gather, tools.precision,
                             self.outside_fsdp)
-        return PipelinedModule(pipeline, module, tools.precision, tools.stand_in, tools.watchdog), module
+        return PipelinedModule(pipeline, module, tools.precision, tools.stand_in, tools.watchdog,
+                               tools.mesh.layout.data_parallel_size), module
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                          num_items: Callable[[Any], int | torch.Tensor] | None,
@@ -127,8 +128,9 @@ class PipelinedModule(WrappedModule):
     after another, and every rank of the pipeline gets the last stage's output."""
 
     def __init__(self, pipeline: Pipeline, module: nn.Module, precision: Precision,
-                 stand_in: Callable[[], dict[int, torch.Tensor]] | None = None, watchdog: Any = None) -> None:
-        super().__init__(module, module, module, precision, stand_in, watchdog)
+                 stand_in: Callable[[], dict[int, torch.Tensor]] | None = None, watchdog: Any = None,
+                 replicas: int = 1) -> None:
+        super().__init__(module, module, module, precision, stand_in, watchdog, replicas)
         self.__dict__["pipeline"] = pipeline
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
