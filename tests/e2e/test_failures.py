@@ -83,7 +83,7 @@ def test_5b_a_rank_spinning_in_python_while_the_others_wait():
     stderr, elapsed = _job("spin.py", timeout_env="10")
     assert elapsed < 45
     # rank 1's last collective, its loop position then, and its heartbeat: alive, in the same place
-    assert "rank 1: last at all_reduce(mean) #5 at spin.py:7 in <module> (in my_step, epoch 0, batch 4); alive" \
+    assert "rank 1: last at all_reduce(mean) #6 at spin.py:7 in <module> (in my_step, epoch 0, batch 4); alive" \
         in stderr
     assert "alive (a heartbeat within 1.5s), in my_step, epoch 0, batch 4" in stderr
     assert "Timed out" in stderr

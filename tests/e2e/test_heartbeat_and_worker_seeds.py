@@ -84,8 +84,8 @@ def test_a_frozen_rank_is_reported_as_silent_also_under_a_launch_made_group():
     assert outcomes[0].ok, outcomes[0].error
     message = outcomes[0].value
     here = Path(__file__).name  # the call sites are this file's lines
-    assert f"rank 0: barrier #6 at {here}" in message
-    assert f"rank 1: last at barrier #5 at {here}" in message
+    assert f"rank 0: barrier #7 at {here}" in message
+    assert f"rank 1: last at barrier #6 at {here}" in message
     assert "(in my_step, epoch 0, batch 3)" in message
     assert "no heartbeat for" in message and "died or is frozen" in message
     assert not outcomes[1].ok  # killed by rank 0 once it had its answer
