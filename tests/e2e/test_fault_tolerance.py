@@ -233,6 +233,21 @@ def _kill_rpc(address: str, port: int) -> str:
         return "answered"
 
 
+def _two_groups(tmp: Path) -> subprocess.Popen[str]:
+    """`lockstep run --fault-tolerant` with two replica groups of one process, slowed to 0.5 s a step."""
+    return subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                             "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
+                             str(tmp / "g{group}.pt"), "--log", str(tmp / "g{group}.log"), "--slow", "0.5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _until_committed(tmp: Path, run: subprocess.Popen[str], steps: int, timeout: float = 90) -> None:
+    """Wait until ``steps`` steps committed (or the job ended, or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while len(committed_steps(tmp)) < steps and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+
+
 def test_a_fault_tolerant_job_on_one_node_listens_on_loopback_only_and_a_forged_kill_reaches_no_group(tmp_path,
                                                                                                     reference):
     """Every socket of `lockstep run --fault-tolerant` on one node (the lighthouse, the stores, each group's
@@ -243,14 +258,9 @@ def test_a_fault_tolerant_job_on_one_node_listens_on_loopback_only_and_a_forged_
     from lockstep.runtime.comm.network import interfaces
 
     pytest.importorskip("grpc")
-    run = subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
-                            "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
-                            str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.5"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = _two_groups(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while len(committed_steps(tmp_path)) < 3 and time.monotonic() < deadline and run.poll() is None:
-            time.sleep(0.2)  # both groups up and stepping: every server of the job is listening
+        _until_committed(tmp_path, run, 3)  # both groups up and stepping: every server of the job is listening
         sockets = listening(process_tree(run.pid))
         ports = sorted({port for _, _, port in sockets})
         assert len(ports) >= 4, sockets  # the lighthouse, the groups' stores and managers at least
@@ -290,14 +300,9 @@ def test_a_replica_group_stopped_by_sigterm_stops_the_job_instead_of_being_repla
     group and exits non-zero; nothing is left running."""
     from checks.fault_tolerance import process_tree
 
-    run = subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
-                            "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
-                            str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.5"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = _two_groups(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while len(committed_steps(tmp_path)) < 2 and time.monotonic() < deadline and run.poll() is None:
-            time.sleep(0.2)
+        _until_committed(tmp_path, run, 2)
         agents = [pid for pid in process_tree(run.pid)
                   if b"--devices" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid != run.pid]
         assert agents, "no group's agent found"

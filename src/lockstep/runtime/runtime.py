@@ -334,8 +334,8 @@ class Runtime:
         """
         model, was_compiled = unwrap_compiled(model)
         chosen = compile if compile is not None else was_compiled
-        wrapped, released = prepare(model, optimizers, self._model, self._model.tools,
-                                    lambda module: self.compile(module, chosen), activation_checkpointing)
+        wrapped, released = prepare(model, optimizers, self._model, lambda module: self.compile(module, chosen),
+                                    activation_checkpointing)
         self._wrapped.append(weakref.ref(released))
         if self._recorder is not None:
             self._recorder.watch(unwrap(wrapped), optimizers)

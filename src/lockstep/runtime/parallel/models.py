@@ -74,10 +74,11 @@ class ModelKind(Protocol):
     def sync_buffers(self, buffers: list[torch.Tensor], src: int) -> None: ...
 
 
-def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kind: ModelKind, tools: Tools,
+def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kind: ModelKind,
             compile_module: Callable[[nn.Module], Any], policy: Policy | None) -> tuple[WrappedModule, nn.Module]:
     """``model`` made ready on this rank, in the one order of the parallelisms; the optimizers re-pointed to
     the parameters it now holds. Returns the wrapped model and what ``close`` releases."""
+    tools = kind.tools
     strategy, mesh = tools.strategy, tools.mesh
     before = dict(model.named_parameters())
     kind.cut(model)  # 1. pipeline stages: the other stages' modules dropped
