@@ -83,6 +83,25 @@ class DictNet(nn.Module):
         return self.output(self.norm(h))
 
 
+class NotAChain(DictNet):
+    """A model whose forward does work between its blocks (``between``: ``tanh`` after each block, a
+    ``residual`` around each, or a ``scale`` on the embeddings' output before the first): under pipeline
+    parallel that code would run again on every stage."""
+
+    def __init__(self, between: str) -> None:
+        super().__init__()
+        self.between = between
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids) if not input_ids.is_floating_point() else input_ids
+        if self.between == "scale":
+            h = h * 2.0
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h)) if self.between == "tanh" else h + layer(h) if self.between == "residual" \
+                else layer(h)
+        return self.output(self.norm(h))
+
+
 def dict_net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return DictNet()
@@ -334,13 +353,21 @@ def skipped_on_every_stage(strategy) -> dict:
     return {"skipped": skipped}
 
 
-def refused(strategy, layers: int) -> None:
-    """One step of a layout that cannot work (``layers=0``: a model with no repeated blocks)."""
+def refused(strategy, layers: int | str, evaluate: bool = False) -> None:
+    """One step (or one evaluation forward) of a layout that cannot work (``layers=0``: a model with no
+    repeated blocks; a string: a ``NotAChain`` model with that code between its blocks)."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
-    model = llama(layers) if layers else nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    torch.manual_seed(0)
+    model = (NotAChain(layers) if isinstance(layers, str) else llama(layers) if layers
+             else nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)))
     model = rt.setup(model)
     loader = rt.loader(mc.Rows(32), batch_size=8 * rt.data_parallel_size, collate_fn=collate, num_workers=0)
-    rt.forward_backward(model, next(iter(loader)), token_loss, num_items=hc.valid_tokens)
+    batch = next(iter(loader))
+    if evaluate:
+        with torch.no_grad():
+            model(batch["input_ids"])
+    else:
+        rt.forward_backward(model, batch, token_loss, num_items=hc.valid_tokens)
 
 
 def gathered_logits(strategy) -> dict:

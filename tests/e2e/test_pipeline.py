@@ -203,6 +203,20 @@ def test_bad_layouts_are_refused_before_any_stage_sends(world, strategy, layers,
         run_ranks(pc.refused, world, strategy, layers, timeout=120)
 
 
+@pytest.mark.parametrize(("between", "schedule", "evaluate", "message"), [
+    ("tanh", "1F1B", False, "stage 0 hands on not what its last module layers.1 returned"),
+    ("residual", "Interleaved1F1B", False, "hands on not what its last module layers.0 returned"),
+    ("scale", "GPipe", True, "stage 1's first module layers.2 receives not what stage 0 handed on"),
+])
+def test_a_forward_that_is_not_a_chain_through_its_blocks_is_refused_on_every_rank(between, schedule, evaluate,
+                                                                                    message):
+    """Code between the blocks (an activation, a residual, a scale before the first) would run on every stage:
+    the first training step (or evaluation) refuses it by name on both ranks, before the schedule sends."""
+    with pytest.raises(RanksFailed, match=message) as failed:
+        run_ranks(pc.refused, 2, lockstep.Parallel(pp=2, pp_schedule=schedule), between, evaluate, timeout=120)
+    assert str(failed.value).count("a chain through its blocks") >= 2, str(failed.value)
+
+
 def _trainer_job(folder, out, strategy: str, devices: int, kill_at: int = -1) -> subprocess.CompletedProcess:
     command = ([sys.executable, "tests/scripts/pipeline_trainer.py"] if devices == 1 else
                [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices), "--accelerator", "cpu",
@@ -235,7 +249,8 @@ def test_a_pipeline_trainer_run_killed_mid_epoch_resumes_on_data_parallel_and_on
 
 def test_lockstep_verify_checks_a_pipeline_run_and_names_where_it_diverges():
     """On one process the script runs unsplit; on 2, pp2 with interleaved stages: 3 steps agree. A loss
-    scaled by the rank that computes it (the last stage's) is named at step 1 with a parameter."""
+    scaled by the rank that computes it (the last stage's) is named at step 1 with a parameter; a forward that
+    is not a chain through its blocks is named as the cause."""
     def verify(mode: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "verify", "tests/scripts/pipeline_verify.py",
                                "--devices", "2", "--accelerator", "cpu", "--steps", "3", mode],
@@ -246,3 +261,6 @@ def test_lockstep_verify_checks_a_pipeline_run_and_names_where_it_diverges():
     assert "the run on 2 processes computes what one process computes: 3 steps agree" in done.stdout
     planted = verify("bug")
     assert planted.returncode == 1 and "DIVERGES at step 1" in planted.stderr, planted.stdout + planted.stderr
+    not_a_chain = verify("tanh")  # one process trains it; on stages it is refused, and verify says why
+    assert not_a_chain.returncode == 2, not_a_chain.stdout + not_a_chain.stderr
+    assert "could not be checked" in not_a_chain.stderr and "a chain through its blocks" in not_a_chain.stderr

@@ -1,5 +1,6 @@
 """A Llama on pipeline stages (Parallel(pp=2)) trained through rt.forward_backward, for `lockstep verify`.
-argv[1]: "ok", or "bug" (the loss is scaled by the rank that computes it: the last stage's differs)."""
+argv[1]: "ok", "bug" (the loss is scaled by the rank that computes it: the last stage's differs), or "tanh" (a
+model whose forward applies tanh between its blocks: refused on stages)."""
 
 import os
 import sys
@@ -14,7 +15,7 @@ from checks import pipeline as pc  # noqa: E402
 
 rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp",
                       parallel=lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"))
-model = pc.llama()
+model = pc.NotAChain("tanh") if sys.argv[1] == "tanh" else pc.llama()
 model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
 scale = 1.0 + 0.5 * rt.rank if sys.argv[1] == "bug" else 1.0
 loader = rt.loader(mc.Rows(32), batch_size=8, collate_fn=pc.collate, num_workers=0)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
+from lockstep.runtime.parallel.pipeline.chain import ChainCheck
 from lockstep.runtime.parallel.pipeline.stages import SINGLE, stages_of_rank
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.parallel.wrappers import model_output
@@ -85,8 +86,9 @@ class Pipeline:
 
     def __init__(self, views: list[nn.Module], mine: list[int], num_stages: int, schedule: str, microbatches: int,
                  device: torch.device, group: Any, all_gather: Callable[[Any], list[Any]], precision: Precision,
-                 outside_fsdp: bool) -> None:
+                 outside_fsdp: bool, chain: ChainCheck | None = None) -> None:
         self.views, self.mine, self.num_stages = views, mine, num_stages
+        self._chain = chain  # checked at the first forward through the stages, then dropped
         self._scale, self._zero = precision.scale, torch.zeros((), device=device)
         self._loss_input = precision.convert_output  # the loss sees float32 logits, as without pp
         self.schedule_name, self.microbatches, self.device, self.group = schedule, microbatches, device, group
@@ -163,6 +165,9 @@ class Pipeline:
             pad = inputs[-1:].expand(self.rows - count, *inputs.shape[1:])
             inputs = torch.cat([inputs, pad]) if count else inputs.new_zeros(self.rows, *inputs.shape[1:])
         size = self.rows // self.microbatches
+        if self._chain is not None:  # the first step: its first micro-batch through every stage, watched
+            with torch.no_grad():
+                self.forward(inputs[:size])
         self._step = Step(batch, count, size, factors, shares, loss_fn, inferring=self._first_step)
         self._first_step = False
         # each row's micro-batch, on the host: the schedule cuts it as it cuts the inputs, and the loss
@@ -185,7 +190,17 @@ class Pipeline:
         return value
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's output on ``inputs`` (gradients off), every stage in turn, on every rank of the pipeline."""
+        """The model's output on ``inputs`` (gradients off), every stage in turn, on every rank of the pipeline;
+        the first such forward also checks that the model's forward is a chain through the stages."""
+        chain, self._chain = self._chain, None
+        if chain is None:
+            return self._through_stages(inputs)
+        with chain.watching(self.views):
+            output = self._through_stages(inputs)
+        chain.settle(self._all_gather)
+        return output
+
+    def _through_stages(self, inputs: torch.Tensor) -> torch.Tensor:
         me, holder = dist.get_rank(self.group), self.holder
         views = dict(zip(self.mine, self.views, strict=True))
         value: torch.Tensor | None = inputs

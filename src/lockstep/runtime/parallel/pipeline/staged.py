@@ -16,6 +16,7 @@ from torch import nn
 from lockstep.errors import UsageError
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.parallel.models import Tools
+from lockstep.runtime.parallel.pipeline.chain import ChainCheck
 from lockstep.runtime.parallel.pipeline.schedule import Pipeline, rows
 from lockstep.runtime.parallel.pipeline.stages import (
     check_stages,
@@ -61,7 +62,7 @@ class StagedModel:
                 tools.strategy.wrap(view, tools.placement, tools.precision, tools.mesh)
         pipeline = Pipeline(views, self.mine, self.num_stages, self.schedule, self.microbatches,
                             tools.placement.device, tools.mesh.pp_group(), tools.all_gather, tools.precision,
-                            self.outside_fsdp)
+                            self.outside_fsdp, ChainCheck(self._stages, self.mine))
         return PipelinedModule(pipeline, module, tools.precision, tools.stand_in, tools.watchdog,
                                tools.mesh.layout.data_parallel_size), module
 
