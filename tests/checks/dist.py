@@ -420,3 +420,67 @@ def loader_of_sharded_data() -> str:
         return str(error)
     return "accepted"
 
+
+
+def _strided(r: int) -> dict[str, torch.Tensor]:
+    """Rank r's non-contiguous views (Gloo reads some collectives' non-contiguous inputs in storage order):
+    a transpose, a column slice with a step, a channels-last image, and an expanded row."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (r + 1)
+    return {"transposed": base.t(), "stepped": base[:, ::2], "channels_last": torch.arange(
+        2 * 3 * 2 * 2, dtype=torch.float32).reshape(2, 3, 2, 2).mul(r + 1).to(memory_format=torch.channels_last),
+        "expanded": torch.arange(3, dtype=torch.float32).mul(r + 1).expand(4, 3)}
+
+
+class _Transposed(nn.Module):
+    """A layer whose weight is a transposed (non-contiguous) parameter, and a non-contiguous buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 8).t())
+        self.register_buffer("offset", torch.arange(8, dtype=torch.float32).reshape(2, 4).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.offset.sum()
+
+
+def non_contiguous_collectives(strategy: str) -> dict:
+    """Every lockstep collective on non-contiguous tensors, each rank's a known multiple of one pattern, and
+    two SGD steps of a model with a transposed parameter (its gradient as non-contiguous) on ``strategy``."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy=strategy)
+    r = rt.rank
+    mine = _strided(r)
+    out = {"all_reduce": {op: rt.all_reduce(mine, op=op) for op in ("sum", "mean", "max")},
+           "all_gather": rt.all_gather(mine), "broadcast": rt.broadcast(mine, src=1),
+           "gather": rt.gather({k: v for k, v in mine.items() if k != "channels_last"})}
+    model = _Transposed()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    data = torch.arange(32, dtype=torch.float32).reshape(8, 4).div(10)
+    loader = rt.loader(TensorDataset(data), batch_size=4, num_workers=0)
+    for (x,) in loader:
+        rt.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    if r == 1:  # sync_buffers must give rank 0's values, whatever the strides
+        with torch.no_grad():
+            lockstep.unwrap(model).offset.mul_(-1)
+    rt.sync_buffers(model)
+    state = rt.full_state_dict(model, rank0_only=False)
+    out["weights"] = state["weight"].contiguous()
+    out["offset"] = state["offset"].contiguous()
+    return out
+
+
+def non_contiguous_reference() -> dict:
+    """By hand: the collectives' results from the two ranks' patterns, and one process's two steps."""
+    one, two = _strided(0), _strided(1)
+    model = _Transposed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = torch.arange(32, dtype=torch.float32).reshape(8, 4).div(10)
+    for x in data.split(4):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"sum": {k: one[k] + two[k] for k in one}, "mean": {k: (one[k] + two[k]) / 2 for k in one},
+            "max": {k: torch.maximum(one[k], two[k]) for k in one}, "ranks": [one, two],
+            "weights": model.weight.detach().contiguous(), "offset": model.offset.detach().contiguous()}

@@ -73,6 +73,7 @@ class FSDP:
             module = module.to(placement.device)
         if self.cpu_offload or placement.device.type == "cpu":
             give_back_freed_buffers()
+        _make_contiguous(module)
         for block in self.blocks(module):
             fully_shard(block, **options)
         fully_shard(module, **options)
@@ -150,3 +151,12 @@ def give_back_freed_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(-3, _MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+
+
+def _make_contiguous(module: nn.Module) -> None:
+    """Parameters laid out in memory as their shape reads (FSDP shards a parameter by its storage and refuses
+    a transposed one): the same values and the same Parameter objects, so an optimizer built before holds them."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if type(param.data) is torch.Tensor and not param.is_contiguous():
+                param.data = param.data.contiguous()
