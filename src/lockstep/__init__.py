@@ -87,3 +87,8 @@ __all__ = ["AdvancedProfiler", "CSVLogger", "Callback", "CheckpointError", "Coll
 
 
 __getattr__, __dir__ = lazy_attributes("lockstep", _WHERE, globals(), _SUBPACKAGES)
+
+# In a rank of a job of several, each printed line is written whole (lockstep.env.lines).
+from lockstep.env.lines import whole_lines as _whole_lines  # noqa: E402
+
+_whole_lines()

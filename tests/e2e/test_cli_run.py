@@ -231,3 +231,35 @@ def test_lockstep_run_on_ray_with_no_cluster_at_ray_address_says_so_within_secon
     assert f"lockstep run: cannot reach the Ray cluster at 127.0.0.1:{port}: [Errno 111] Connection refused" \
         in done.stderr, done.stderr
     assert "never run" not in done.stdout and took < 30, took
+
+
+LINE = r"rank=(\d) line=\d\d x+ end"
+
+
+@pytest.mark.parametrize("route", ["run", "self-launch"])
+def test_every_rank_s_lines_arrive_whole_through_a_pipe_even_unbuffered(route):
+    """4 ranks print 50 lines each, a print in 4 pieces, under PYTHONUNBUFFERED (every piece its own write):
+    all 200 lines whole, each with the length its rank gives it."""
+    import re
+
+    command = ([*LOCKSTEP, "run", "--devices", "4", "--accelerator", "cpu", "tests/scripts/print_lines.py"]
+               if route == "run" else [sys.executable, "tests/scripts/print_lines.py", "self"])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "line=" in line]
+    whole = [m for line in lines if (m := re.fullmatch(LINE, line)) and len(line) == 59 + 7 * int(m.group(1))]
+    assert len(lines) == len(whole) == 200, [line for line in lines if not re.fullmatch(LINE, line)][:3]
+
+
+def test_rank_prefix_and_show_ranks_choose_the_lines_and_begin_each_with_its_rank():
+    import re
+
+    done = _lockstep("run", "--devices", "4", "--accelerator", "cpu", "--rank-prefix", "--show-ranks", "3,1",
+                     "tests/scripts/print_lines.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 100 and all(re.fullmatch(r"\[rank ([13])\] rank=\1 line=\d\d x+ end", line)
+                                     for line in lines), lines[:3]
+    refused = _lockstep("run", "--devices", "2", "--show-ranks", "first", "tests/scripts/print_lines.py")
+    assert refused.returncode == 2 and "--show-ranks 'first': give the ranks" in refused.stderr

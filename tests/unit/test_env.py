@@ -361,3 +361,38 @@ def test_lockstep_run_chooses_one_engine_and_refuses_the_replica_options_without
     done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--step-timeout", "5", str(script)],
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 2 and "--step-timeout without --fault-tolerant" in done.stderr, done.stderr
+
+
+def test_a_rank_s_stream_writes_whole_lines_with_its_prefix_also_after_a_carriage_return(tmp_path):
+    """The stream ``lockstep.env.lines`` puts in place of stdout: one write per line, the prefix at each line's
+    start (also where a progress bar's carriage return starts it again), a partial line held until its end."""
+    import io
+    import os
+
+    from lockstep.env import lines
+    from lockstep.errors import ConfigError
+
+    path = tmp_path / "out"
+    with open(path, "w") as target:
+        writes: list[bytes] = []
+        real_write = os.write
+
+        def counting(fd: int, data) -> int:
+            writes.append(bytes(data))
+            return real_write(fd, data)
+
+        stream = lines._lined(target, "[rank 2] ")  # type: ignore[arg-type]
+        os.write = counting  # type: ignore[assignment]
+        try:
+            for piece in ("a", " ", "b", "\n"):
+                stream.write(piece)
+            stream.write("50%\r100%\nlast")
+            stream.flush()
+        finally:
+            os.write = real_write  # type: ignore[assignment]
+    assert path.read_bytes() == b"[rank 2] a b\n[rank 2] 50%\r[rank 2] 100%\n[rank 2] last"
+    assert writes[0] == b"[rank 2] a b\n"  # the print's four pieces: one write
+    with pytest.raises(ConfigError, match="LOCKSTEP_SHOW_RANKS 'a,b': give the ranks"):
+        lines.shown_ranks("a,b")
+    assert lines.shown_ranks(" 3,0,") == {0, 3}
+    assert isinstance(stream, io.TextIOWrapper)

@@ -26,6 +26,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     script = parser.add_argument_group("the script")
     script.add_argument("--strategy", help="passed to the script's Runtime (ddp, fsdp, dp, single)")
     script.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
+    script.add_argument("--rank-prefix", action="store_true",
+                        help="begin each line the ranks print with [rank N] (every rank's lines are whole anyway)")
+    script.add_argument("--show-ranks", metavar="RANKS", default=None,
+                        help="show the standard output of these ranks only, e.g. 0 or 0,3 (standard error, with "
+                        "warnings and tracebacks, comes from every rank)")
     script.add_argument("-m", dest="module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
     script.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
@@ -160,6 +165,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Plan the request with its engine (every check before a process starts), then run it."""
     try:
         request, notes = with_orchestrator_defaults(RunRequest.from_options(args), os.environ)
+        os.environ.update(request.output_variables())  # every engine's workers and groups inherit them
         for note in notes:
             _say(note)
         engine = engine_for(request, _Checks(), _say)

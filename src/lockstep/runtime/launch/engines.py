@@ -119,7 +119,8 @@ class RayTrain:
         check_script(request)
         self.checks.names(request.strategy, request.precision)
         per_node = self.checks.workers_per_node(request.devices)
-        environment = {RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()}
+        environment = {**{RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()},
+                       **request.output_variables()}
         return plan_ray_job(request, per_node, environment)
 
     def run(self, job: Any) -> int:

@@ -39,6 +39,8 @@ class RunRequest:
     resize_interval: float | None = None
     strategy: str | None = None
     precision: str | None = None
+    rank_prefix: bool = False
+    show_ranks: str | None = None
 
     @classmethod
     def from_options(cls, options: Any) -> RunRequest:
@@ -55,6 +57,21 @@ class RunRequest:
         Runtime takes when the script leaves them unset."""
         return {name: value for name in ("accelerator", "strategy", "precision")
                 if (value := getattr(self, name)) and value != "auto"}
+
+    def output_variables(self) -> dict[str, str]:
+        """``--rank-prefix/--show-ranks`` as the variables each worker's ``import lockstep`` reads
+        (``lockstep.env.lines``); a malformed ``--show-ranks`` is refused here, before any worker starts."""
+        from lockstep.env.lines import PREFIX_VARIABLE, SHOW_VARIABLE, shown_ranks
+        from lockstep.errors import ConfigError
+
+        variables = {PREFIX_VARIABLE: "1"} if self.rank_prefix else {}
+        if self.show_ranks is not None:
+            try:
+                ranks = shown_ranks(self.show_ranks, "--show-ranks")
+            except ConfigError as error:
+                raise PreflightError(str(error)) from None
+            variables[SHOW_VARIABLE] = ",".join(str(rank) for rank in sorted(ranks))
+        return variables
 
 
 #: What Kubeflow Trainer's torch runtime puts in each node's pod (as torchrun reads them): the node
