@@ -422,8 +422,8 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
     of node 0 in their hosts file run `lockstep run trainer_preempt.py` with no option.
 
     - evicted: TERM to pod 1's launcher (the container's first process) after step 5: every rank stops
-      at the same step, the preempted checkpoint is written, and the pods end with a failure (pod 1 with
-      143), as a JobSet needs to start them again;
+      at the same step, the preempted checkpoint is written, and both pods end with 143 (pod 0, whose
+      workers stopped themselves, as pod 1, which got the TERM), as a JobSet keyed on the code needs;
     - killed: every process of pod 1 SIGKILLed after the first epoch's checkpoint: pod 0 ends too.
 
     Started again (JobSet's restart-all), the job resumes from the newest checkpoint and ends at the
@@ -463,7 +463,8 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
     if lost == "evicted":
         assert "preempted at step" in first[0] and "so that Kubernetes starts it again" in first[0], first[0]
         assert "lockstep run: stopped by SIGTERM" in first[1] and "Traceback" not in first[1], first[1]
-        assert pods[1].returncode == 143, first[1]
+        assert [p.returncode for p in pods] == [143, 143], first
+        assert "the workers stopped for a preemption after its checkpoint; exiting with 143" in first[0], first[0]
         assert len(newest) == 1, newest
     assert [p.returncode for p in again] == [0, 0], "\n".join(second)
     assert f"resumed from {newest[-1]}" in second[0], second[0]

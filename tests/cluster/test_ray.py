@@ -174,6 +174,7 @@ def _ray_checkpoint(output: str) -> str:
 def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resumes_from_rays_copy(ray_cluster,
                                                                                                  tmp_path):
     """On a head of 3 CPUs and a node of 1, 4 workers are placed 3 and 1 (an uneven placement):
+    - the caller's environment reaches the workers, less the variables of its own host;
     - the runtime API, its checkpoints reported to Ray; Ray's Result.checkpoint passes
       `lockstep checkpoint verify`;
     - the same run name again with an empty checkpoint folder and one epoch more: it resumes from Ray's
@@ -182,10 +183,14 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
     The Trainer on Ray: the elastic test below."""
     storage = tmp_path / "store"
     job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
-                          str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(tmp_path / "progress"), timeout=150)
+                          str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(tmp_path / "progress"), timeout=150,
+                          RUN_LABEL="caller-42", PATH=f"/caller/bin:{os.environ['PATH']}",
+                          CALLER_PATH=f"/caller/bin:{os.environ['PATH']}")
     first = _finish(job, 150)
     assert job.returncode == 0, first[-6000:]
     assert "started on 4 processes on 2 node(s)" in first, first[-6000:]
+    # the caller's variables reach the workers, but not those of its own host (its PATH)
+    assert "the caller's RUN_LABEL: caller-42; PATH from the caller: False" in first, first[-6000:]
     result = torch.load(tmp_path / "out.pt")
     assert (result["steps"], result["world_size"]) == (14, 4)
     difference = (result["weights"] - _one_process(2)).abs().max().item()
@@ -271,6 +276,11 @@ def test_an_elastic_ray_trainer_job_loses_a_node_then_gets_it_back_and_ends_at_t
     print(f"2 -> 4 workers: {changes[1][1] - restarted:.1f} s from the node's start to the first step on 4 "
           f"({changes[1][1] - changes[1][0]:.1f} s without a step)")
     assert output.count("resumed from") >= 2, output[-6000:]
+    # the script keeps 2 checkpoints (save_top_k=2); Ray's storage holds the copies of those, across restarts
+    kept = sorted(p.name for p in (tmp_path / "ckpt").rglob("*")
+                  if (p / "lockstep.json").is_file() and not p.is_symlink())
+    copies = sorted(p.name for p in (tmp_path / "store" / "elastic_train").iterdir() if (p / "lockstep.json").is_file())
+    assert len(kept) == 2 and copies == kept, (kept, copies)
     result = torch.load(tmp_path / "out.pt")
     difference = (result["weights"] - tc.fit_weights(epochs=epochs)).abs().max().item()
     print(f"Trainer: largest difference from one process: {difference:.2e}")

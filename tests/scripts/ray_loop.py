@@ -27,6 +27,8 @@ loader = rt.loader(checks.make_data(103), batch_size=16, shuffle=True, num_worke
 state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
 found = rt.resume(folder, state)
 step = state["step"]
+rt.print(f"the caller's RUN_LABEL: {os.environ.get('RUN_LABEL')}; PATH from the caller: "
+         f"{os.environ.get('PATH') == os.environ.get('CALLER_PATH')}")
 rt.print(f"resumed from {found.path} at step {step} on {rt.world_size} processes" if found else
          f"started on {rt.world_size} processes on {rt.num_nodes} node(s)")
 while step < EPOCHS * len(loader):  # each pass over the loader is the next epoch (or the rest of one)

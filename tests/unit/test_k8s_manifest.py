@@ -71,3 +71,11 @@ def test_the_schema_check_refuses_a_field_the_trainjob_does_not_have(tmp_path):
 def test_bad_input_is_refused_by_name(argv, says, capsys):
     assert main(["k8s", "--image", "img", *argv, "t.py"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_several_pods_without_a_volume_are_warned_that_no_other_pod_sees_their_checkpoints(tmp_path, capsys):
+    _written(tmp_path, "--image", "img", "--nodes", "2", "t.py")
+    assert "warning: 2 pods and no --volume" in capsys.readouterr().err
+    for argv in (["--nodes", "2", "--volume", "ckpt:/ckpt"], ["--nodes", "1"]):
+        _written(tmp_path, "--image", "img", *argv, "t.py")
+        assert "warning" not in capsys.readouterr().err

@@ -58,6 +58,11 @@ def k8s_command(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"lockstep k8s: {error}", file=sys.stderr)
         return 2
+    if args.nodes > 1 and not args.volume:
+        print(f"lockstep k8s: warning: {args.nodes} pods and no --volume: each pod writes its checkpoints to its own "
+              "disk, which no other pod sees and which goes with the pod, so a restarted job cannot resume (a "
+              "resume needs every rank to see the same newest checkpoint). Give --volume CLAIM:PATH, a "
+              "ReadWriteMany claim mounted in every pod, and checkpoint under PATH.", file=sys.stderr)
     header = f"# Written by: lockstep k8s {shlex.join(sys.argv[2:])}\n# Apply with: kubectl apply -f FILE\n"
     if args.out:
         Path(args.out).write_text(header + text)

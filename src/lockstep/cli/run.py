@@ -86,6 +86,9 @@ def _ray_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
                        help="with --nodes MIN:MAX: how often Ray looks for room to grow a running job "
                        "(Ray's default 60)")
+    group.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                       help="how many checkpoint copies Ray keeps in its storage (Ray's num_to_keep); default: "
+                       "those the script keeps (Ray's copy of a checkpoint the script deleted is deleted too)")
 
 
 def _resolve_devices(devices: str, accelerator: str) -> tuple[int, str | None]:

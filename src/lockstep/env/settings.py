@@ -71,6 +71,14 @@ def checksums_from_environ(environ: Mapping[str, str] | None = None) -> bool:
     return env.get("LOCKSTEP_CHECKPOINT_CHECKSUMS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+#: The exit status of a worker that stopped for a preemption after its checkpoint, on a route that cannot requeue
+#: (Kubernetes): 128 + TERM, as if TERM had ended it, so that a restart policy keyed on the code sees a preemption.
+PREEMPTED_EXIT = 143
+
+#: Set by ``lockstep run --engine ray`` without ``--keep-checkpoints``: Ray keeps a copy of the checkpoints the
+#: script keeps, each copy deleted once the script deleted its checkpoint (``checkpoint.ray_record``).
+RAY_CHECKPOINTS = "LOCKSTEP_RAY_CHECKPOINTS"
+
 VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.env.settings import PREEMPTED_EXIT
 from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime import Checkpoint
 
@@ -170,9 +171,6 @@ def _resume_asked(trainer: Trainer) -> list[dict[str, Any]] | None:
     rt.print(f"lockstep: resumed from {found.path} {where}, after step {trainer.global_step}.")
     return saved_loggers
 
-
-#: The exit status of a preempted fit on a route that cannot requeue: 128 + TERM, as if TERM had ended it.
-PREEMPTED_EXIT = 143
 
 
 def stop_preempted(trainer: Trainer) -> None:

@@ -7,8 +7,16 @@ only in a Ray Train worker, where it is already loaded.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
+
+from lockstep.env.settings import RAY_CHECKPOINTS
+
+#: In the run's folder of Ray's storage: each copy's name and the folder lockstep wrote it from.
+_SOURCES = "lockstep-sources.json"
 
 
 class RayRecord:
@@ -30,9 +38,38 @@ class RayRecord:
         metrics = {name: value for name, value in {**metadata, **(logged if isinstance(logged, dict) else {})}.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
         checkpoint = ray.train.Checkpoint.from_directory(str(path)) if self.rank == 0 else None
-        mode = CheckpointUploadMode.NO_UPLOAD if self._in_storage(path) else CheckpointUploadMode.SYNC
+        in_storage = self._in_storage(path)
+        mode = CheckpointUploadMode.NO_UPLOAD if in_storage else CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode,
-                         delete_local_checkpoint_after_upload=False)
+                         delete_local_checkpoint_after_upload=False, checkpoint_dir_name=Path(path).name)
+        if self.rank == 0 and not in_storage and os.environ.get(RAY_CHECKPOINTS) == "as-the-script":
+            self._keep_as_the_script(Path(path))
+
+    @staticmethod
+    def _keep_as_the_script(path: Path) -> None:
+        """Ray's copies of the checkpoints the script has deleted since (its own retention, e.g. the Trainer's
+        ``save_top_k``), deleted: Ray's storage holds what the script's folder holds. Each copy's source is
+        recorded in the run's folder, so this holds across Ray's restarts of the workers."""
+        import ray.train
+        from pyarrow.fs import LocalFileSystem
+
+        storage = ray.train.get_context().get_storage()
+        if not isinstance(storage.storage_filesystem, LocalFileSystem):
+            return  # copies in object storage: Ray's own retention (--keep-checkpoints)
+        run = Path(storage.experiment_fs_path)
+        record = run / _SOURCES
+        try:
+            sources = json.loads(record.read_text()) if record.exists() else {}
+        except (OSError, ValueError):
+            sources = {}  # a damaged record: start it again, deleting nothing
+        sources = sources if isinstance(sources, dict) else {}
+        sources[path.name] = str(path.resolve())
+        for name, source in list(sources.items()):
+            copy = run / str(name)
+            if name != path.name and not Path(str(source)).exists() and copy.parent == run:
+                shutil.rmtree(copy, ignore_errors=True)
+                del sources[name]
+        record.write_text(json.dumps(sources, indent=1))
 
     @staticmethod
     def _in_storage(path: Path) -> bool:

@@ -18,6 +18,7 @@ import threading
 from typing import Any, NoReturn
 
 from lockstep.env.fault_tolerance import ENV_GROUP, ENV_ON
+from lockstep.env.settings import PREEMPTED_EXIT
 from lockstep.errors import StateError
 from lockstep.runtime.comm.network import host_store
 from lockstep.runtime.faults.root_cause import lost_a_peer
@@ -62,6 +63,14 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
     try:
         elastic_run(args)
     except ChildFailedError as failed:
+        if failed.failures and all(f.exitcode == PREEMPTED_EXIT for f in failed.failures.values()):
+            # every worker stopped itself after a preemption's checkpoint (another node got the TERM): this
+            # node ends as the signalled one does, for a restart policy keyed on the exit status
+            print(f"lockstep run: the workers stopped for a preemption after its checkpoint; exiting with "
+                  f"{PREEMPTED_EXIT}, as the node that got the TERM does.", file=sys.stderr, flush=True)
+            if watch is not None:
+                watch.stop(done=False)
+            return PREEMPTED_EXIT
         cause = _report(failed.failures, _count(args.nproc_per_node), _count(str(args.nnodes).split(":")[-1]))
         if watch is not None:
             elsewhere = watch.failure_elsewhere(3 * watch.interval_s) if cause.startswith("lost a peer") else ""

@@ -29,6 +29,8 @@ from lockstep.runtime.launch.request import RunRequest, check_script
 Say = Callable[[str], None]
 #: The options of one engine only, as the command line names them.
 _FAULT_TOLERANCE_ONLY = {"replicas": "--replicas", "min_replicas": "--min-replicas", "step_timeout": "--step-timeout"}
+_RAY_ONLY = {"storage": "--storage", "name": "--name", "resize_interval": "--resize-interval",
+             "keep_checkpoints": "--keep-checkpoints"}
 
 
 class TrainingChecks(Protocol):
@@ -63,6 +65,13 @@ def _refuse_fault_tolerance_options(request: RunRequest) -> None:
                              "fault-tolerant job; add --fault-tolerant, or leave them out.")
 
 
+def _refuse_ray_options(request: RunRequest) -> None:
+    given = [option for name, option in _RAY_ONLY.items() if getattr(request, name) is not None]
+    if given:
+        raise PreflightError(f"{', '.join(given)} without --engine ray: these set Ray Train's run; add --engine ray, "
+                             "or leave them out.")
+
+
 class TorchElastic:
     """The torch elastic agent on this node, with lockstep's node watch on several nodes."""
 
@@ -71,6 +80,7 @@ class TorchElastic:
 
     def plan(self, request: RunRequest) -> tuple[RunRequest, Plan]:
         _refuse_fault_tolerance_options(request)
+        _refuse_ray_options(request)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         devices = request.devices
         return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
@@ -113,13 +123,14 @@ class RayTrain:
         self.checks, self.say = checks, say
 
     def plan(self, request: RunRequest) -> Any:
-        from lockstep.runtime.launch.ray_engine import plan_ray_job
+        from lockstep.runtime.launch.ray_engine import forwarded_environment, plan_ray_job
 
         _refuse_fault_tolerance_options(request)
         check_script(request)
         self.checks.names(request.strategy, request.precision)
         per_node = self.checks.workers_per_node(request.devices)
-        environment = {**{RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()},
+        environment = {**forwarded_environment(os.environ),
+                       **{RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()},
                        **request.output_variables()}
         return plan_ray_job(request, per_node, environment)
 
@@ -138,6 +149,7 @@ class ReplicaGroups:
 
     def plan(self, request: RunRequest) -> tuple[RunRequest, ReplicaPlan, int]:
         check_script(request)
+        _refuse_ray_options(request)
         self.checks.names(request.strategy, request.precision)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         nproc, visible = self.checks.devices(request.devices, request.accelerator)

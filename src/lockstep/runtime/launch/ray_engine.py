@@ -13,11 +13,12 @@ import re
 import runpy
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lockstep.env.settings import RAY_CHECKPOINTS
 from lockstep.errors import ConfigError, MissingExtraError, PreflightError, WorkerError
 from lockstep.runtime.launch.plan import parse_nodes
 from lockstep.runtime.launch.request import RunRequest
@@ -36,7 +37,26 @@ class RayJob:
     name: str  # RunConfig(name): the same name and storage resume a run Ray has recorded
     max_failures: int
     resize_interval: float | None  # ScalingConfig(elastic_resize_monitor_interval_s); None: Ray's default
+    keep_checkpoints: int | None  # CheckpointConfig(num_to_keep); None: the script's own (RAY_CHECKPOINTS)
     environment: dict[str, str] = field(default_factory=dict)  # set in every worker before the script
+
+
+#: The caller's variables that describe its own shell, host, Python environment, devices or place in a job:
+#: not forwarded to Ray's workers, which have their own. Every other variable is.
+_HOST_VARIABLES = frozenset({
+    "_", "HOME", "PATH", "PWD", "OLDPWD", "SHELL", "SHLVL", "USER", "LOGNAME", "HOSTNAME", "TERM", "DISPLAY", "TMPDIR",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+    "MASTER_ADDR", "MASTER_PORT"})
+_HOST_PREFIXES = ("RAY_", "SLURM_", "PET_", "KUBERNETES_", "TORCHELASTIC_", "CONDA_", "SSH_", "XDG_", "TMUX",
+                  "PYENV_", "LOCKSTEP_JOB_")
+
+
+def forwarded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The caller's environment as Ray's workers get it (``lockstep run`` with the torch engine hands the
+    workers the whole of it): every variable but those of ``_HOST_VARIABLES`` and ``_HOST_PREFIXES``."""
+    return {name: value for name, value in environ.items()
+            if name not in _HOST_VARIABLES and not name.startswith(_HOST_PREFIXES)}
 
 
 def plan_ray_job(args: RunRequest, devices_per_node: int, environment: dict[str, str]) -> RayJob:
@@ -60,8 +80,13 @@ def plan_ray_job(args: RunRequest, devices_per_node: int, environment: dict[str,
     if args.resize_interval is not None and (args.resize_interval < 0 or nodes[0] == nodes[1]):
         raise PreflightError(f"--resize-interval {args.resize_interval}: give 0 or more seconds, for an elastic job "
                              "(--nodes MIN:MAX).")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        raise PreflightError(f"--keep-checkpoints {args.keep_checkpoints}: give 1 or more (or leave it out: Ray keeps "
+                             "the checkpoints the script keeps).")
+    if args.keep_checkpoints is None:
+        environment = {**environment, RAY_CHECKPOINTS: "as-the-script"}
     return RayJob(args.script, list(args.script_args), args.module, workers, gpu, storage, name, restarts,
-                  args.resize_interval, environment)
+                  args.resize_interval, args.keep_checkpoints, environment)
 
 
 def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
@@ -113,7 +138,7 @@ def _torch_trainer(job: RayJob, gpu: bool) -> Any:
     return TorchTrainer(run_script, train_loop_config=config, scaling_config=ScalingConfig(**scaling),
                         run_config=RunConfig(name=job.name, storage_path=job.storage,
                                              failure_config=FailureConfig(max_failures=job.max_failures),
-                                             checkpoint_config=CheckpointConfig()))
+                                             checkpoint_config=CheckpointConfig(num_to_keep=job.keep_checkpoints)))
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

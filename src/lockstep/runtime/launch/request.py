@@ -37,6 +37,7 @@ class RunRequest:
     storage: str | None = None
     name: str | None = None
     resize_interval: float | None = None
+    keep_checkpoints: int | None = None
     strategy: str | None = None
     precision: str | None = None
     rank_prefix: bool = False
