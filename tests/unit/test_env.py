@@ -333,6 +333,22 @@ def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_tak
             plan_ray_job(_run_args(["--engine", "ray", *argv, str(script)]), 2, {})
     with pytest.raises(PreflightError, match="at least 1 worker"):
         plan_ray_job(_run_args(["--engine", "ray", str(script)]), 0, {})
+    with pytest.raises(PreflightError, match="--keep-checkpoints 0: give 1 or more"):
+        plan_ray_job(_run_args(["--engine", "ray", "--keep-checkpoints", "0", str(script)]), 2, {})
+    # retention: the script's own by default (a variable the workers read), or Ray's num_to_keep
+    assert fixed.keep_checkpoints is None and fixed.environment == {"LOCKSTEP_RAY_CHECKPOINTS": "as-the-script"}
+    kept = plan_ray_job(_run_args(["--engine", "ray", "--keep-checkpoints", "3", str(script)]), 2, {"A": "1"})
+    assert kept.keep_checkpoints == 3 and kept.environment == {"A": "1"}
+
+
+def test_ray_workers_get_the_caller_s_environment_less_the_variables_of_its_own_host():
+    from lockstep.runtime.launch.ray_engine import forwarded_environment
+
+    caller = {"WANDB_MODE": "offline", "HF_HOME": "/data/hf", "MY_FLAG": "1", "LOCKSTEP_TIMEOUT": "60",
+              "PATH": "/usr/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "RANK": "3", "RAY_ADDRESS": "h:1",
+              "SLURM_JOB_ID": "7", "LOCKSTEP_JOB_SECRET": "s", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c"}
+    assert forwarded_environment(caller) == {"WANDB_MODE": "offline", "HF_HOME": "/data/hf", "MY_FLAG": "1",
+                                             "LOCKSTEP_TIMEOUT": "60"}
 
 
 @pytest.mark.timeout(120)
@@ -361,6 +377,11 @@ def test_lockstep_run_chooses_one_engine_and_refuses_the_replica_options_without
     done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--step-timeout", "5", str(script)],
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 2 and "--step-timeout without --fault-tolerant" in done.stderr, done.stderr
+    for engine in ((), ("--fault-tolerant",)):  # Ray's options given to another engine
+        for option, value in (("--storage", "st"), ("--keep-checkpoints", "2"), ("--resize-interval", "5")):
+            request, _ = with_orchestrator_defaults(_run_args([*engine, option, value, str(script)]), {})
+            with pytest.raises(PreflightError, match=f"{option} without --engine ray"):
+                engine_for(request, _Checks(), print).plan(request)
 
 
 def test_a_rank_s_stream_writes_whole_lines_with_its_prefix_also_after_a_carriage_return(tmp_path):

@@ -5,12 +5,14 @@ different numbers of batches)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime import DistributedLoader
+from lockstep.train.callbacks import ModelCheckpoint
 from lockstep.train.metrics import MetricStore
 
 if TYPE_CHECKING:
@@ -31,10 +33,11 @@ class Evaluation:
         return loader
 
     def once(self, module: Module, data: Any, batch_size: int | None, step: str,
-             loader_options: dict[str, Any] | None) -> dict[str, float]:
+             loader_options: dict[str, Any] | None, ckpt_path: str | Path | None = None) -> dict[str, float]:
         """``validate`` or ``test``: one pass of ``step`` over ``data``; its metrics."""
         t = self.trainer
         t._start(module, with_optimizers=False)
+        self._load_weights(ckpt_path)
         if not hasattr(module, step):
             raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
         loader = self.loader(data, batch_size, t._loader_options(loader_options), step.removesuffix("_step"))
@@ -71,10 +74,11 @@ class Evaluation:
         return metrics
 
     def predict(self, module: Module, data: Any, batch_size: int | None,
-                loader_options: dict[str, Any] | None) -> Any:
+                loader_options: dict[str, Any] | None, ckpt_path: str | Path | None = None) -> Any:
         """``predict_step`` outputs of every sample, in dataset order, on every rank."""
         t = self.trainer
         rt = t._start(module, with_optimizers=False)
+        self._load_weights(ckpt_path)
         loader = self.loader(data, batch_size, t._loader_options(loader_options), "predict")
         t._stores = []
         rt.sync_buffers(t._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
@@ -83,6 +87,31 @@ class Evaluation:
             outputs = [self.step("predict_step", batch, i) for i, batch in enumerate(loader)]
         check_not_empty(loader, "predict", bool(outputs))
         return rt.gather(outputs, loader=loader)
+
+    def _load_weights(self, ckpt_path: str | Path | None) -> None:
+        """The module's weights from ``ckpt_path`` (Lightning's spelling): ``"best"``, ``"last"`` or a folder."""
+        if ckpt_path is None:
+            return
+        t = self.trainer
+        rt = t.runtime
+        if str(ckpt_path) == "best":
+            best = next((c.best_model_path for c in t.callbacks if isinstance(c, ModelCheckpoint) and
+                         c.best_model_path), None)
+            if best is None:
+                raise UsageError('ckpt_path="best": no ModelCheckpoint of this Trainer has saved a checkpoint yet '
+                                 "(fit first, with checkpoint_dir or a ModelCheckpoint), or give a checkpoint's path.")
+            found = rt.latest_checkpoint(best, exact=True)
+        elif str(ckpt_path) == "last":
+            if t.checkpoint_dir is None:
+                raise UsageError('ckpt_path="last" needs the Trainer\'s checkpoint_dir, where it looks for the newest.')
+            found = rt.latest_checkpoint(t.checkpoint_dir)
+            if found is None:
+                raise UsageError(f'ckpt_path="last": {t.checkpoint_dir} holds no intact checkpoint.')
+        else:
+            found = rt.latest_checkpoint(ckpt_path, exact=True)
+        assert found is not None, "exact=True finds the folder or raises"
+        rt.load(found, {"model": t.module}, verify=False)
+        rt.print(f"lockstep: weights from {found.path} (step {found.step}).")
 
     def step(self, step: str, batch: Any, batch_idx: int) -> Any:
         """``validation_step``, ``test_step`` or ``predict_step`` (under ``torch.no_grad``). On pipeline stages the

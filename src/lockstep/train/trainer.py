@@ -237,19 +237,23 @@ class Trainer:
             self.steps_per_epoch = None
 
     def validate(self, module: Module, data: Any, batch_size: int | None = None,
-                 loader_options: dict[str, Any] | None = None) -> dict[str, float]:
-        """Run ``validation_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self.evaluation.once(module, data, batch_size, "validation_step", loader_options)
+                 loader_options: dict[str, Any] | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
+        """Run ``validation_step`` over ``data`` once; metrics are exact over the whole dataset. ``ckpt_path``:
+        first load the module's weights from ``"best"`` (the ModelCheckpoint's best), ``"last"`` (the newest in
+        ``checkpoint_dir``) or a checkpoint folder."""
+        return self.evaluation.once(module, data, batch_size, "validation_step", loader_options, ckpt_path)
 
     def test(self, module: Module, data: Any, batch_size: int | None = None,
-             loader_options: dict[str, Any] | None = None) -> dict[str, float]:
-        """Run ``test_step`` over ``data`` once; metrics are exact over the whole dataset."""
-        return self.evaluation.once(module, data, batch_size, "test_step", loader_options)
+             loader_options: dict[str, Any] | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
+        """Run ``test_step`` over ``data`` once; metrics are exact over the whole dataset (``ckpt_path``: as
+        ``validate``'s)."""
+        return self.evaluation.once(module, data, batch_size, "test_step", loader_options, ckpt_path)
 
     def predict(self, module: Module, data: Any, batch_size: int | None = None,
-                loader_options: dict[str, Any] | None = None) -> Any:
-        """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample)."""
-        return self.evaluation.predict(module, data, batch_size, loader_options)
+                loader_options: dict[str, Any] | None = None, ckpt_path: str | Path | None = None) -> Any:
+        """``predict_step`` outputs of every sample, in dataset order, on every rank (one row per sample;
+        ``ckpt_path``: as ``validate``'s)."""
+        return self.evaluation.predict(module, data, batch_size, loader_options, ckpt_path)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
