@@ -91,3 +91,22 @@ def test_the_ported_ddp_tutorial_of_docs_runs_on_2_processes_and_resumes_from_it
     assert first.stdout.count("snapshot saved") == 5, first.stdout  # epochs 0, 2, 4, 6, 8
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert again.returncode == 0 and "snapshot saved" not in again.stdout, again.stderr[-3000:]
+
+
+def test_lightnings_backbone_example_ported_gives_the_same_test_loss_and_predictions_on_1_and_2_processes(tmp_path):
+    """Lightning's own basic example, ported (examples/lightning_backbone.py): save_hyperparameters(ignore=...),
+    self.hparams, self.log(on_step=/on_epoch=), test and predict from the best checkpoint. On 2 processes the
+    test loss and every prediction, in dataset order, are the one-process run's."""
+    import torch
+
+    runs = {}
+    for devices in ("1", "2"):
+        out = _run(sys.executable, "examples/lightning_backbone.py", "--devices", devices, "--accelerator", "cpu",
+                   "--max-epochs", "3", "--out", str(tmp_path / devices), "--save", str(tmp_path / f"{devices}.pt"))
+        assert "360 predictions in dataset order" in out and "weights from" in out, out
+        runs[devices] = torch.load(tmp_path / f"{devices}.pt")
+    one, two = runs["1"], runs["2"]
+    assert one["hparams"] == two["hparams"] == {"learning_rate": 0.001}
+    assert abs(one["test_loss"] - two["test_loss"]) <= 1e-6, (one["test_loss"], two["test_loss"])
+    assert one["predictions"].shape == (360, 10)
+    assert torch.allclose(one["predictions"], two["predictions"], atol=1e-5, rtol=0)

@@ -215,3 +215,27 @@ def test_a_lightning_style_module_keeps_its_hyperparameters_and_its_log_flags(tm
             module.log("x", 1.0, reduce_fx=mean)
     with pytest.raises(lockstep.UsageError, match="call it inside __init__"):
         module.save_hyperparameters()
+
+
+def test_evaluation_from_a_checkpoint_loads_its_weights_best_last_or_a_folder(tmp_path):
+    """ckpt_path, as Lightning's: "best" (ModelCheckpoint's best), "last" (the newest in checkpoint_dir) or a
+    folder: the weights evaluated are that checkpoint's, not the module's current ones."""
+    data = checks.make_data(40)
+    trainer = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path)
+    module = tc.Classifier()
+    with pytest.raises(lockstep.UsageError, match='ckpt_path="best": no ModelCheckpoint'):
+        trainer.validate(module, data, batch_size=8, ckpt_path="best")
+    trainer.fit(module, data, batch_size=8)
+    trained = checks.flat_weights(module)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.zero_()
+    best = trainer.validate(module, data, batch_size=8, ckpt_path="best")
+    assert torch.equal(checks.flat_weights(module), trained)
+    module.net[0].weight.data.zero_()
+    newest = sorted(p for p in tmp_path.glob("epoch=*") if not p.is_symlink())[-1]
+    assert trainer.validate(module, data, batch_size=8, ckpt_path=newest) == best
+    module.net[0].weight.data.zero_()
+    assert trainer.validate(module, data, batch_size=8, ckpt_path="last") == best
+    with pytest.raises(lockstep.CheckpointError):
+        trainer.validate(module, data, batch_size=8, ckpt_path=tmp_path / "nothing-here")
