@@ -412,6 +412,20 @@ def _kubeflow_pod(two_hosts, node_rank: int, *args: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output once all have ended; past ``timeout`` every one is killed and the test fails
+    with all their outputs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    late = [p for p in procs if p.poll() is None]
+    for p in late:
+        p.kill()
+    outputs = [p.communicate(timeout=30)[0] for p in procs]
+    assert not late, f"not ended in {timeout} s:\n" + "\n----\n".join(o[-4000:] for o in outputs)
+    return outputs
+
+
 KUBEFLOW_JOB = "lsjob"
 KUBEFLOW_MASTER = f"{KUBEFLOW_JOB}-node-0-0.{KUBEFLOW_JOB}"  # <job>-node-0-0.<job>, as Kubeflow Trainer names it
 
@@ -454,7 +468,7 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
         print(f"{lost}: both pods ended {time.monotonic() - signalled:.1f} s after pod 1 was {lost}")
         newest = sorted(ckpt.glob("*-preempted.ckpt" if lost == "evicted" else "epoch=*"))
         again = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]
-        second = [p.communicate(timeout=150)[0] for p in again]
+        second = _outputs(again, 150)
     finally:
         for job in [*pods, *again]:
             job.kill()

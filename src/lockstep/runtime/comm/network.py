@@ -26,6 +26,9 @@ def host_store(host: str, port: int = 0, timeout: Any = None) -> tuple[Any, int]
     import torch.distributed as dist
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # as torch's own store: a job started again at once binds its port while the last one's connections
+    # wait out TCP's TIME_WAIT (another program listening there is still refused)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host, port))
         listener.listen(128)

@@ -63,7 +63,7 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
     try:
         elastic_run(args)
     except ChildFailedError as failed:
-        if failed.failures and all(f.exitcode == PREEMPTED_EXIT for f in failed.failures.values()):
+        if _preempted(failed.failures):
             # every worker stopped itself after a preemption's checkpoint (another node got the TERM): this
             # node ends as the signalled one does, for a restart policy keyed on the exit status
             print(f"lockstep run: the workers stopped for a preemption after its checkpoint; exiting with "
@@ -216,6 +216,14 @@ def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
         return _lost_a_peer(failure), failure.timestamp, order[rank]
 
     return min(failures.items(), key=key)
+
+
+def _preempted(failures: dict[int, Any]) -> bool:
+    """Whether the workers ended for a preemption: one stopped itself with ``PREEMPTED_EXIT`` after the
+    checkpoint, and the others did too, lost a peer that did, or were stopped by the agent meanwhile."""
+    codes = [failure.exitcode for failure in failures.values()]
+    stopped = (PREEMPTED_EXIT, -signal.SIGTERM, -signal.SIGKILL)
+    return PREEMPTED_EXIT in codes and all(f.exitcode in stopped or _lost_a_peer(f) for f in failures.values())
 
 
 def _lost_a_peer(failure: Any) -> bool:
