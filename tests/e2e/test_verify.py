@@ -55,8 +55,8 @@ def test_verify_takes_its_options_after_the_script_and_passes_the_rest_on():
 
 
 @pytest.mark.parametrize(("mode", "cause"), [
-    ("tokens-bug", "must say the count: rt.backward(loss, num_items=n)"),
-    ("batchnorm", "the model has BatchNorm"),
+    ("tokens-bug", "rt.backward(loss, num_items=n)"),
+    ("batchnorm", "batch statistics: in training each rank normalises"),
 ])
 def test_verify_catches_a_planted_bug_at_its_first_step_and_says_why(mode, cause):
     done = _verify(2, "tests/scripts/verify_planted.py", mode)
@@ -84,3 +84,33 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     frozen = [_record(1, 2.0, 0.0, 0.5), _record(2, 2.0, 0.0, 0.5)]
     divergence = compare(frozen, [dict(step) for step in frozen], 1e-4, 1e-6)[1]
     assert divergence is not None and divergence.startswith("nothing was compared: the gradients were zero")
+
+
+@pytest.mark.parametrize(("mode", "layout", "devices", "line"), [
+    ("rank-scale", "ddp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
+    ("rank-scale", "fsdp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
+    ("rank-scale", "tp", 4, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
+    ("batch-stats", "ddp", 2, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
+    ("batch-stats", "tp", 4, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
+    ("dropout", "fsdp", 2, "first difference: forward blocks.1.drop (Dropout) at step 1"),
+    ("token-mean", "ddp", 2, "first difference: the loss at step"),
+])
+def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mode, layout, devices, line):
+    """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier
+    one: a rank-dependent scale in its MLP; a mean over this rank's rows in the block's own code (named as the
+    block, before its MLP's first layer); dropout; a per-rank token mean, at the loss with the num_items hint.
+    On DDP, FSDP and dp2 x tp2 (the MLPs' outputs joined over the tensor-parallel peers)."""
+    done = _verify(devices, "tests/scripts/verify_where.py", mode, layout)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert line in done.stderr, done.stderr
+    hints = {"rank-scale": "code in blocks.1.mlp's own forward computes something per rank",
+             "batch-stats": "code in blocks.1's own forward", "dropout": "dropout: each rank draws the masks",
+             "token-mean": "rt.backward(loss, num_items=n)"}
+    assert hints[mode] in done.stderr, done.stderr
+    assert "first difference:" not in done.stdout and done.stderr.count("first difference:") == 1
+
+
+def test_verify_of_a_correct_model_on_dp2_x_tp2_traces_nothing():
+    done = _verify(4, "tests/scripts/verify_where.py", "ok", "tp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tracing" not in done.stdout and "3 steps agree" in done.stdout

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,13 +80,14 @@ def _take_own_options(args: argparse.Namespace) -> None:
     args.script_args = unknown + theirs
 
 
-def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: Path) -> str | None:
-    """One run of the script; None, or what went wrong."""
+def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: Path, trace: int = 0) -> str | None:
+    """One run of the script (``trace``: to that step, tracing its modules); None, or what went wrong."""
     command = [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices),
                "--accelerator", args.accelerator]
     command += [f"--{name}={value}" for name, value in (("strategy", strategy), ("precision", args.precision))
                 if value]
-    environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps)}
+    environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps),
+                   VERIFY_VARIABLES[2]: str(trace)}
     try:
         done = subprocess.run([*command, args.script, *args.script_args], env=environment, capture_output=True,
                               text=True, timeout=args.timeout)
@@ -161,19 +163,21 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
     return lines, None
 
 
-def _causes(folder: Path, divergence: str) -> list[str]:
+def _causes(folder: Path, divergence: str, named: bool = False) -> list[str]:
+    """The usual causes of ``divergence`` that the model shows; ``named``: the first difference was found (its
+    line says the likely cause), so only what it cannot show is added (Adam's growth of tiny differences)."""
     try:
         model = json.loads((folder / "model.json").read_text())
     except (OSError, ValueError):
         return []
-    found = []
-    if model.get("dropout"):
+    found: list[str] = []
+    if model.get("dropout") and not named:
         found.append(EXPECTED["dropout"])
-    if any("BatchNorm" in layer for layer in model.get("layers", [])):
+    if any("BatchNorm" in layer for layer in model.get("layers", [])) and not named:
         found.append(EXPECTED["batchnorm"])
     if any(name in ("Adam", "AdamW") for name in model.get("optimizers", [])) and "weights" in divergence:
         found.append(EXPECTED["adam"])
-    if "loss differs" in divergence and not found:
+    if "loss differs" in divergence and not found and not named:
         found.append("a loss averaged over a count that differs by rank (tokens, valid labels) must say the count: "
                      "rt.backward(loss, num_items=n), or return {'loss': ..., 'num_items': n} from training_step "
                      "(docs/models.md, 'Token-averaged losses').")
@@ -203,7 +207,8 @@ def verify_command(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"lockstep verify: {error}", file=sys.stderr)
             return 1
-        causes = _causes(root / "many", divergence) if divergence else []
+        where = _where(args, root, divergence, runs) if divergence else []
+        causes = _causes(root / "many", divergence, named=bool(where)) if divergence else []
     print("\n".join(lines))
     setup = f"{args.devices} processes" + (f", strategy {args.strategy}" if args.strategy else "")
     if divergence is not None and divergence.startswith(NOTHING_COMPARED):
@@ -214,6 +219,38 @@ def verify_command(args: argparse.Namespace) -> int:
               f"within rtol {args.rtol:g}, atol {args.atol:g}.")
         return 0
     print(f"lockstep verify: the run on {setup} DIVERGES at {divergence}.", file=sys.stderr)
+    for line in where:
+        print(line, file=sys.stderr)
     for cause in causes:
         print(f"  expected here: {cause}", file=sys.stderr)
     return 1
+
+
+def _where(args: argparse.Namespace, root: Path, divergence: str,
+           runs: dict[str, tuple[int, str | None, Path]]) -> list[str]:
+    """Both runs again to the diverging step, every module's outputs traced: the ``first difference:`` line and
+    its hint (nothing when the divergence has no step, e.g. a run that stopped early)."""
+    from lockstep.cli.first_difference import first_difference
+
+    found = re.match(r"step (\d+): ", divergence)
+    if found is None or divergence.startswith(NOTHING_COMPARED):
+        return []
+    step = int(found.group(1))
+    print(f"lockstep verify: running both again to step {step}, tracing every module's outputs ...", flush=True)
+    traced = []
+    for label, (devices, strategy, folder) in runs.items():
+        problem = _run(args, devices, strategy, folder.with_name(folder.name + "-trace"), trace=step)
+        if problem:
+            return [f"lockstep verify: the traced run on {label} failed, no module named: {problem}"]
+        traced.append(folder.with_name(folder.name + "-trace"))
+    finding = first_difference(traced[0], traced[1], args.rtol, args.atol)
+    if finding is not None:
+        return [finding.line(step), f"  likely: {finding.hint()}"]
+    if "the loss differs" in divergence:
+        return [f"first difference: the loss at step {step}, where every module's output agrees",
+                "  likely: a loss averaged over a count that differs by rank (tokens, valid labels) without saying "
+                "the count: rt.backward(loss, num_items=n), or {'loss': ..., 'num_items': n} from training_step."]
+    return [f"first difference: backward at step {step}: every module's output and the loss agree, the gradients or "
+            "the update do not",
+            "  likely: a backward that is not rt.backward(loss) (loss.backward() with an uneven last batch), "
+            "gradients changed by hand per rank, or an optimizer that steps per rank."]

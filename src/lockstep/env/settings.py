@@ -79,7 +79,7 @@ PREEMPTED_EXIT = 143
 #: script keeps, each copy deleted once the script deleted its checkpoint (``checkpoint.ray_record``).
 RAY_CHECKPOINTS = "LOCKSTEP_RAY_CHECKPOINTS"
 
-VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS")
+VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS", "LOCKSTEP_VERIFY_TRACE")
 
 
 def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
@@ -91,6 +91,15 @@ def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, 
     if not steps.isdigit() or int(steps) < 1:
         raise ConfigError(f"{VERIFY_VARIABLES[1]}={steps!r}: give a positive number of optimizer steps.")
     return folder, int(steps)
+
+
+def verify_trace_from_environ(environ: Mapping[str, str] | None = None) -> int:
+    """Under ``lockstep verify``'s second pass: the optimizer step whose module outputs to trace (0: none)."""
+    env = os.environ if environ is None else environ
+    step = env.get(VERIFY_VARIABLES[2], "0")
+    if not step.isdigit():
+        raise ConfigError(f"{VERIFY_VARIABLES[2]}={step!r}: give the optimizer step to trace.")
+    return int(step)
 
 
 def cache_dir_from_environ(environ: Mapping[str, str] | None = None) -> Path:

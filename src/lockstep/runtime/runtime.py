@@ -18,6 +18,7 @@ from torch import nn
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
 from lockstep.env.fault_tolerance import FaultTolerance
+from lockstep.env.settings import verify_trace_from_environ
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.checkpoint.ray_record import RayRecord
@@ -50,6 +51,7 @@ from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.wrappers import STATISTICS_MOVED, WrappedModule, unwrap
 from lockstep.runtime.seed import RandomStates, seed_everything, set_determinism
+from lockstep.runtime.trace import ModuleTrace
 from lockstep.runtime.verify import StepRecorder
 
 
@@ -220,8 +222,12 @@ class Runtime:
         verifying = verify_from_environ()
         if verifying is None:
             return None
+        traced, layout = verify_trace_from_environ(), self.mesh.layout
+        place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
+                 "tp": layout.tp, "keeps_rows": layout.keeps_rows(self.rank)}
+        trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows)) if traced else None
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
-                            self.full_state_dict, self.barrier, self.mesh.layout.parameter_holders)
+                            self.full_state_dict, self.barrier, layout.parameter_holders, trace)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, env: DistEnv | None = None) -> Runtime:

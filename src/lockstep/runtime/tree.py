@@ -100,6 +100,11 @@ def tensors(data: Any) -> Iterator[torch.Tensor]:
     return (leaf for leaf in flatten(data)[0] if isinstance(leaf, torch.Tensor))
 
 
+def first_tensor(data: Any) -> torch.Tensor | None:
+    """The first tensor in ``data`` (a module's arguments or output: a tensor, a tuple, a dict, a ``ModelOutput``)."""
+    return next(tensors(data), None)
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     """Return ``data`` with every tensor ``t`` replaced by ``fn(t)``; other leaves are kept."""
     leaves, spec = flatten(data)

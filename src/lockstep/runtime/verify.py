@@ -11,6 +11,9 @@ optimizer step, from every model set up and every backward:
 
 Rank 0 writes ``FOLDER/step-NNNN.pt`` per step and ``FOLDER/model.json`` (what the check must
 explain: layer types, optimizers). After step K every rank leaves with exit status 0.
+
+With ``LOCKSTEP_VERIFY_TRACE=T`` (the step verify found first different), every module's output in step T
+is traced too (``lockstep.runtime.trace``), and the run ends after step T.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from lockstep.runtime._torch_compat import full_tensor
+from lockstep.runtime.trace import ModuleTrace
 
 
 class StepRecorder:
@@ -31,8 +35,11 @@ class StepRecorder:
 
     def __init__(self, folder: Path, steps: int, rank: int, all_reduce_sum: Callable[[torch.Tensor], Any],
                  full_state_dict: Callable[[nn.Module], dict[str, torch.Tensor]], barrier: Callable[[], None],
-                 holders: int = 0) -> None:
-        self.folder, self.steps, self.rank = folder, steps, rank
+                 holders: int = 0, trace: tuple[int, ModuleTrace] | None = None) -> None:
+        self.folder, self.rank = folder, rank
+        self.trace_step: int = trace[0] if trace is not None else 0
+        self.trace: ModuleTrace | None = trace[1] if trace is not None else None
+        self.steps = min(steps, self.trace_step) if self.trace_step else steps
         self.holders = holders  # pipeline stages: how many ranks hold each parameter (0: every rank all)
         self._all_reduce_sum, self._full_state_dict, self._barrier = all_reduce_sum, full_state_dict, barrier
         self.models: list[nn.Module] = []
@@ -46,6 +53,8 @@ class StepRecorder:
     def watch(self, model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
         self.models.append(model)
         self.optimizers += [type(o).__name__ for o in optimizers]
+        if self.trace is not None and self.step == self.trace_step - 1:  # the traced step is the next one
+            self.trace.start([model])
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor) -> None:
         """A backward of ``loss`` (this rank's mean) standing for ``weight`` (samples' share, or items)."""
@@ -82,6 +91,10 @@ class StepRecorder:
                     {"layers": layers, "dropout": dropout, "optimizers": self.optimizers}))
             torch.save({"step": self.step, "loss": total / weight if weight else float("nan"),
                         "grad_norm": self._grad_norm, "weights": weights}, self.folder / f"step-{self.step:04d}.pt")
+        if self.trace is not None and self.step == self.trace_step - 1:
+            self.trace.start(self.models)
         if self.step >= self.steps:
+            if self.trace is not None:
+                self.trace.stop()
             self._barrier()  # rank 0 has written its files
             raise SystemExit(0)

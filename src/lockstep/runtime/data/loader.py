@@ -55,6 +55,7 @@ class CurrentBatch:
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
         self.loader: DistributedLoader | None = None
+        self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
@@ -71,7 +72,12 @@ class CurrentBatch:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
         self.stand_in = {}
         if loader.training:
-            self.loader, self.loss_weight = loader, loader.loss_weight(step)
+            self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
+
+    def rows(self) -> list[int] | None:
+        """The dataset indices of the current training batch's rows on this rank (None: no lockstep loader's)."""
+        local = getattr(self.loader.sampler, "local_indices", None) if self.loader is not None else None
+        return list(local(self.step)) if local is not None else None
 
     def batch_ended(self, loader: DistributedLoader) -> None:
         self.stand_in = {}

@@ -19,20 +19,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in a module's arguments or output (a tensor, a tuple, a dict, a Hugging Face output)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+from lockstep.runtime.tree import first_tensor
 
 
 def _same(handed: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
@@ -80,12 +67,12 @@ class ChainCheck:
 
     def _record(self, index: int, edge: str) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self._seen.setdefault((index, edge), _first_tensor(args) if args else _first_tensor(kwargs))
+            self._seen.setdefault((index, edge), first_tensor(args) if args else first_tensor(kwargs))
         return hook
 
     def _record_output(self, index: int, edge: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            self._seen.setdefault((index, edge), _first_tensor(output))
+            self._seen.setdefault((index, edge), first_tensor(output))
         return hook
 
     def finding(self) -> str | None:

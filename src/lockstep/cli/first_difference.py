@@ -1,0 +1,151 @@
+"""Where two runs first differ, module by module: ``lockstep verify``'s ``first difference:`` line.
+
+Each run traced every module's outputs in one optimizer step (``lockstep.runtime.trace``). A module's outputs
+on a run of several ranks are joined into the whole global batch: on each data-parallel rank, its calls in
+order (the micro-batches of the step); the tensor-parallel peers' shards side by side (or one copy where they
+agree); then the rows of every data-parallel rank, put in dataset order by the indices each rank was handed.
+The one process's outputs are put in the same order, so a module is compared with the same module of the
+one-process model. Modules are compared in the order the one process ran them (a module's output is recorded
+when it returns: its submodules come first); one module's outputs are in memory at a time. The first module
+whose output differs while its input agrees is where the difference began; where its input differs too, the
+difference began in the code of a module around it, between its submodules: the innermost one whose input
+still agrees is named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+_DROPOUT = ("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The first module whose outputs differ: its name (as ``named_modules()`` gives it), class, the largest
+    difference, and whether it is the first module the step ran (its input, the data, differs then)."""
+
+    name: str
+    kind: str
+    difference: float
+    first: bool
+    before: str = ""  # the module whose input the difference reached first, inside this one
+
+    def line(self, step: int) -> str:
+        inside = f", in its own code before {self.before}" if self.before else ""
+        return (f"first difference: forward {self.name} ({self.kind}){inside} at step {step}, max difference "
+                f"{self.difference:.3g}")
+
+    def hint(self) -> str:
+        if self.kind in _DROPOUT:
+            return ("dropout: each rank draws the masks of its own rows, so they depend on the world size. Set p=0 "
+                    "for the check (docs/models.md).")
+        if "BatchNorm" in self.kind:
+            return ("batch statistics: in training each rank normalises with its own rows' mean and variance. Check "
+                    "with the model in a form without it, or DDP(sync_batchnorm=True) on GPUs.")
+        if self.first:
+            return ("the first module the step ran: its input, the data, differs. A transform in the dataset or the "
+                    "collate function that depends on the rank or on the worker?")
+        return (f"code in {self.name}'s own forward computes something per rank: a value that depends on the rank, a "
+                "statistic over the batch's rows (x.mean(0), x.std(0), a normalisation by the batch) that sees only "
+                "this rank's rows, or a random draw that differs by rank. Its input and the submodules' outputs "
+                "before it agree.")
+
+
+class _Trace:
+    """One run's trace: every rank's records, by module name, read one module at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.ranks: list[tuple[dict[str, Any], dict[str, list[Path]]]] = []
+        self.order: list[tuple[str, str]] = []  # (name, class) in the order the first rank ran them
+        for rank_folder in sorted(folder.glob("trace-*"), key=lambda p: int(p.name.split("-")[1])):
+            place = json.loads((rank_folder / "rank.json").read_text())
+            files: dict[str, list[Path]] = {}
+            for line in (rank_folder / "index.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry["name"] not in files and not self.ranks:
+                    self.order.append((entry["name"], entry["kind"]))
+                files.setdefault(entry["name"], []).append(rank_folder / entry["file"])
+            self.ranks.append((place, files))
+
+    def joined(self, name: str, which: str = "output", width: int | None = None) -> torch.Tensor | None:
+        """The module's outputs (or inputs) over the whole global batch, rows in dataset order (None: not
+        row-shaped). ``width``: the last dimension of the one process's, which tensor-parallel shards join to."""
+        import torch
+
+        groups: dict[int, list[tuple[torch.Tensor, list[int] | None]]] = {}
+        for place, files in self.ranks:
+            if name not in files:
+                continue  # a pipeline stage without the module
+            records = [torch.load(path, weights_only=True) for path in files[name]]
+            if any(r[which] is None for r in records):
+                return None
+            output = torch.cat([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records])
+            rows = None if any(r["rows"] is None for r in records) else [i for r in records for i in r["rows"]]
+            groups.setdefault(place["data_parallel_rank"], []).append((output, rows))
+        parts = []
+        for peers in (groups[rank] for rank in sorted(groups)):
+            joined = _across_peers([out for out, _ in peers], width)
+            rows = peers[0][1]
+            if joined is None or (rows is not None and joined.shape[0] != len(rows)):
+                return None
+            parts.append((joined, rows))
+        if not parts:
+            return None
+        if any(rows is None for _, rows in parts):
+            return parts[0][0] if len(parts) == 1 else None
+        order = torch.tensor([i for _, rows in parts for i in rows]).argsort(stable=True)  # type: ignore[union-attr]
+        return torch.cat([output for output, _ in parts])[order]
+
+
+def _across_peers(outputs: list[torch.Tensor], width: int | None) -> torch.Tensor | None:
+    """The tensor-parallel peers' outputs of one data-parallel rank: the first peer's where it has the one
+    process's width (replicated, or gathered whole), else the shards of the last dimension side by side."""
+    import torch
+
+    first = outputs[0]
+    if len(outputs) == 1 or width is None or (first.dim() and first.shape[-1] == width):
+        return first
+    if all(out.shape[:-1] == first.shape[:-1] for out in outputs) and sum(o.shape[-1] for o in outputs) == width:
+        return torch.cat(outputs, dim=-1)
+    return None
+
+
+def _gap(reference: _Trace, other: _Trace, name: str, which: str, rtol: float, atol: float) -> float | None:
+    """The largest difference of a module's joined outputs (or inputs) beyond the tolerance; None where they
+    agree or cannot be compared row by row (a module called on other shapes per rank)."""
+    import torch
+
+    expected = reference.joined(name, which)
+    got = other.joined(name, which, expected.shape[-1] if expected is not None and expected.dim() else None)
+    if expected is None or got is None or expected.shape != got.shape:
+        return None
+    if torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=False):
+        return None
+    return float((got - expected).abs().nan_to_num(float("inf")).max())
+
+
+def first_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:
+    """The first module (in the one process's order) whose joined outputs differ beyond the tolerance; where its
+    input differs too, the innermost module around it whose input still agrees: the difference began in that
+    module's own code, before the other ran."""
+    reference, other = _Trace(one), _Trace(many)
+    kinds = dict(reference.order)
+    for position, (name, kind) in enumerate(reference.order):
+        difference = _gap(reference, other, name, "output", rtol, atol)
+        if difference is None:
+            continue
+        if _gap(reference, other, name, "input", rtol, atol) is None:
+            return Finding(name, kind, difference, position == 0)
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, 0, -1):  # the modules around it, innermost first
+            outer = ".".join(parts[:depth])
+            if outer in kinds and _gap(reference, other, outer, "input", rtol, atol) is None:
+                return Finding(outer, kinds[outer], difference, False, before=name)
+        return Finding(name, kind, difference, position == 0)
+    return None

@@ -1,0 +1,78 @@
+"""The module trace of one optimizer step, for ``lockstep verify``'s ``first difference:`` line.
+
+When verify has found the first step where a run leaves the one-process result, it runs both sides again up to
+that step with ``LOCKSTEP_VERIFY_TRACE=K``. In step K each rank records the output (and the first input) of every
+module of the models set up (a forward hook on each, while gradients are on: training forwards only), with the dataset
+indices of the rows it was given, so that the rows of all data-parallel ranks can be joined in dataset order
+and compared with the one process's. Each output goes to disk as it is made (one tensor in memory at a time):
+``FOLDER/trace-RANK/NNNNNN.pt``, listed in ``index.jsonl`` (module, class, call, file) in the order they were
+made; ``FOLDER/trace-RANK/rank.json`` says where the rank sits.
+
+A tensor-parallel output held as a ``DTensor`` is gathered whole (every tensor-parallel peer calls the same
+hook, so the gather is matched); a local shard is recorded as it is and joined by the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lockstep.runtime._torch_compat import full_tensor
+from lockstep.runtime.tree import first_tensor
+
+
+class ModuleTrace:
+    """Every module's outputs in one step, written by one rank. ``rows``: the dataset indices of the training
+    batch this rank holds now (None where no lockstep loader handed it out)."""
+
+    def __init__(self, folder: Path, rank: int, place: dict[str, int],
+                 rows: Callable[[], list[int] | None]) -> None:
+        self.folder = folder / f"trace-{rank}"
+        self.place, self.rows = place, rows
+        self._handles: list[RemovableHandle] = []
+        self._calls: dict[str, int] = {}
+        self._count = 0
+
+    def start(self, models: list[nn.Module]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "rank.json").write_text(json.dumps(self.place))
+        for index, model in enumerate(models):
+            prefix = f"{index}." if len(models) > 1 else ""
+            for name, module in model.named_modules():
+                label = prefix + name if name else (prefix.rstrip(".") or "(the model)")
+                self._handles.append(module.register_forward_hook(self._hook(label, type(module).__name__),
+                                                                  with_kwargs=True))
+
+    def _hook(self, name: str, kind: str) -> Callable[..., None]:
+        def record(_module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if not torch.is_grad_enabled():  # evaluation, a pipeline's probe: not the training step's rows
+                return
+            tensor, given = first_tensor(output), first_tensor(args) if args else first_tensor(kwargs)
+            if tensor is None:
+                return
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            file = f"{self._count:06d}.pt"
+            torch.save({"output": _kept(tensor), "input": _kept(given) if given is not None else None,
+                        "rows": self.rows()}, self.folder / file)
+            with open(self.folder / "index.jsonl", "a") as index:
+                index.write(json.dumps({"name": name, "kind": kind, "call": call, "file": file}) + "\n")
+            self._count += 1
+        return record
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain float32 CPU copy (a DTensor gathered whole; a collective's pending result waited for)."""
+    whole = full_tensor(tensor).detach()
+    return torch.empty(whole.shape, dtype=torch.float32).copy_(whole)
