@@ -50,6 +50,11 @@ def test_wandb_offline_run_holds_hyperparameters_metrics_by_step_and_the_checkpo
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     trainer = _fit(tmp_path, lockstep.WandbLogger(project="t", save_dir=tmp_path, mode="offline", log_model=True))
+    # run.finish() hands the records to wandb's service process, which writes the run file on its own time
+    # (found 7 bytes long once in about 8 runs): its teardown, as at the process's exit, waits for the write.
+    import wandb
+
+    wandb.teardown()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config, summary, artifacts, kinds = {}, {}, {}, [], []
     for record in _wandb_records(run_file):

@@ -114,3 +114,19 @@ def test_verify_of_a_correct_model_on_dp2_x_tp2_traces_nothing():
     done = _verify(4, "tests/scripts/verify_where.py", "ok", "tp")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tracing" not in done.stdout and "3 steps agree" in done.stdout
+
+
+def test_verify_against_another_layout_agrees_on_a_correct_model_and_names_the_planted_module():
+    """--against: dp4 (the reference, `lockstep run --devices 4`) against dp2 x tp2 (`--parallel tp=2`) on a
+    Llama: they agree; a bug only a tensor-parallel run has (an output scaled by the tensor-parallel rank) is
+    named at its module."""
+    def against(mode: str) -> subprocess.CompletedProcess[str]:
+        return _verify_as_the_readme_writes_it(4, "tests/scripts/verify_against.py", "--parallel", "tp=2",
+                                               "--against", "--devices 4", mode)
+
+    done = against("ok")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the run on 4 processes, parallel tp=2 computes what lockstep run --devices 4 computes" in done.stdout
+    planted = against("tp-scale")
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    assert "first difference: forward model.layers.1.mlp (LlamaMLP) at step 1" in planted.stderr, planted.stderr

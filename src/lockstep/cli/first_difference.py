@@ -61,6 +61,7 @@ class _Trace:
     """One run's trace: every rank's records, by module name, read one module at a time."""
 
     def __init__(self, folder: Path) -> None:
+        self.disagreement = 0.0  # of the tensor-parallel peers, in the last joined()
         self.ranks: list[tuple[dict[str, Any], dict[str, list[Path]]]] = []
         self.order: list[tuple[str, str]] = []  # (name, class) in the order the first rank ran them
         for rank_folder in sorted(folder.glob("trace-*"), key=lambda p: int(p.name.split("-")[1])):
@@ -75,9 +76,12 @@ class _Trace:
 
     def joined(self, name: str, which: str = "output", width: int | None = None) -> torch.Tensor | None:
         """The module's outputs (or inputs) over the whole global batch, rows in dataset order (None: not
-        row-shaped). ``width``: the last dimension of the one process's, which tensor-parallel shards join to."""
+        row-shaped). ``width``: the last dimension of the one process's, which tensor-parallel shards join to.
+        Where tensor-parallel peers hold the whole output but not the same values, ``self.disagreement`` says
+        by how much."""
         import torch
 
+        self.disagreement = 0.0
         groups: dict[int, list[tuple[torch.Tensor, list[int] | None]]] = {}
         for place, files in self.ranks:
             if name not in files:
@@ -90,7 +94,8 @@ class _Trace:
             groups.setdefault(place["data_parallel_rank"], []).append((output, rows))
         parts = []
         for peers in (groups[rank] for rank in sorted(groups)):
-            joined = _across_peers([out for out, _ in peers], width)
+            joined, apart = _across_peers([out for out, _ in peers], width)
+            self.disagreement = max(self.disagreement, apart)
             rows = peers[0][1]
             if joined is None or (rows is not None and joined.shape[0] != len(rows)):
                 return None
@@ -103,17 +108,20 @@ class _Trace:
         return torch.cat([output for output, _ in parts])[order]
 
 
-def _across_peers(outputs: list[torch.Tensor], width: int | None) -> torch.Tensor | None:
+def _across_peers(outputs: list[torch.Tensor], width: int | None) -> tuple[torch.Tensor | None, float]:
     """The tensor-parallel peers' outputs of one data-parallel rank: the first peer's where it has the one
-    process's width (replicated, or gathered whole), else the shards of the last dimension side by side."""
+    process's width (replicated, or gathered whole), with how far the others are from it; else the shards of
+    the last dimension side by side."""
     import torch
 
     first = outputs[0]
     if len(outputs) == 1 or width is None or (first.dim() and first.shape[-1] == width):
-        return first
+        apart = max((float((out - first).abs().max()) for out in outputs[1:] if out.shape == first.shape),
+                    default=0.0)
+        return first, apart
     if all(out.shape[:-1] == first.shape[:-1] for out in outputs) and sum(o.shape[-1] for o in outputs) == width:
-        return torch.cat(outputs, dim=-1)
-    return None
+        return torch.cat(outputs, dim=-1), 0.0
+    return None, 0.0
 
 
 def _gap(reference: _Trace, other: _Trace, name: str, which: str, rtol: float, atol: float) -> float | None:
@@ -125,9 +133,10 @@ def _gap(reference: _Trace, other: _Trace, name: str, which: str, rtol: float, a
     got = other.joined(name, which, expected.shape[-1] if expected is not None and expected.dim() else None)
     if expected is None or got is None or expected.shape != got.shape:
         return None
-    if torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=False):
+    apart = max(reference.disagreement, other.disagreement)  # tensor-parallel peers that hold other values
+    if torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=False) and apart <= atol:
         return None
-    return float((got - expected).abs().nan_to_num(float("inf")).max())
+    return max(float((got - expected).abs().nan_to_num(float("inf")).max()), apart)
 
 
 def first_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:

@@ -26,6 +26,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     script = parser.add_argument_group("the script")
     script.add_argument("--strategy", help="passed to the script's Runtime (ddp, fsdp, dp, single)")
     script.add_argument("--precision", help="passed to the script's Runtime (32-true, 16-mixed, bf16-mixed, ...)")
+    script.add_argument("--parallel", metavar="NAME=VALUE,...",
+                        help="passed to the script's Runtime where it gives no parallel=: lockstep.Parallel's degrees, "
+                        "pp_schedule and pp_microbatches, e.g. tp=2 or pp=2,pp_schedule=GPipe")
     script.add_argument("--rank-prefix", action="store_true",
                         help="begin each line the ranks print with [rank N] (every rank's lines are whole anyway)")
     script.add_argument("--show-ranks", metavar="RANKS", default=None,
@@ -134,6 +137,19 @@ def _check_names(strategy: str | None, precision: str | None) -> None:
         raise PreflightError(f"--precision {precision}: no such precision; use one of {', '.join(PRECISION_NAMES)}.")
 
 
+def _check_parallel(parallel: str | None) -> None:
+    """A malformed --parallel is refused here, not by every worker after its start."""
+    if parallel is None:
+        return
+    from lockstep.errors import ConfigError
+    from lockstep.runtime.parallel.mesh import parallel_from_text  # torch's import: not for --help
+
+    try:
+        parallel_from_text(parallel)
+    except ConfigError as error:
+        raise PreflightError(f"--{error}") from None
+
+
 class _Checks:
     """The checks of ``lockstep run`` that need the training side (torch), for the engines."""
 
@@ -169,6 +185,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         request, notes = with_orchestrator_defaults(RunRequest.from_options(args), os.environ)
         os.environ.update(request.output_variables())  # every engine's workers and groups inherit them
+        _check_parallel(request.parallel)
         for note in notes:
             _say(note)
         engine = engine_for(request, _Checks(), _say)

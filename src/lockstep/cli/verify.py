@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", help="strategy of the run to check (ddp, fsdp, ...; the script's own wins)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", help="precision of both runs (the script's own wins)")
+    parser.add_argument("--parallel", metavar="NAME=VALUE,...",
+                        help="the mesh of the run to check, as lockstep run's --parallel (the script's own wins)")
+    parser.add_argument("--against", metavar="OPTIONS",
+                        help="compare with the run that `lockstep run OPTIONS` makes (e.g. \"--devices 4\") "
+                        "instead of one process")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     parser.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (default 1e-6)")
@@ -80,12 +86,11 @@ def _take_own_options(args: argparse.Namespace) -> None:
     args.script_args = unknown + theirs
 
 
-def _run(args: argparse.Namespace, devices: int, strategy: str | None, folder: Path, trace: int = 0) -> str | None:
-    """One run of the script (``trace``: to that step, tracing its modules); None, or what went wrong."""
-    command = [sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices),
-               "--accelerator", args.accelerator]
-    command += [f"--{name}={value}" for name, value in (("strategy", strategy), ("precision", args.precision))
-                if value]
+def _run(args: argparse.Namespace, options: list[str], folder: Path, trace: int = 0) -> str | None:
+    """One run of the script with ``lockstep run OPTIONS`` (``trace``: to that step, tracing its modules); None,
+    or what went wrong."""
+    command = [sys.executable, "-m", "lockstep.cli.main", "run", "--accelerator", args.accelerator, *options]
+    command += [f"--precision={args.precision}"] if args.precision else []
     environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps),
                    VERIFY_VARIABLES[2]: str(trace)}
     try:
@@ -194,11 +199,10 @@ def verify_command(args: argparse.Namespace) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as scratch:
         root = Path(args.keep) if args.keep else Path(scratch)
-        runs = {"one process": (1, None, root / "one"), f"{args.devices} processes": (args.devices, args.strategy,
-                                                                                        root / "many")}
-        for label, (devices, strategy, folder) in runs.items():
+        runs = _runs(args, root)
+        for label, (options, folder) in runs.items():
             print(f"lockstep verify: running {args.script} on {label} for {args.steps} steps ...", flush=True)
-            problem = _run(args, devices, strategy, folder)
+            problem = _run(args, options, folder)
             if problem:
                 print(f"lockstep verify: the run on {label} could not be checked: {problem}", file=sys.stderr)
                 return 2
@@ -210,13 +214,13 @@ def verify_command(args: argparse.Namespace) -> int:
         where = _where(args, root, divergence, runs) if divergence else []
         causes = _causes(root / "many", divergence, named=bool(where)) if divergence else []
     print("\n".join(lines))
-    setup = f"{args.devices} processes" + (f", strategy {args.strategy}" if args.strategy else "")
+    reference, setup = list(runs)
     if divergence is not None and divergence.startswith(NOTHING_COMPARED):
         print(f"lockstep verify: {divergence}.", file=sys.stderr)
         return 1
     if divergence is None:
-        print(f"lockstep verify: the run on {setup} computes what one process computes: {args.steps} steps agree "
-              f"within rtol {args.rtol:g}, atol {args.atol:g}.")
+        print(f"lockstep verify: the run on {setup} computes what {reference} computes: "
+              f"{args.steps} steps agree within rtol {args.rtol:g}, atol {args.atol:g}.")
         return 0
     print(f"lockstep verify: the run on {setup} DIVERGES at {divergence}.", file=sys.stderr)
     for line in where:
@@ -226,8 +230,20 @@ def verify_command(args: argparse.Namespace) -> int:
     return 1
 
 
+def _runs(args: argparse.Namespace, root: Path) -> dict[str, tuple[list[str], Path]]:
+    """The reference run and the run to check: their labels, their ``lockstep run`` options, their folders."""
+    checked = ["--devices", str(args.devices)]
+    checked += [f"--{name}={value}" for name, value in (("strategy", args.strategy), ("parallel", args.parallel))
+                if value]
+    setup = f"{args.devices} processes" + "".join(f", {name} {value}" for name, value in
+                                                   (("strategy", args.strategy), ("parallel", args.parallel)) if value)
+    reference = shlex.split(args.against) if args.against else ["--devices", "1"]
+    return {("one process" if not args.against else f"lockstep run {args.against}"): (reference, root / "one"),
+            setup: (checked, root / "many")}
+
+
 def _where(args: argparse.Namespace, root: Path, divergence: str,
-           runs: dict[str, tuple[int, str | None, Path]]) -> list[str]:
+           runs: dict[str, tuple[list[str], Path]]) -> list[str]:
     """Both runs again to the diverging step, every module's outputs traced: the ``first difference:`` line and
     its hint (nothing when the divergence has no step, e.g. a run that stopped early)."""
     from lockstep.cli.first_difference import first_difference
@@ -238,8 +254,8 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
     step = int(found.group(1))
     print(f"lockstep verify: running both again to step {step}, tracing every module's outputs ...", flush=True)
     traced = []
-    for label, (devices, strategy, folder) in runs.items():
-        problem = _run(args, devices, strategy, folder.with_name(folder.name + "-trace"), trace=step)
+    for label, (options, folder) in runs.items():
+        problem = _run(args, options, folder.with_name(folder.name + "-trace"), trace=step)
         if problem:
             return [f"lockstep verify: the traced run on {label} failed, no module named: {problem}"]
         traced.append(folder.with_name(folder.name + "-trace"))

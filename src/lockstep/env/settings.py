@@ -28,11 +28,12 @@ RUNTIME_VARIABLES = {
     "accelerator": "LOCKSTEP_ACCELERATOR",
     "strategy": "LOCKSTEP_STRATEGY",
     "precision": "LOCKSTEP_PRECISION",
+    "parallel": "LOCKSTEP_PARALLEL",
 }
 
 
 def runtime_choices_from_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The choices ``lockstep run`` passes to the script (accelerator, strategy, precision).
+    """The choices ``lockstep run`` passes to the script (accelerator, strategy, precision, parallel).
 
     They fill in the ``Runtime`` arguments that the script leaves unset; arguments in code win.
     """

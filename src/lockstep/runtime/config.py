@@ -10,7 +10,7 @@ from lockstep.env.fault_tolerance import FaultTolerance
 from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
-from lockstep.runtime.parallel.mesh import Parallel
+from lockstep.runtime.parallel.mesh import Parallel, parallel_from_text
 from lockstep.runtime.parallel.strategy import Strategy
 
 
@@ -18,7 +18,7 @@ from lockstep.runtime.parallel.strategy import Strategy
 class RuntimeConfig:
     """The arguments of ``lockstep.Runtime`` (see there for each); None means "the default".
 
-    ``resolved()`` fills in what ``lockstep run --accelerator/--strategy/--precision`` and
+    ``resolved()`` fills in what ``lockstep run --accelerator/--strategy/--precision/--parallel`` and
     ``LOCKSTEP_TIMEOUT``/``LOCKSTEP_DEBUG`` chose, then lockstep's defaults.
     """
 
@@ -48,6 +48,7 @@ class RuntimeConfig:
             # `lockstep verify` runs the script on 1 process and on N: the launcher's count rules.
             devices="auto" if verify_from_environ() is not None else self.devices,
             strategy=self.strategy or chosen.get("strategy", "auto"),
+            parallel=self.parallel or (parallel_from_text(chosen["parallel"]) if "parallel" in chosen else None),
             precision=self.precision or chosen.get("precision", "32-true"),
             timeout=timeout,
             debug=debug_from_environ() if self.debug is None else self.debug,

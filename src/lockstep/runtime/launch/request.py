@@ -40,6 +40,7 @@ class RunRequest:
     keep_checkpoints: int | None = None
     strategy: str | None = None
     precision: str | None = None
+    parallel: str | None = None
     rank_prefix: bool = False
     show_ranks: str | None = None
 
@@ -54,9 +55,9 @@ class RunRequest:
         return dataclasses.replace(self, **changes)
 
     def runtime_choices(self) -> dict[str, str]:
-        """``--accelerator/--strategy/--precision`` as given (``auto`` is no choice): what the workers'
+        """``--accelerator/--strategy/--precision/--parallel`` as given (``auto`` is no choice): what the workers'
         Runtime takes when the script leaves them unset."""
-        return {name: value for name in ("accelerator", "strategy", "precision")
+        return {name: value for name in ("accelerator", "strategy", "precision", "parallel")
                 if (value := getattr(self, name)) and value != "auto"}
 
     def output_variables(self) -> dict[str, str]:

@@ -50,6 +50,26 @@ def refuses_degrees(cls: _Class) -> _Class:
     return cls
 
 
+def parallel_from_text(text: str) -> Parallel:
+    """``Parallel`` from ``lockstep run --parallel`` (``LOCKSTEP_PARALLEL``): ``tp=2,pp=2,pp_schedule=GPipe``, the
+    degrees, ``pp_schedule`` and ``pp_microbatches`` (a plan or named stages are the script's to give)."""
+    given: dict[str, Any] = {}
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in ("tp", "pp", "replicate", "cp", "pp_schedule", "pp_microbatches") or not value:
+            raise ConfigError(f"parallel {text!r}: give NAME=VALUE pairs separated by commas, NAME one of tp, pp, "
+                              "replicate, cp, pp_schedule, pp_microbatches (e.g. tp=2,pp=2).")
+        if name == "pp_schedule":
+            given[name] = value.strip()
+            continue
+        try:
+            given[name] = int(value)
+        except ValueError:
+            raise ConfigError(f"parallel {text!r}: {name}={value!r} is not a whole number.") from None
+    return Parallel(**given)
+
+
 @dataclass(frozen=True)
 class Parallel:
     """How the job's ranks split the work besides data parallel: one frozen value, given as
