@@ -90,6 +90,7 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     ("rank-scale", "ddp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
     ("rank-scale", "fsdp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
     ("rank-scale", "tp", 4, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
+    ("rank-scale", "pp", 4, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
     ("batch-stats", "ddp", 2, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
     ("batch-stats", "tp", 4, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
     ("dropout", "fsdp", 2, "first difference: forward blocks.1.drop (Dropout) at step 1"),
@@ -99,7 +100,8 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier
     one: a rank-dependent scale in its MLP; a mean over this rank's rows in the block's own code (named as the
     block, before its MLP's first layer); dropout; a per-rank token mean, at the loss with the num_items hint.
-    On DDP, FSDP and dp2 x tp2 (the MLPs' outputs joined over the tensor-parallel peers)."""
+    On DDP, FSDP, dp2 x tp2 (the MLPs' outputs joined over the tensor-parallel peers) and pp2 x dp2 (a stage's
+    micro-batches joined in order; the schedule's shape-inference forward at the first step left out)."""
     done = _verify(devices, "tests/scripts/verify_where.py", mode, layout)
     assert done.returncode == 1, done.stdout + done.stderr
     assert line in done.stderr, done.stderr
@@ -110,8 +112,9 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     assert "first difference:" not in done.stdout and done.stderr.count("first difference:") == 1
 
 
-def test_verify_of_a_correct_model_on_dp2_x_tp2_traces_nothing():
-    done = _verify(4, "tests/scripts/verify_where.py", "ok", "tp")
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_verify_of_a_correct_model_on_dp2_x_tp2_and_pp2_x_dp2_traces_nothing(layout):
+    done = _verify(4, "tests/scripts/verify_where.py", "ok", layout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tracing" not in done.stdout and "3 steps agree" in done.stdout
 

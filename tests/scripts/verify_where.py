@@ -1,8 +1,10 @@
 """A token model of three blocks for `lockstep verify`'s `first difference:` line, with a bug planted in block 1.
 argv: MODE LAYOUT. MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats (block 1
 centres its normalised input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5);
-token-mean (the loss is each rank's own token mean, without num_items). LAYOUT: ddp, fsdp, or tp (Parallel(tp=2),
-the MLPs split over the tensor-parallel peers; dp2 x tp2 on 4 processes)."""
+token-mean (the loss is each rank's own token mean, without num_items). LAYOUT: ddp, fsdp, tp (Parallel(tp=2),
+the MLPs split over the tensor-parallel peers; dp2 x tp2 on 4 processes), or pp (Parallel(pp=2): embed and blocks
+0-1 on the first stage, block 2 and the head on the second; pp2 x dp2 on 4 processes, through
+rt.forward_backward)."""
 
 import os
 import sys
@@ -70,14 +72,26 @@ def token_data() -> torch.utils.data.TensorDataset:
 
 plan = {f"blocks.{i}.mlp.{name}": style for i in range(3) for name, style in (("up", "colwise"), ("down", "rowwise"))}
 layout = {"tp": {"parallel": lockstep.Parallel(tp=2, tp_plan=plan)}, "ddp": {"strategy": "ddp"},
-          "fsdp": {"strategy": "fsdp"}}[where]
+          "fsdp": {"strategy": "fsdp"}, "pp": {"parallel": lockstep.Parallel(pp=2)}}[where]
 rt = lockstep.Runtime(seed=0, **layout)
 torch.manual_seed(0)
 model = Net()
 model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+def token_loss(logits: torch.Tensor, batch) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+
+
+def tokens_of(batch) -> torch.Tensor:
+    return (batch[1] != -100).sum()
+
+
 for _ in range(2):
-    for tokens, labels in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
-        rt.backward(loss) if mode == "token-mean" else rt.backward(loss, num_items=(labels != -100).sum())
+    for batch in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):
+        if rt.pipeline_parallel_size > 1:
+            rt.forward_backward(model, batch, token_loss, num_items=None if mode == "token-mean" else tokens_of)
+        elif mode == "token-mean":
+            rt.backward(token_loss(model(batch[0]), batch))
+        else:
+            rt.backward(token_loss(model(batch[0]), batch), num_items=tokens_of(batch))
         optimizer.step()
         optimizer.zero_grad()

@@ -90,7 +90,7 @@ class _Trace:
             if any(r[which] is None for r in records):
                 return None
             output = torch.cat([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records])
-            rows = None if any(r["rows"] is None for r in records) else [i for r in records for i in r["rows"]]
+            rows = _rows_of(records, which)
             groups.setdefault(place["data_parallel_rank"], []).append((output, rows))
         parts = []
         for peers in (groups[rank] for rank in sorted(groups)):
@@ -106,6 +106,23 @@ class _Trace:
             return parts[0][0] if len(parts) == 1 else None
         order = torch.tensor([i for _, rows in parts for i in rows]).argsort(stable=True)  # type: ignore[union-attr]
         return torch.cat([output for output, _ in parts])[order]
+
+
+def _rows_of(records: list[dict[str, Any]], which: str) -> list[int] | None:
+    """The dataset index of each row of the calls' outputs, in order. A call on the whole batch takes the
+    batch's indices; calls on parts of it (a pipeline stage's micro-batches, in order) take the next rows."""
+    rows: list[int] = []
+    batch: list[int] | None = None
+    cursor = 0
+    for record in records:
+        given, count = record["rows"], (record[which].shape[0] if record[which].dim() else 1)
+        if given is None:
+            return None
+        if given != batch or count == len(given) or cursor + count > len(given):
+            batch, cursor = given, 0
+        rows += given[cursor:cursor + count]
+        cursor += count
+    return rows
 
 
 def _across_peers(outputs: list[torch.Tensor], width: int | None) -> tuple[torch.Tensor | None, float]:

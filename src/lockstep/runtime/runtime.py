@@ -225,7 +225,8 @@ class Runtime:
         traced, layout = verify_trace_from_environ(), self.mesh.layout
         place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
                  "tp": layout.tp, "keeps_rows": layout.keeps_rows(self.rank)}
-        trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows)) if traced else None
+        trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows,
+                                     skip_first=layout.pp > 1 and traced == 1)) if traced else None
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
                             self.full_state_dict, self.barrier, layout.parameter_holders, trace)
 

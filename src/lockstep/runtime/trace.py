@@ -32,9 +32,12 @@ class ModuleTrace:
     batch this rank holds now (None where no lockstep loader handed it out)."""
 
     def __init__(self, folder: Path, rank: int, place: dict[str, int],
-                 rows: Callable[[], list[int] | None]) -> None:
+                 rows: Callable[[], list[int] | None], skip_first: bool = False) -> None:
         self.folder = folder / f"trace-{rank}"
         self.place, self.rows = place, rows
+        # pipeline stages at the run's first step: torch's schedule first runs each stage once on empty tensors
+        # to learn the shapes it sends (not a micro-batch of the step)
+        self.skip_first = skip_first
         self._handles: list[RemovableHandle] = []
         self._calls: dict[str, int] = {}
         self._count = 0
@@ -45,6 +48,8 @@ class ModuleTrace:
         for index, model in enumerate(models):
             prefix = f"{index}." if len(models) > 1 else ""
             for name, module in model.named_modules():
+                if type(module).__name__ == "Skipped":  # another pipeline stage's module stands there
+                    continue
                 label = prefix + name if name else (prefix.rstrip(".") or "(the model)")
                 self._handles.append(module.register_forward_hook(self._hook(label, type(module).__name__),
                                                                   with_kwargs=True))
@@ -58,6 +63,8 @@ class ModuleTrace:
                 return
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
+            if self.skip_first and call == 0:
+                return
             file = f"{self._count:06d}.pt"
             torch.save({"output": _kept(tensor), "input": _kept(given) if given is not None else None,
                         "rows": self.rows()}, self.folder / file)
