@@ -1,10 +1,14 @@
 """A token model of three blocks for `lockstep verify`'s `first difference:` line, with a bug planted in block 1.
-argv: MODE LAYOUT. MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats (block 1
-centres its normalised input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5);
-token-mean (the loss is each rank's own token mean, without num_items). LAYOUT: ddp, fsdp, tp (Parallel(tp=2),
-the MLPs split over the tensor-parallel peers; dp2 x tp2 on 4 processes), or pp (Parallel(pp=2): embed and blocks
-0-1 on the first stage, block 2 and the head on the second; pp2 x dp2 on 4 processes, through
-rt.forward_backward)."""
+argv: MODE LAYOUT.
+
+MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats (block 1 centres its normalised
+input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5); token-mean (the loss is
+each rank's own token mean, without num_items); grad-hook (a gradient hook on block 1's output scales the
+gradient by the rank: the forward agrees, the backward does not).
+
+LAYOUT: ddp; fsdp; tp (Parallel(tp=2), the MLPs split over the tensor-parallel peers: dp2 x tp2 on 4 processes);
+pp (Parallel(pp=2): embed and blocks 0-1 on the first stage, block 2 and the head on the second: pp2 x dp2 on 4
+processes, through rt.forward_backward)."""
 
 import os
 import sys
@@ -44,7 +48,11 @@ class Block(nn.Module):
         h = self.norm(x)
         if self.planted and mode == "batch-stats":
             h = h - h.mean(dim=0, keepdim=True)  # a statistic over this rank's rows only
-        return x + self.drop(self.mlp(h))
+        out = x + self.drop(self.mlp(h))
+        if self.planted and mode == "grad-hook" and out.requires_grad:  # the backward alone changed, per rank
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            out.register_hook(lambda grad: grad * (1.0 + 0.25 * rank))
+        return out
 
 
 class Net(nn.Module):

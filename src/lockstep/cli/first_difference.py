@@ -15,6 +15,7 @@ still agrees is named.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,13 +36,22 @@ class Finding:
     difference: float
     first: bool
     before: str = ""  # the module whose input the difference reached first, inside this one
+    phase: str = "forward"
 
     def line(self, step: int) -> str:
+        if self.phase == "backward":
+            return (f"first difference: backward {self.name} ({self.kind}) at step {step}: the gradient reaching its "
+                    f"output differs (every forward output and the loss agree), max difference {self.difference:.3g}")
         inside = f", in its own code before {self.before}" if self.before else ""
         return (f"first difference: forward {self.name} ({self.kind}){inside} at step {step}, max difference "
                 f"{self.difference:.3g}")
 
     def hint(self) -> str:
+        if self.phase == "backward":
+            return (f"the gradient was changed per rank between the loss and {self.name}'s output: a gradient hook "
+                    "(tensor.register_hook), a custom autograd function's backward, or a loss scaled by hand per rank "
+                    "in the code that consumes this output. The gradients of the modules the backward reached before "
+                    "agree.")
         if self.kind in _DROPOUT:
             return ("dropout: each rank draws the masks of its own rows, so they depend on the world size. Set p=0 "
                     "for the check (docs/models.md).")
@@ -60,15 +70,18 @@ class Finding:
 class _Trace:
     """One run's trace: every rank's records, by module name, read one module at a time."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, phase: str = "forward") -> None:
         self.disagreement = 0.0  # of the tensor-parallel peers, in the last joined()
         self.ranks: list[tuple[dict[str, Any], dict[str, list[Path]]]] = []
         self.order: list[tuple[str, str]] = []  # (name, class) in the order the first rank ran them
+        self.scale = 1.0  # what a backward record is multiplied by (first_backward_difference sets it)
         for rank_folder in sorted(folder.glob("trace-*"), key=lambda p: int(p.name.split("-")[1])):
             place = json.loads((rank_folder / "rank.json").read_text())
             files: dict[str, list[Path]] = {}
             for line in (rank_folder / "index.jsonl").read_text().splitlines():
                 entry = json.loads(line)
+                if entry.get("phase", "forward") != phase:
+                    continue
                 if entry["name"] not in files and not self.ranks:
                     self.order.append((entry["name"], entry["kind"]))
                 files.setdefault(entry["name"], []).append(rank_folder / entry["file"])
@@ -89,7 +102,7 @@ class _Trace:
             records = [torch.load(path, weights_only=True) for path in files[name]]
             if any(r[which] is None for r in records):
                 return None
-            output = torch.cat([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records])
+            output = torch.cat([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records]) * self.scale
             rows = _rows_of(records, which)
             groups.setdefault(place["data_parallel_rank"], []).append((output, rows))
         parts = []
@@ -154,6 +167,34 @@ def _gap(reference: _Trace, other: _Trace, name: str, which: str, rtol: float, a
     if torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=False) and apart <= atol:
         return None
     return max(float((got - expected).abs().nan_to_num(float("inf")).max()), apart)
+
+
+def first_backward_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:
+    """Where every forward output and the loss agree: the first module, in the order the one process's backward
+    reached them, whose output's gradient differs (joined as the outputs are, per row of the global batch, and
+    put on the one process's scale)."""
+    reference, other = _Trace(one, "backward"), _Trace(many, "backward")
+    other.scale = _gradient_scale(reference, other)
+    for name, kind in reference.order:
+        difference = _gap(reference, other, name, "output", rtol, atol)
+        if difference is not None:
+            return Finding(name, kind, difference, False, phase="backward")
+    return None
+
+
+def _gradient_scale(reference: _Trace, other: _Trace) -> float:
+    """One number for the whole backward: a rank's backward runs on its loss times a factor (the data-parallel
+    size, or ``num_items``' n / c with c a power of two chosen per run), which DDP and FSDP divide out of the
+    parameters' gradients. It is measured on the first gradient the backward reached (the model's output,
+    whose loss agreed), as the least-squares factor between the two runs."""
+    for name, _ in reference.order:
+        expected = reference.joined(name, "output")
+        got = other.joined(name, "output", expected.shape[-1] if expected is not None and expected.dim() else None)
+        if expected is not None and got is not None and expected.shape == got.shape:
+            norm = float((expected.double() * expected.double()).sum())
+            factor = float((got.double() * expected.double()).sum()) / norm if norm > 0 else 1.0
+            return 1.0 / factor if factor > 0 and math.isfinite(factor) else 1.0
+    return 1.0
 
 
 def first_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:

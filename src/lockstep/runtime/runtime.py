@@ -224,7 +224,7 @@ class Runtime:
             return None
         traced, layout = verify_trace_from_environ(), self.mesh.layout
         place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
-                 "tp": layout.tp, "keeps_rows": layout.keeps_rows(self.rank)}
+                 "data_parallel_size": layout.data_parallel_size, "tp": layout.tp}
         trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows,
                                      skip_first=layout.pp > 1 and traced == 1)) if traced else None
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),

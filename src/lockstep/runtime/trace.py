@@ -2,11 +2,12 @@
 
 When verify has found the first step where a run leaves the one-process result, it runs both sides again up to
 that step with ``LOCKSTEP_VERIFY_TRACE=K``. In step K each rank records the output (and the first input) of every
-module of the models set up (a forward hook on each, while gradients are on: training forwards only), with the dataset
-indices of the rows it was given, so that the rows of all data-parallel ranks can be joined in dataset order
-and compared with the one process's. Each output goes to disk as it is made (one tensor in memory at a time):
-``FOLDER/trace-RANK/NNNNNN.pt``, listed in ``index.jsonl`` (module, class, call, file) in the order they were
-made; ``FOLDER/trace-RANK/rank.json`` says where the rank sits.
+module of the models set up (a forward hook on each, while gradients are on: training forwards only), and in
+the backward the gradient that reaches each output (a hook on that tensor), with the dataset indices of the
+rows it was given, so that the rows of all data-parallel ranks can be joined in dataset order and compared
+with the one process's. Each tensor goes to disk as it is made (one in memory at a time):
+``FOLDER/trace-RANK/NNNNNN.pt``, listed in ``index.jsonl`` (module, class, call, file, forward or backward) in
+the order they were made; ``FOLDER/trace-RANK/rank.json`` says where the rank sits.
 
 A tensor-parallel output held as a ``DTensor`` is gathered whole (every tensor-parallel peer calls the same
 hook, so the gather is matched); a local shard is recorded as it is and joined by the comparison.
@@ -65,13 +66,25 @@ class ModuleTrace:
             self._calls[name] = call + 1
             if self.skip_first and call == 0:
                 return
-            file = f"{self._count:06d}.pt"
-            torch.save({"output": _kept(tensor), "input": _kept(given) if given is not None else None,
-                        "rows": self.rows()}, self.folder / file)
-            with open(self.folder / "index.jsonl", "a") as index:
-                index.write(json.dumps({"name": name, "kind": kind, "call": call, "file": file}) + "\n")
-            self._count += 1
+            rows = self.rows()
+            self._write({"output": _kept(tensor), "input": _kept(given) if given is not None else None,
+                         "rows": rows}, name, kind, call, "forward")
+            if tensor.requires_grad and self._handles:  # the gradient reaching this output, in the backward
+                tensor.register_hook(self._gradient(name, kind, call, rows))
         return record
+
+    def _gradient(self, name: str, kind: str, call: int, rows: list[int] | None) -> Callable[[torch.Tensor], None]:
+        def record(grad: torch.Tensor) -> None:
+            if self._handles:  # the trace has not stopped
+                self._write({"output": _kept(grad), "input": None, "rows": rows}, name, kind, call, "backward")
+        return record
+
+    def _write(self, record: dict[str, Any], name: str, kind: str, call: int, phase: str) -> None:
+        file = f"{self._count:06d}.pt"
+        torch.save(record, self.folder / file)
+        with open(self.folder / "index.jsonl", "a") as index:
+            index.write(json.dumps({"name": name, "kind": kind, "call": call, "file": file, "phase": phase}) + "\n")
+        self._count += 1
 
     def stop(self) -> None:
         for handle in self._handles:
