@@ -95,6 +95,7 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     ("batch-stats", "tp", 4, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
     ("dropout", "fsdp", 2, "first difference: forward blocks.1.drop (Dropout) at step 1"),
     ("token-mean", "ddp", 2, "first difference: the loss at step"),
+    ("grad-edit", "ddp", 2, "first difference: the gradient of blocks.1.mlp.up.weight after the gradients' reduction"),
     ("grad-hook", "fsdp", 2, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
     ("grad-hook", "pp", 4, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
 ])
@@ -102,7 +103,8 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier
     one: a rank-dependent scale in its MLP; a mean over this rank's rows in the block's own code (named as the
     block, before its MLP's first layer); dropout; a per-rank token mean, at the loss with the num_items hint; a
-    gradient hook that scales block 1's output gradient by the rank (the forward agrees), in the backward.
+    gradient hook that scales block 1's output gradient by the rank (the forward agrees), in the backward; a
+    gradient multiplied by the world size after the backward, at that parameter's reduced gradient.
     On DDP, FSDP, dp2 x tp2 (the MLPs' outputs joined over the tensor-parallel peers) and pp2 x dp2 (a stage's
     micro-batches joined in order; the schedule's shape-inference forward at the first step left out)."""
     done = _verify(devices, "tests/scripts/verify_where.py", mode, layout)
@@ -110,7 +112,8 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     assert line in done.stderr, done.stderr
     hints = {"rank-scale": "code in blocks.1.mlp's own forward computes something per rank",
              "batch-stats": "code in blocks.1's own forward", "dropout": "dropout: each rank draws the masks",
-             "token-mean": "rt.backward(loss, num_items=n)", "grad-hook": "a gradient hook (tensor.register_hook)"}
+             "token-mean": "rt.backward(loss, num_items=n)", "grad-hook": "a gradient hook (tensor.register_hook)",
+             "grad-edit": "between the backward and the optimizer step"}
     assert hints[mode] in done.stderr, done.stderr
     assert "first difference:" not in done.stdout and done.stderr.count("first difference:") == 1
 

@@ -4,7 +4,8 @@ argv: MODE LAYOUT.
 MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats (block 1 centres its normalised
 input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5); token-mean (the loss is
 each rank's own token mean, without num_items); grad-hook (a gradient hook on block 1's output scales the
-gradient by the rank: the forward agrees, the backward does not).
+gradient by the rank: the forward agrees, the backward does not); grad-edit (block 1's first weight's gradient
+multiplied by the world size after the backward, as a sum over the ranks would be, before the optimizer step).
 
 LAYOUT: ddp; fsdp; tp (Parallel(tp=2), the MLPs split over the tensor-parallel peers: dp2 x tp2 on 4 processes);
 pp (Parallel(pp=2): embed and blocks 0-1 on the first stage, block 2 and the head on the second: pp2 x dp2 on 4
@@ -101,5 +102,7 @@ for _ in range(2):
             rt.backward(token_loss(model(batch[0]), batch))
         else:
             rt.backward(token_loss(model(batch[0]), batch), num_items=tokens_of(batch))
+        if mode == "grad-edit":  # a gradient changed by hand after its reduction (summed, not averaged)
+            lockstep.unwrap(model).blocks[1].mlp.up.weight.grad.mul_(rt.world_size)
         optimizer.step()
         optimizer.zero_grad()

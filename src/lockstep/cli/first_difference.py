@@ -39,6 +39,9 @@ class Finding:
     phase: str = "forward"
 
     def line(self, step: int) -> str:
+        if self.phase == "reduced":
+            return (f"first difference: the gradient of {self.name} after the gradients' reduction at step {step} "
+                    f"(every module's output and the gradient reaching it agree), max difference {self.difference:.3g}")
         if self.phase == "backward":
             return (f"first difference: backward {self.name} ({self.kind}) at step {step}: the gradient reaching its "
                     f"output differs (every forward output and the loss agree), max difference {self.difference:.3g}")
@@ -47,6 +50,10 @@ class Finding:
                 f"{self.difference:.3g}")
 
     def hint(self) -> str:
+        if self.phase == "reduced":
+            return ("the gradients were changed between the backward and the optimizer step (scaled, clipped or "
+                    "all-reduced by hand, summed where the ranks' mean is the one process's gradient), or by the "
+                    "reduction itself (a communication hook, a backward under no_sync at the step's last batch).")
         if self.phase == "backward":
             return (f"the gradient was changed per rank between the loss and {self.name}'s output: a gradient hook "
                     "(tensor.register_hook), a custom autograd function's backward, or a loss scaled by hand per rank "
@@ -63,7 +70,8 @@ class Finding:
                     "collate function that depends on the rank or on the worker?")
         return (f"code in {self.name}'s own forward computes something per rank: a value that depends on the rank, a "
                 "statistic over the batch's rows (x.mean(0), x.std(0), a normalisation by the batch) that sees only "
-                "this rank's rows, or a random draw that differs by rank. Its input and the submodules' outputs "
+                "this rank's rows, or a random draw that differs by rank; or its own weights differ between the "
+                "ranks (an earlier step updated their copies differently). Its input and the submodules' outputs "
                 "before it agree.")
 
 
@@ -86,6 +94,15 @@ class _Trace:
                     self.order.append((entry["name"], entry["kind"]))
                 files.setdefault(entry["name"], []).append(rank_folder / entry["file"])
             self.ranks.append((place, files))
+
+    def first_record(self, name: str) -> torch.Tensor | None:
+        """The first rank's record of ``name`` (a reduced gradient: every rank that holds it has the same)."""
+        import torch
+
+        for _, files in self.ranks:
+            if name in files:
+                return torch.load(files[name][0], weights_only=True)["output"]  # type: ignore[no-any-return]
+        return None
 
     def joined(self, name: str, which: str = "output", width: int | None = None) -> torch.Tensor | None:
         """The module's outputs (or inputs) over the whole global batch, rows in dataset order (None: not
@@ -179,6 +196,22 @@ def first_backward_difference(one: Path, many: Path, rtol: float, atol: float) -
         difference = _gap(reference, other, name, "output", rtol, atol)
         if difference is not None:
             return Finding(name, kind, difference, False, phase="backward")
+    return None
+
+
+def first_reduced_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:
+    """Where every module's output and gradient agree: the first parameter (in the model's order) whose gradient
+    after the reduction over the ranks differs from the one process's (each rank holding it has it whole)."""
+    import torch
+
+    reference, other = _Trace(one, "reduced"), _Trace(many, "reduced")
+    for name, _ in reference.order:
+        expected, got = reference.first_record(name), other.first_record(name)
+        if expected is None or got is None or expected.shape != got.shape:
+            continue
+        if not torch.allclose(got, expected, rtol=rtol, atol=atol):
+            return Finding(name, "parameter", float((got - expected).abs().nan_to_num(float("inf")).max()), False,
+                           phase="reduced")
     return None
 
 

@@ -246,7 +246,7 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
            runs: dict[str, tuple[list[str], Path]]) -> list[str]:
     """Both runs again to the diverging step, every module's outputs traced: the ``first difference:`` line and
     its hint (nothing when the divergence has no step, e.g. a run that stopped early)."""
-    from lockstep.cli.first_difference import first_backward_difference, first_difference
+    from lockstep.cli.first_difference import first_backward_difference, first_difference, first_reduced_difference
 
     found = re.match(r"step (\d+): ", divergence)
     if found is None or divergence.startswith(NOTHING_COMPARED):
@@ -266,10 +266,11 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
         return [f"first difference: the loss at step {step}, where every module's output agrees",
                 "  likely: a loss averaged over a count that differs by rank (tokens, valid labels) without saying "
                 "the count: rt.backward(loss, num_items=n), or {'loss': ..., 'num_items': n} from training_step."]
-    backward = first_backward_difference(traced[0], traced[1], args.rtol, args.atol)
-    if backward is not None:
-        return [backward.line(step), f"  likely: {backward.hint()}"]
-    return [f"first difference: the gradients' reduction or the update at step {step}: every module's output, the "
-            "gradient reaching it and the loss agree",
+    later = (first_backward_difference(traced[0], traced[1], args.rtol, args.atol)
+             or first_reduced_difference(traced[0], traced[1], args.rtol, args.atol))
+    if later is not None:
+        return [later.line(step), f"  likely: {later.hint()}"]
+    return [f"first difference: the update at step {step}: every module's output, the gradients reaching them and "
+            "after their reduction, and the loss agree",
             "  likely: a backward that is not rt.backward(loss) (loss.backward() with an uneven last batch), "
             "gradients changed by hand per rank, or an optimizer that steps per rank."]

@@ -79,6 +79,10 @@ class ModuleTrace:
                 self._write({"output": _kept(grad), "input": None, "rows": rows}, name, kind, call, "backward")
         return record
 
+    def reduced(self, name: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient after the gradients' reduction over the ranks, as the optimizer takes it."""
+        self._write({"output": _kept(grad), "input": None, "rows": None}, name, "parameter", 0, "reduced")
+
     def _write(self, record: dict[str, Any], name: str, kind: str, call: int, phase: str) -> None:
         file = f"{self._count:06d}.pt"
         torch.save(record, self.folder / file)

@@ -64,11 +64,15 @@ class StepRecorder:
     def before_step(self) -> None:
         """The gradients as the optimizer will use them (every rank: a collective for the loss)."""
         squares = torch.zeros((), dtype=torch.float64)
-        for model in self.models:
-            for param in model.parameters():
+        tracing = self.trace is not None and self.step == self.trace_step - 1
+        for index, model in enumerate(self.models):
+            for name, param in model.named_parameters():
                 if param.grad is not None:
                     grad = full_tensor(param.grad)
                     squares += grad.detach().double().pow(2).sum().cpu()
+                    if tracing:  # the gradient as reduced over the ranks, by the parameter's name
+                        assert self.trace is not None
+                        self.trace.reduced(f"{index}.{name}" if len(self.models) > 1 else name, grad)
         if self.holders:  # each rank holds its stage's parameters: the sum over every rank, each counted once
             squares = self._all_reduce_sum(squares) / self.holders
         self._grad_norm = float(squares.sqrt())
