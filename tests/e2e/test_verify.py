@@ -139,3 +139,15 @@ def test_verify_against_another_layout_agrees_on_a_correct_model_and_names_the_p
     planted = against("tp-scale")
     assert planted.returncode == 1, planted.stdout + planted.stderr
     assert "first difference: forward model.layers.1.mlp (LlamaMLP) at step 1" in planted.stderr, planted.stderr
+
+
+def test_one_layout_against_itself_is_compared_exactly_by_fingerprints():
+    """--against with the checked run's own options: the trace holds one torch.hash_tensor per row instead of
+    the tensors, compared exactly rank by rank; a draw no seed fixes in block 1's MLP is named there."""
+    done = _verify_as_the_readme_writes_it(2, "tests/scripts/verify_where.py", "--against", "--devices 2",
+                                           "unseeded", "ddp")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "tracing every module's fingerprints (torch.hash_tensor, per row)" in done.stdout, done.stdout
+    assert "first difference: forward blocks.1.mlp (Mlp) at step 1 on rank 0" in done.stderr, done.stderr
+    assert "compared exactly by fingerprints" in done.stderr and "not deterministic" in done.stderr
+    assert "on lockstep run --devices 2)" in done.stderr  # the reference is named as what it was

@@ -5,7 +5,8 @@ MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats 
 input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5); token-mean (the loss is
 each rank's own token mean, without num_items); grad-hook (a gradient hook on block 1's output scales the
 gradient by the rank: the forward agrees, the backward does not); grad-edit (block 1's first weight's gradient
-multiplied by the world size after the backward, as a sum over the ranks would be, before the optimizer step).
+multiplied by the world size after the backward, as a sum over the ranks would be, before the optimizer step);
+unseeded (block 1's MLP adds noise from a generator no seed fixes: two runs of one layout differ).
 
 LAYOUT: ddp; fsdp; tp (Parallel(tp=2), the MLPs split over the tensor-parallel peers: dp2 x tp2 on 4 processes);
 pp (Parallel(pp=2): embed and blocks 0-1 on the first stage, block 2 and the head on the second: pp2 x dp2 on 4
@@ -35,6 +36,9 @@ class Mlp(nn.Module):
         h = self.down(torch.tanh(self.up(x)))
         if self.planted and mode == "rank-scale":
             h = h * (1.0 + 0.25 * (dist.get_rank() if dist.is_initialized() else 0))
+        if self.planted and mode == "unseeded":  # a draw no seed fixes: two runs of one layout differ
+            noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+            h = h + 1e-2 * torch.randn(h.shape, generator=noise)
         return h
 
 

@@ -37,8 +37,13 @@ class Finding:
     first: bool
     before: str = ""  # the module whose input the difference reached first, inside this one
     phase: str = "forward"
+    rank: int | None = None  # by fingerprints (one layout against itself): the rank, and ``difference`` in rows
 
     def line(self, step: int) -> str:
+        if self.rank is not None:
+            what = {"forward": "output", "backward": "output's gradient", "reduced": "reduced gradient"}[self.phase]
+            return (f"first difference: {self.phase} {self.name} ({self.kind}) at step {step} on rank {self.rank}: "
+                    f"its {what} differs in {self.difference:.0f} row(s), compared exactly by fingerprints")
         if self.phase == "reduced":
             return (f"first difference: the gradient of {self.name} after the gradients' reduction at step {step} "
                     f"(every module's output and the gradient reaching it agree), max difference {self.difference:.3g}")
@@ -50,6 +55,11 @@ class Finding:
                 f"{self.difference:.3g}")
 
     def hint(self) -> str:
+        if self.rank is not None:
+            return ("the same layout computed two different results: something in or before this module is not "
+                    "deterministic (an atomic add on the GPU, a kernel chosen by timing, an unseeded draw, a "
+                    "collective whose order of summation varies). Runtime(deterministic=True) rules out the first "
+                    "two.")
         if self.phase == "reduced":
             return ("the gradients were changed between the backward and the optimizer step (scaled, clipped or "
                     "all-reduced by hand, summed where the ranks' mean is the one process's gradient), or by the "
@@ -197,6 +207,34 @@ def first_backward_difference(one: Path, many: Path, rtol: float, atol: float) -
         if difference is not None:
             return Finding(name, kind, difference, False, phase="backward")
     return None
+
+
+def first_fingerprint_difference(one: Path, many: Path) -> Finding | None:
+    """One layout against itself: each rank's records compared with the same rank's, in the order it made them
+    (forward, backward, reduced gradients), by their fingerprints; the earliest difference (on the lowest rank)."""
+    import torch
+
+    found: list[tuple[int, int, Finding]] = []
+    for folder in sorted(many.glob("trace-*"), key=lambda p: int(p.name.split("-")[1])):
+        rank, other = int(folder.name.split("-")[1]), one / folder.name
+        if not other.is_dir():
+            continue
+        mine = {(e["name"], e.get("phase", "forward"), e["call"]): e["file"] for e in _entries(other)}
+        for position, entry in enumerate(_entries(folder)):
+            key = (entry["name"], entry.get("phase", "forward"), entry["call"])
+            if key not in mine:
+                continue
+            got = torch.load(folder / entry["file"], weights_only=True)["output"]
+            expected = torch.load(other / mine[key], weights_only=True)["output"]
+            if got.shape != expected.shape or not torch.equal(got, expected):
+                rows = int((got != expected).sum()) if got.shape == expected.shape else int(got.numel())
+                found.append((position, rank, Finding(key[0], entry["kind"], rows, False, phase=key[1], rank=rank)))
+                break
+    return min(found, key=lambda item: item[:2])[2] if found else None
+
+
+def _entries(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / "index.jsonl").read_text().splitlines()]
 
 
 def first_reduced_difference(one: Path, many: Path, rtol: float, atol: float) -> Finding | None:

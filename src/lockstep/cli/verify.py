@@ -86,13 +86,14 @@ def _take_own_options(args: argparse.Namespace) -> None:
     args.script_args = unknown + theirs
 
 
-def _run(args: argparse.Namespace, options: list[str], folder: Path, trace: int = 0) -> str | None:
+def _run(args: argparse.Namespace, options: list[str], folder: Path, trace: int = 0,
+         fingerprints: bool = False) -> str | None:
     """One run of the script with ``lockstep run OPTIONS`` (``trace``: to that step, tracing its modules); None,
     or what went wrong."""
     command = [sys.executable, "-m", "lockstep.cli.main", "run", "--accelerator", args.accelerator, *options]
     command += [f"--precision={args.precision}"] if args.precision else []
     environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps),
-                   VERIFY_VARIABLES[2]: str(trace)}
+                   VERIFY_VARIABLES[2]: str(trace), VERIFY_VARIABLES[3]: "1" if fingerprints else ""}
     try:
         done = subprocess.run([*command, args.script, *args.script_args], env=environment, capture_output=True,
                               text=True, timeout=args.timeout)
@@ -139,9 +140,10 @@ def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tens
     return largest, (first if beyond else where), beyond
 
 
-def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: float, atol: float
-            ) -> tuple[list[str], str | None]:
-    """The report's table lines, and the first divergence (None if every step agrees)."""
+def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: float, atol: float,
+            against: str = "one process") -> tuple[list[str], str | None]:
+    """The report's table lines, and the first divergence (None if every step agrees); ``against``: what the
+    reference run was."""
     lines = [f"{'step':>4}  {'loss, 1 process':>16}  {'loss':>16}  {'grad norm, 1':>14}  {'grad norm':>14}  "
              f"{'max |weight diff|':>17}  parameter"]
     for ref, got in zip(reference, other, strict=False):
@@ -150,17 +152,17 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
                      f"{got['grad_norm']:>14.7g}  {gap:>17.3g}  {name}")
         if not all(math.isfinite(value) for value in (ref["loss"], got["loss"])):
             return lines, (f"step {ref['step']}: the loss is not a number ({got['loss']:.9g}, and {ref['loss']:.9g} on "
-                           "one process): nothing from this step on can be compared")
+                           f"{against}): nothing from this step on can be compared")
         if not _close(ref["loss"], got["loss"], rtol, atol):
-            return lines, (f"step {ref['step']}: the loss differs ({got['loss']:.9g} against {ref['loss']:.9g} on one "
-                           "process): the forward or the loss computes something per rank")
+            return lines, (f"step {ref['step']}: the loss differs ({got['loss']:.9g} against {ref['loss']:.9g} on "
+                           f"{against}): the forward or the loss computes something per rank")
         if not _close(ref["grad_norm"], got["grad_norm"], rtol, atol):
             return lines, (f"step {ref['step']}: the gradient norm differs ({got['grad_norm']:.7g} against "
                            f"{ref['grad_norm']:.7g}) while the loss agrees: the gradients are normalised per rank")
         if beyond:
             return lines, f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g})"
     if len(other) < len(reference):
-        return lines, f"the run stopped after {len(other)} steps, one process made {len(reference)}"
+        return lines, f"the run stopped after {len(other)} steps, {against} made {len(reference)}"
     if all(step["grad_norm"] == 0 for step in [*reference, *other]):
         return lines, (f"{NOTHING_COMPARED}: the gradients were zero at every step of both runs, so no step "
                        "moved the model (an optimizer whose parameters are not the model's, a loss detached from it, "
@@ -207,7 +209,8 @@ def verify_command(args: argparse.Namespace) -> int:
                 print(f"lockstep verify: the run on {label} could not be checked: {problem}", file=sys.stderr)
                 return 2
         try:
-            lines, divergence = compare(_steps(root / "one"), _steps(root / "many"), args.rtol, args.atol)
+            lines, divergence = compare(_steps(root / "one"), _steps(root / "many"), args.rtol, args.atol,
+                                        next(iter(runs)))
         except ValueError as error:
             print(f"lockstep verify: {error}", file=sys.stderr)
             return 1
@@ -246,19 +249,31 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
            runs: dict[str, tuple[list[str], Path]]) -> list[str]:
     """Both runs again to the diverging step, every module's outputs traced: the ``first difference:`` line and
     its hint (nothing when the divergence has no step, e.g. a run that stopped early)."""
-    from lockstep.cli.first_difference import first_backward_difference, first_difference, first_reduced_difference
+    from lockstep.cli.first_difference import (
+        first_backward_difference,
+        first_difference,
+        first_fingerprint_difference,
+        first_reduced_difference,
+    )
 
     found = re.match(r"step (\d+): ", divergence)
     if found is None or divergence.startswith(NOTHING_COMPARED):
         return []
     step = int(found.group(1))
-    print(f"lockstep verify: running both again to step {step}, tracing every module's outputs ...", flush=True)
+    (reference, _), (checked, _) = runs.values()
+    same = reference == checked  # one layout against itself: exact, by fingerprints
+    print(f"lockstep verify: running both again to step {step}, tracing every module's "
+          f"{'fingerprints (torch.hash_tensor, per row)' if same else 'outputs'} ...", flush=True)
     traced = []
     for label, (options, folder) in runs.items():
-        problem = _run(args, options, folder.with_name(folder.name + "-trace"), trace=step)
+        problem = _run(args, options, folder.with_name(folder.name + "-trace"), trace=step, fingerprints=same)
         if problem:
             return [f"lockstep verify: the traced run on {label} failed, no module named: {problem}"]
         traced.append(folder.with_name(folder.name + "-trace"))
+    if same:
+        exact = first_fingerprint_difference(traced[0], traced[1])
+        return [exact.line(step), f"  likely: {exact.hint()}"] if exact is not None else [
+            f"first difference: none in the traced modules at step {step}: every fingerprint is equal"]
     finding = first_difference(traced[0], traced[1], args.rtol, args.atol)
     if finding is not None:
         return [finding.line(step), f"  likely: {finding.hint()}"]

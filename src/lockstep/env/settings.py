@@ -80,7 +80,7 @@ PREEMPTED_EXIT = 143
 #: script keeps, each copy deleted once the script deleted its checkpoint (``checkpoint.ray_record``).
 RAY_CHECKPOINTS = "LOCKSTEP_RAY_CHECKPOINTS"
 
-VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS", "LOCKSTEP_VERIFY_TRACE")
+VERIFY_VARIABLES = ("LOCKSTEP_VERIFY", "LOCKSTEP_VERIFY_STEPS", "LOCKSTEP_VERIFY_TRACE", "LOCKSTEP_VERIFY_FINGERPRINT")
 
 
 def verify_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
@@ -101,6 +101,12 @@ def verify_trace_from_environ(environ: Mapping[str, str] | None = None) -> int:
     if not step.isdigit():
         raise ConfigError(f"{VERIFY_VARIABLES[2]}={step!r}: give the optimizer step to trace.")
     return int(step)
+
+
+def verify_fingerprints_from_environ(environ: Mapping[str, str] | None = None) -> bool:
+    """Under ``lockstep verify`` of one layout against itself: trace fingerprints, not tensors."""
+    env = os.environ if environ is None else environ
+    return env.get(VERIFY_VARIABLES[3], "") == "1"
 
 
 def cache_dir_from_environ(environ: Mapping[str, str] | None = None) -> Path:

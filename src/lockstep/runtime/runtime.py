@@ -18,7 +18,7 @@ from torch import nn
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
 from lockstep.env.fault_tolerance import FaultTolerance
-from lockstep.env.settings import verify_trace_from_environ
+from lockstep.env.settings import verify_fingerprints_from_environ, verify_trace_from_environ
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.checkpoint.ray_record import RayRecord
@@ -226,7 +226,8 @@ class Runtime:
         place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
                  "data_parallel_size": layout.data_parallel_size, "tp": layout.tp}
         trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows,
-                                     skip_first=layout.pp > 1 and traced == 1)) if traced else None
+                                     skip_first=layout.pp > 1 and traced == 1,
+                                     fingerprint=verify_fingerprints_from_environ())) if traced else None
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
                             self.full_state_dict, self.barrier, layout.parameter_holders, trace)
 

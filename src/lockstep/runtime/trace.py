@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lockstep.runtime._torch_compat import full_tensor
+from lockstep.runtime._torch_compat import full_tensor, is_dtensor
 from lockstep.runtime.tree import first_tensor
 
 
@@ -33,9 +33,11 @@ class ModuleTrace:
     batch this rank holds now (None where no lockstep loader handed it out)."""
 
     def __init__(self, folder: Path, rank: int, place: dict[str, int],
-                 rows: Callable[[], list[int] | None], skip_first: bool = False) -> None:
+                 rows: Callable[[], list[int] | None], skip_first: bool = False, fingerprint: bool = False) -> None:
         self.folder = folder / f"trace-{rank}"
         self.place, self.rows = place, rows
+        # the same layout twice: one torch.hash_tensor per row of this rank's tensor instead of the tensor
+        self._kept = _fingerprint if fingerprint else _kept
         # pipeline stages at the run's first step: torch's schedule first runs each stage once on empty tensors
         # to learn the shapes it sends (not a micro-batch of the step)
         self.skip_first = skip_first
@@ -67,7 +69,7 @@ class ModuleTrace:
             if self.skip_first and call == 0:
                 return
             rows = self.rows()
-            self._write({"output": _kept(tensor), "input": _kept(given) if given is not None else None,
+            self._write({"output": self._kept(tensor), "input": self._kept(given) if given is not None else None,
                          "rows": rows}, name, kind, call, "forward")
             if tensor.requires_grad and self._handles:  # the gradient reaching this output, in the backward
                 tensor.register_hook(self._gradient(name, kind, call, rows))
@@ -76,12 +78,12 @@ class ModuleTrace:
     def _gradient(self, name: str, kind: str, call: int, rows: list[int] | None) -> Callable[[torch.Tensor], None]:
         def record(grad: torch.Tensor) -> None:
             if self._handles:  # the trace has not stopped
-                self._write({"output": _kept(grad), "input": None, "rows": rows}, name, kind, call, "backward")
+                self._write({"output": self._kept(grad), "input": None, "rows": rows}, name, kind, call, "backward")
         return record
 
     def reduced(self, name: str, grad: torch.Tensor) -> None:
         """A parameter's gradient after the gradients' reduction over the ranks, as the optimizer takes it."""
-        self._write({"output": _kept(grad), "input": None, "rows": None}, name, "parameter", 0, "reduced")
+        self._write({"output": self._kept(grad), "input": None, "rows": None}, name, "parameter", 0, "reduced")
 
     def _write(self, record: dict[str, Any], name: str, kind: str, call: int, phase: str) -> None:
         file = f"{self._count:06d}.pt"
@@ -100,3 +102,13 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
     """A plain float32 CPU copy (a DTensor gathered whole; a collective's pending result waited for)."""
     whole = full_tensor(tensor).detach()
     return torch.empty(whole.shape, dtype=torch.float32).copy_(whole)
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """One ``torch.hash_tensor`` per row of this rank's own values (a DTensor's local shard): equal on two runs
+    exactly when the row's values are equal bit for bit (up to the XOR reduction's blind spots: two elements
+    of a row swapped)."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    local = torch.empty(local.shape, dtype=local.dtype).copy_(local.detach())
+    rows = local.reshape(local.shape[0], -1) if local.dim() else local.reshape(1, 1)
+    return torch.hash_tensor(rows, dim=1)
