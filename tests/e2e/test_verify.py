@@ -98,7 +98,8 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     ("dropout", "tp", 4, "first difference: forward blocks.1.drop (Dropout) at step 1"),
     ("token-mean", "ddp", 2, "first difference: the loss at step"),
     ("token-mean", "pp", 4, "first difference: the loss at step"),
-    ("grad-edit", "ddp", 2, "first difference: the gradient of blocks.1.mlp.up.weight after the gradients' reduction"),
+    ("grad-edit", "ddp", 2, "first difference: the gradient of blocks.1.mlp.up.weight after the gradients' reduction "
+                            "(DDP's all-reduce of the gradient buckets)"),
     ("grad-hook", "fsdp", 2, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
     ("grad-hook", "pp", 4, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
 ])

@@ -45,8 +45,9 @@ class Finding:
             return (f"first difference: {self.phase} {self.name} ({self.kind}) at step {step} on rank {self.rank}: "
                     f"its {what} differs in {self.difference:.0f} row(s), compared exactly by fingerprints")
         if self.phase == "reduced":
-            return (f"first difference: the gradient of {self.name} after the gradients' reduction at step {step} "
-                    f"(every module's output and the gradient reaching it agree), max difference {self.difference:.3g}")
+            return (f"first difference: the gradient of {self.name} after the gradients' reduction ({self.kind}) at "
+                    f"step {step} (every module's output and the gradient reaching it agree), max difference "
+                    f"{self.difference:.3g}")
         if self.phase == "backward":
             return (f"first difference: backward {self.name} ({self.kind}) at step {step}: the gradient reaching its "
                     f"output differs (every forward output and the loss agree), max difference {self.difference:.3g}")
@@ -243,14 +244,21 @@ def first_reduced_difference(one: Path, many: Path, rtol: float, atol: float) ->
     import torch
 
     reference, other = _Trace(one, "reduced"), _Trace(many, "reduced")
+    strategy = str(other.ranks[0][0].get("strategy", "")) if other.ranks else ""
+    collective = _REDUCTIONS.get(strategy, "the gradients' reduction")
     for name, _ in reference.order:
         expected, got = reference.first_record(name), other.first_record(name)
         if expected is None or got is None or expected.shape != got.shape:
             continue
         if not torch.allclose(got, expected, rtol=rtol, atol=atol):
-            return Finding(name, "parameter", float((got - expected).abs().nan_to_num(float("inf")).max()), False,
+            return Finding(name, collective, float((got - expected).abs().nan_to_num(float("inf")).max()), False,
                            phase="reduced")
     return None
+
+
+#: The collective that reduces the gradients, by strategy (its result is each parameter's gradient).
+_REDUCTIONS = {"ddp": "DDP's all-reduce of the gradient buckets", "fsdp": "FSDP's reduce-scatter of the gradients",
+               "dp": "DataParallel's reduce onto the first device"}
 
 
 def _gradient_scale(reference: _Trace, other: _Trace) -> float:

@@ -224,7 +224,7 @@ class Runtime:
             return None
         traced, layout = verify_trace_from_environ(), self.mesh.layout
         place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
-                 "data_parallel_size": layout.data_parallel_size, "tp": layout.tp}
+                 "data_parallel_size": layout.data_parallel_size, "tp": layout.tp, "strategy": self.strategy.name}
         trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows,
                                      skip_first=layout.pp > 1 and traced == 1,
                                      fingerprint=verify_fingerprints_from_environ())) if traced else None

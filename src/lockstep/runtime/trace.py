@@ -32,7 +32,7 @@ class ModuleTrace:
     """Every module's outputs in one step, written by one rank. ``rows``: the dataset indices of the training
     batch this rank holds now (None where no lockstep loader handed it out)."""
 
-    def __init__(self, folder: Path, rank: int, place: dict[str, int],
+    def __init__(self, folder: Path, rank: int, place: dict[str, Any],
                  rows: Callable[[], list[int] | None], skip_first: bool = False, fingerprint: bool = False) -> None:
         self.folder = folder / f"trace-{rank}"
         self.place, self.rows = place, rows
