@@ -298,3 +298,25 @@ def test_parallel_holds_the_degrees_and_each_strategy_means_one_layout_on_it():
             (lambda: lockstep.DDP(tp_plan={}), "DDP keeps only its own options")):
         with pytest.raises(lockstep.ConfigError, match=message):
             refused()
+
+
+def test_the_launcher_s_parallel_text_becomes_the_runtime_s_parallel_and_bad_text_is_refused(monkeypatch):
+    """`lockstep run --parallel tp=2,pp=2,pp_schedule=GPipe` (LOCKSTEP_PARALLEL) fills in a Runtime that gives no
+    parallel=; one written in code wins; malformed text is refused by name (lockstep run: before any process)."""
+    from lockstep.cli.main import main
+    from lockstep.runtime.config import RuntimeConfig
+    from lockstep.runtime.parallel.mesh import parallel_from_text
+
+    assert parallel_from_text("tp=2, pp=2,pp_schedule=GPipe,pp_microbatches=4") == lockstep.Parallel(
+        tp=2, pp=2, pp_schedule="GPipe", pp_microbatches=4)
+    for bad, says in (("tp=two", "tp='two' is not a whole number"), ("tp_plan=x", "give NAME=VALUE pairs"),
+                      ("tp", "give NAME=VALUE pairs")):
+        with pytest.raises(lockstep.ConfigError, match=says):
+            parallel_from_text(bad)
+    monkeypatch.setenv("LOCKSTEP_PARALLEL", "tp=2")
+    assert RuntimeConfig().resolved().parallel == lockstep.Parallel(tp=2)
+    assert RuntimeConfig(parallel=lockstep.Parallel(pp=2)).resolved().parallel == lockstep.Parallel(pp=2)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert main(["run", "--parallel", "tp=x", "--accelerator", "cpu", "t.py"]) == 2
+    assert "--parallel 'tp=x': tp='x' is not a whole number" in stderr.getvalue()
