@@ -235,11 +235,9 @@ def verify_command(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, root: Path) -> dict[str, tuple[list[str], Path]]:
     """The reference run and the run to check: their labels, their ``lockstep run`` options, their folders."""
-    checked = ["--devices", str(args.devices)]
-    checked += [f"--{name}={value}" for name, value in (("strategy", args.strategy), ("parallel", args.parallel))
-                if value]
-    setup = f"{args.devices} processes" + "".join(f", {name} {value}" for name, value in
-                                                   (("strategy", args.strategy), ("parallel", args.parallel)) if value)
+    chosen = [(name, value) for name, value in (("strategy", args.strategy), ("parallel", args.parallel)) if value]
+    checked = ["--devices", str(args.devices), *(f"--{name}={value}" for name, value in chosen)]
+    setup = f"{args.devices} processes" + "".join(f", {name} {value}" for name, value in chosen)
     reference = shlex.split(args.against) if args.against else ["--devices", "1"]
     return {("one process" if not args.against else f"lockstep run {args.against}"): (reference, root / "one"),
             setup: (checked, root / "many")}
@@ -266,10 +264,10 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
           f"{'fingerprints (torch.hash_tensor, per row)' if same else 'outputs'} ...", flush=True)
     traced = []
     for label, (options, folder) in runs.items():
-        problem = _run(args, options, folder.with_name(folder.name + "-trace"), trace=step, fingerprints=same)
+        traced.append(folder.with_name(folder.name + "-trace"))
+        problem = _run(args, options, traced[-1], trace=step, fingerprints=same)
         if problem:
             return [f"lockstep verify: the traced run on {label} failed, no module named: {problem}"]
-        traced.append(folder.with_name(folder.name + "-trace"))
     if same:
         exact = first_fingerprint_difference(traced[0], traced[1])
         return [exact.line(step), f"  likely: {exact.hint()}"] if exact is not None else [

@@ -223,11 +223,10 @@ class Runtime:
         if verifying is None:
             return None
         traced, layout = verify_trace_from_environ(), self.mesh.layout
-        place = {"rank": self.rank, "data_parallel_rank": layout.data_parallel_rank(self.rank),
-                 "data_parallel_size": layout.data_parallel_size, "tp": layout.tp, "strategy": self.strategy.name}
-        trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows,
-                                     skip_first=layout.pp > 1 and traced == 1,
-                                     fingerprint=verify_fingerprints_from_environ())) if traced else None
+        place = {"data_parallel_rank": layout.data_parallel_rank(self.rank), "strategy": self.strategy.name}
+        trace = (traced, ModuleTrace(Path(verifying[0]), self.rank, place, self._current.rows, traced,
+                                     lambda: self._model.warms_up, verify_fingerprints_from_environ())
+                 ) if traced else None
         return StepRecorder(Path(verifying[0]), verifying[1], self.rank, lambda t: self.all_reduce(t, op="sum"),
                             self.full_state_dict, self.barrier, layout.parameter_holders, trace)
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lockstep.runtime._torch_compat import full_tensor, is_dtensor
+from lockstep.runtime.parallel.pipeline.stages import Skipped
 from lockstep.runtime.tree import first_tensor
 
 
@@ -32,26 +33,28 @@ class ModuleTrace:
     """Every module's outputs in one step, written by one rank. ``rows``: the dataset indices of the training
     batch this rank holds now (None where no lockstep loader handed it out)."""
 
-    def __init__(self, folder: Path, rank: int, place: dict[str, Any],
-                 rows: Callable[[], list[int] | None], skip_first: bool = False, fingerprint: bool = False) -> None:
+    def __init__(self, folder: Path, rank: int, place: dict[str, Any], rows: Callable[[], list[int] | None],
+                 step: int, warms_up: Callable[[], bool], fingerprint: bool = False) -> None:
         self.folder = folder / f"trace-{rank}"
         self.place, self.rows = place, rows
         # the same layout twice: one torch.hash_tensor per row of this rank's tensor instead of the tensor
         self._kept = _fingerprint if fingerprint else _kept
-        # pipeline stages at the run's first step: torch's schedule first runs each stage once on empty tensors
-        # to learn the shapes it sends (not a micro-batch of the step)
-        self.skip_first = skip_first
+        # the model kind's warm-up (pipeline stages: each stage once on empty tensors, at the run's first step)
+        # is no micro-batch of the step: its calls are left out
+        self.step, self._warms_up = step, warms_up
+        self.skip_first = False
         self._handles: list[RemovableHandle] = []
         self._calls: dict[str, int] = {}
         self._count = 0
 
     def start(self, models: list[nn.Module]) -> None:
+        self.skip_first = self.step == 1 and self._warms_up()
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "rank.json").write_text(json.dumps(self.place))
         for index, model in enumerate(models):
             prefix = f"{index}." if len(models) > 1 else ""
             for name, module in model.named_modules():
-                if type(module).__name__ == "Skipped":  # another pipeline stage's module stands there
+                if isinstance(module, Skipped):  # another pipeline stage's module stands there
                     continue
                 label = prefix + name if name else (prefix.rstrip(".") or "(the model)")
                 self._handles.append(module.register_forward_hook(self._hook(label, type(module).__name__),

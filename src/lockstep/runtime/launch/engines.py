@@ -56,20 +56,22 @@ def engine_for(request: RunRequest, checks: TrainingChecks, say: Say) -> Engine:
     return TorchElastic(checks, say)
 
 
-def _refuse_fault_tolerance_options(request: RunRequest) -> None:
-    if request.fault_tolerant:  # the engine refuses --fault-tolerant itself (Ray), or is the replica groups'
-        return
-    given = [option for name, option in _FAULT_TOLERANCE_ONLY.items() if getattr(request, name) is not None]
+def _refuse_options_of(options: dict[str, str], request: RunRequest, without: str, purpose: str) -> None:
+    """Options of one engine, given to another, refused by name: ``without`` is what they need."""
+    given = [option for name, option in options.items() if getattr(request, name) is not None]
     if given:
-        raise PreflightError(f"{', '.join(given)} without --fault-tolerant: these set the replica groups of a "
-                             "fault-tolerant job; add --fault-tolerant, or leave them out.")
+        raise PreflightError(f"{', '.join(given)} without {without}: these set {purpose}; add {without}, or leave "
+                             "them out.")
+
+
+def _refuse_fault_tolerance_options(request: RunRequest) -> None:
+    if not request.fault_tolerant:  # the engine refuses --fault-tolerant itself (Ray), or is the replica groups'
+        _refuse_options_of(_FAULT_TOLERANCE_ONLY, request, "--fault-tolerant",
+                           "the replica groups of a fault-tolerant job")
 
 
 def _refuse_ray_options(request: RunRequest) -> None:
-    given = [option for name, option in _RAY_ONLY.items() if getattr(request, name) is not None]
-    if given:
-        raise PreflightError(f"{', '.join(given)} without --engine ray: these set Ray Train's run; add --engine ray, "
-                             "or leave them out.")
+    _refuse_options_of(_RAY_ONLY, request, "--engine ray", "Ray Train's run")
 
 
 class TorchElastic:

@@ -60,6 +60,7 @@ class ModelKind(Protocol):
     """What differs between a whole model and pipeline stages; ``prepare`` runs the order around it."""
 
     elsewhere: bool  # some of the optimizers' parameters live on other ranks (other stages)
+    warms_up: bool  # its first step runs each module once on empty tensors first (torch's shape inference)
     tools: Tools
 
     def cut(self, model: nn.Module) -> None: ...
@@ -104,6 +105,7 @@ class WholeModel:
     """The whole model on every rank, wrapped by the strategy (DDP, FSDP over the data-parallel ranks)."""
 
     elsewhere = False
+    warms_up = False
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools

@@ -35,6 +35,7 @@ class StagedModel:
     sharded or replicated over the data-parallel ranks of its stage, and run by the schedule."""
 
     elsewhere = True
+    warms_up = True  # torch's schedule runs each stage once on empty tensors to learn the shapes it sends
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
