@@ -4,8 +4,12 @@ runs the request is ``runtime/launch/engines.py``'s."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.engines import engine_for
@@ -180,6 +184,24 @@ def _say(line: str) -> None:
     print(f"lockstep run: {line}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _straggler_summary() -> Iterator[None]:
+    """Rank 0 writes the slowest rank its straggler report named to a file this run gives it (on this node):
+    said again as the run's last line."""
+    if os.environ.get("LOCKSTEP_STRAGGLER_SUMMARY"):  # set by whoever runs this: theirs to read
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="lockstep-run-") as folder:
+        summary = Path(folder) / "slowest-rank.txt"
+        os.environ["LOCKSTEP_STRAGGLER_SUMMARY"] = str(summary)
+        try:
+            yield
+        finally:
+            del os.environ["LOCKSTEP_STRAGGLER_SUMMARY"]
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                _say(f"slowest rank: {summary.read_text()[:2000].strip()}")
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Plan the request with its engine (every check before a process starts), then run it."""
     try:
@@ -189,7 +211,8 @@ def run_command(args: argparse.Namespace) -> int:
         for note in notes:
             _say(note)
         engine = engine_for(request, _Checks(), _say)
-        return engine.run(engine.plan(request))
+        with _straggler_summary():
+            return engine.run(engine.plan(request))
     except PreflightError as error:  # before any worker started (the lighthouse's port is found taken as it starts)
         print(f"lockstep run: {error}", file=sys.stderr)
         return 2

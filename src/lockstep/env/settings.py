@@ -24,6 +24,30 @@ def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | No
     return value
 
 
+def straggler_factor_from_environ(environ: Mapping[str, str] | None = None) -> float:
+    """``LOCKSTEP_STRAGGLER_FACTOR``: how far above its peers' median a rank's own work must stay to be named
+    a straggler (default 1.3; 0 turns the straggler report off)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCKSTEP_STRAGGLER_FACTOR", "").strip()
+    if not raw:
+        return 1.3
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"LOCKSTEP_STRAGGLER_FACTOR={raw!r} is not a number: give a factor above 1 (e.g. 1.3), "
+                          "or 0 to turn the straggler report off.") from None
+    if value != 0 and not value > 1:
+        raise ConfigError(f"LOCKSTEP_STRAGGLER_FACTOR={raw!r}: give a factor above 1 (e.g. 1.3), or 0 to turn the "
+                          "straggler report off.")
+    return value
+
+
+def straggler_summary_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
+    """Set by ``lockstep run``: the file where rank 0 writes the slowest rank named, for the run's last line."""
+    env = os.environ if environ is None else environ
+    return env.get("LOCKSTEP_STRAGGLER_SUMMARY") or None
+
+
 RUNTIME_VARIABLES = {
     "accelerator": "LOCKSTEP_ACCELERATOR",
     "strategy": "LOCKSTEP_STRATEGY",

@@ -22,20 +22,14 @@ from lockstep.env.settings import verify_fingerprints_from_environ, verify_trace
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.checkpoint.ray_record import RayRecord
-from lockstep.runtime.comm import collectives
-from lockstep.runtime.comm.process_group import (
-    DEFAULT_TIMEOUT_S,
-    choose_backend,
-    destroy_process_group,
-    init_process_group,
-    init_single_process_group,
-)
+from lockstep.runtime.comm import collectives, process_group
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
 from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
 from lockstep.runtime.fault_tolerance.replication import NoReplicas, Replication
 from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption, ReclaimNotice
+from lockstep.runtime.faults.stragglers import stragglers_for
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.launch.membership import report_membership
 from lockstep.runtime.optimizer_step import OptimizerStep
@@ -134,7 +128,7 @@ class Runtime:
         # membership, read per step by the loaders, num_items and gather.
         self.mesh = Mesh(layout, self.rank, self.device.type)
         self._wrapped: list[weakref.ref[nn.Module]] = []
-        self._watchdog = Watchdog(self.rank, self.world_size, self.timeout, bool(self.config.debug))
+        self._watchdog = self._make_watchdog(layout)
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
@@ -164,10 +158,10 @@ class Runtime:
                                            self.strategy.one_process_many_devices)
         self.precision = make_precision(config.precision or "32-true", self.placement.device,
                                         sharded=self.strategy.collective_forward)
-        self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)
+        self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
         self.seed = 0 if config.seed is None else seed_everything(config.seed)
-        self._owns_group = self._join_group(choose_backend(
+        self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,
             sharded=self.strategy.collective_forward and env.world_size > 1))
         return layout
@@ -217,6 +211,13 @@ class Runtime:
         total = self.all_reduce(value, op="sum") / self.mesh.layout.batch_peers if self.world_size > 1 else value
         return self.replication.sum(total)
 
+    def _make_watchdog(self, layout: MeshLayout) -> Watchdog:
+        """The hang reports' watchdog, with this rank's part of the straggler report (docs/reliability.md):
+        ranks are compared with the others of their pipeline stage."""
+        stragglers = stragglers_for(self.rank, self.world_size, self.env.local_rank, self.device.type,
+                                    layout.pipeline_rank(self.rank))
+        return Watchdog(self.rank, self.world_size, self.timeout, bool(self.config.debug), stragglers)
+
     def _make_recorder(self) -> StepRecorder | None:
         """Under ``lockstep verify``: the recorder of the first steps (it ends the run after them)."""
         verifying = verify_from_environ()
@@ -243,10 +244,10 @@ class Runtime:
         if not self.env.is_distributed:
             if not isinstance(self.strategy, FSDP):  # FSDP on one process: its CPU offload (make_strategy)
                 return False
-            owns = init_single_process_group(backend, self.timeout)
+            owns = process_group.init_single_process_group(backend, self.timeout)
             atexit.register(self.close)
             return owns
-        owns = init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
+        owns = process_group.init_process_group(self.env, backend, self.timeout, self.config.init_method, self.device)
         atexit.register(self.close)
         if self.rank != 0:  # every rank runs the same torch code: its warnings are shown once, by rank 0
             warnings.filterwarnings("ignore", module=r"torch(\.|$)")
@@ -485,6 +486,15 @@ class Runtime:
         has ended gets batches of zero rows, which add nothing to gathered outputs.
         """
         return self._loaders.evaluation(data, batch_size, options)
+
+    def step_times(self) -> dict[str, Any]:
+        """This rank's newest training steps, timed without a sync (``steps``: each step's ``step_s``,
+        ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``); on rank 0 also the straggler
+        report's view of every rank (``step_time/max_over_median``, ``step_time/slowest_rank`` over the
+        newest steps judged, ``stragglers``: rank -> cause of each rank named). Empty on one process or
+        with ``LOCKSTEP_STRAGGLER_FACTOR=0`` (docs/reliability.md)."""
+        stragglers = self._watchdog.stragglers
+        return stragglers.report() if stragglers is not None else {}
 
     def mark(self, stage: str) -> None:
         """Say what this rank is doing (e.g. the hook it enters); hang and failure reports show it.
@@ -738,7 +748,7 @@ class Runtime:
                 if module is not None:
                     self.strategy.release(module)
             gc.collect()  # pending work objects sit in reference cycles: free them while the group lives
-            destroy_process_group()
+            process_group.destroy_process_group()
 
     def __enter__(self) -> Runtime:
         return self

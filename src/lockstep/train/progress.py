@@ -78,6 +78,17 @@ class ThroughputMonitor(Callback):
                         f"lockstep: {fraction:.0%} of step time is spent waiting for data. Raise num_workers "
                         "(Trainer(num_workers=...)), enable pin_memory on GPUs, or make __getitem__ cheaper.")
         self._mark = (now, samples, wait, trainer.global_step)
+        self._log_stragglers(trainer)
+
+    @staticmethod
+    def _log_stragglers(trainer: Trainer) -> None:
+        """Rank 0's straggler view (``rt.step_times()``), to its loggers only: known on rank 0 alone, so
+        never a callback metric that the ranks could disagree on."""
+        report = trainer.runtime.step_times() if trainer.is_global_zero else {}
+        values = {k: float(v) for k, v in report.items() if k.startswith("step_time/")}
+        if values:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, trainer.global_step)
 
     def _items_per_s(self, trainer: Trainer, elapsed: float) -> dict[str, float]:
         """The items (``num_items``: tokens, say) of every data-parallel rank per second since the last

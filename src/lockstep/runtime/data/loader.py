@@ -73,6 +73,8 @@ class CurrentBatch:
         self.stand_in = {}
         if loader.training:
             self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
+            if self.watchdog.clock is not None:  # the straggler report times the steps
+                self.watchdog.clock.batch(loader)
 
     def rows(self) -> list[int] | None:
         """The dataset indices of the current training batch's rows on this rank (None: no lockstep loader's)."""
@@ -83,6 +85,8 @@ class CurrentBatch:
         self.stand_in = {}
         if loader is self.loader:
             self.loader, self.loss_weight = None, 1.0
+            if self.watchdog.clock is not None:
+                self.watchdog.clock.pass_ended()
 
 
 class EpochSeededDataset(Dataset[Any]):

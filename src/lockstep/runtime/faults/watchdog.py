@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lockstep.errors import CollectiveError
 from lockstep.runtime._torch_compat import default_store
 from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
+from lockstep.runtime.faults.stragglers import TICK_S, Stragglers
 from lockstep.runtime.tree import flatten
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lockstep/
@@ -74,9 +75,14 @@ class _StepCollectives:
         self.watchdog = watchdog
 
     def __enter__(self) -> None:
-        return None
+        clock = self.watchdog.clock
+        if clock is not None:
+            clock.enter(self.watchdog.op)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        clock = self.watchdog.clock
+        if clock is not None:
+            clock.leave()
         report = self.watchdog.explain_step(error) if isinstance(error, RuntimeError) else None
         if report is not None:
             raise report from None  # the report quotes the collective's error; its torch trace is noise
@@ -130,9 +136,11 @@ class Watchdog:
     _beating: Watchdog | None = None  # the watchdog whose thread writes this process's heartbeat
     _handover = threading.Lock()
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, debug: bool) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, debug: bool,
+                 stragglers: Stragglers | None = None) -> None:
         self.rank, self.world_size, self.timeout_s, self.debug = rank, world_size, timeout_s, debug
         self.count = 0
+        self.op = ""  # the step's scope being entered (forward, backward, ...)
         self.last = "no collective yet"
         # Where this rank is, set cheaply by the loaders and the Trainer; read by mark and the heartbeat.
         self.batch: tuple[str, int, int] | None = None  # (loader kind, epoch, batch index)
@@ -148,6 +156,8 @@ class Watchdog:
             with contextlib.suppress(Exception):  # without the store, errors just lack the positions
                 self.store = default_store()
         self.interval_s = min(5.0, max(0.5, timeout_s / 10))
+        self.stragglers = stragglers if self.store is not None else None
+        self.clock = self.stragglers.clock if self.stragglers is not None else None
         if self.store is not None:
             with Watchdog._handover:
                 if Watchdog._beating is not None:  # superseded: a later stop writes nothing, the rank has not left
@@ -179,6 +189,7 @@ class Watchdog:
         their failure is explained as lockstep's own collectives' is."""
         self.count += 1
         self.last = f"{op} #{self.count}"
+        self.op = op
         return self._step
 
     def _publish(self) -> None:
@@ -190,6 +201,8 @@ class Watchdog:
 
     def _heartbeat(self) -> None:
         beat = 0
+        # The step times travel with the heartbeat, which then beats at least every TICK_S seconds.
+        tick = min(self.interval_s, TICK_S) if self.stragglers is not None else self.interval_s
         while True:
             beat += 1
             try:
@@ -199,9 +212,11 @@ class Watchdog:
                 now = current_line(self._thread)
                 position = ", ".join(p for p in (self.position(), f"now at {now}" if now else "") if p)
                 self.store.set(self._key(self.rank, "alive"), f"{beat} {position}")
+                if self.stragglers is not None:
+                    self.stragglers.beat(self.store)
             except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
                 return
-            if self._stop.wait(self.interval_s):
+            if self._stop.wait(tick):
                 return
 
     def _end_heartbeat(self) -> None:

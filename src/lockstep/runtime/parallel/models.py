@@ -121,9 +121,12 @@ class WholeModel:
         forward_module = tools.strategy.wrap(module, tools.placement, tools.precision, tools.mesh)
         eval_module = tools.strategy.eval_module(forward_module)
         watch = tools.watchdog if tools.strategy.collective_forward else None  # a forward that is a collective
+        clock = tools.watchdog.clock
+        if clock is not None and not tools.strategy.collective_forward:  # the straggler report: its wait in DDP
+            clock.watch_gradients([p for p in module.parameters() if p.requires_grad])
         replicas = tools.mesh.layout.data_parallel_size
-        return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas),
-                forward_module)
+        return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas,
+                              clock), forward_module)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                          num_items: Callable[[Any], int | torch.Tensor] | None,

@@ -12,6 +12,7 @@ from torch import nn
 
 from lockstep.errors import UsageError
 from lockstep.runtime._torch_compat import compiled_inner
+from lockstep.runtime.faults.stragglers import StepClock
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.precision import Precision
 from lockstep.runtime.tree import empty_rows, map_tensors
@@ -52,7 +53,7 @@ class WrappedModule(nn.Module):
     def __init__(
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
-        watchdog: Watchdog | None = None, replicas: int = 1,
+        watchdog: Watchdog | None = None, replicas: int = 1, clock: StepClock | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -60,7 +61,8 @@ class WrappedModule(nn.Module):
         self.__dict__["module"] = module
         self.__dict__["_precision"] = precision
         self.__dict__["_stand_in"] = stand_in
-        self.__dict__["_watchdog"] = watchdog
+        self.__dict__["_watchdog"] = watchdog  # a forward that is a collective: watched (and timed) as one
+        self.__dict__["_clock"] = clock  # else only timed, for the straggler report
         # running statistics (BatchNorm) that each data-parallel replica (of ``replicas``) moves with its own rows
         self.__dict__["_tracks_stats"] = replicas > 1 and tracks_statistics(module)
 
@@ -74,7 +76,14 @@ class WrappedModule(nn.Module):
             self.__dict__["module"].__dict__[STATISTICS_MOVED] = True  # until rt.sync_buffers
         watchdog: Watchdog | None = self.__dict__["_watchdog"]
         if watchdog is None:
-            return self._forward_rows(*args, **kwargs)
+            clock = self.__dict__["_clock"]
+            if clock is None:
+                return self._forward_rows(*args, **kwargs)
+            clock.enter("forward")  # the straggler report times the forward
+            try:
+                return self._forward_rows(*args, **kwargs)
+            finally:
+                clock.leave()
         with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
             return self._forward_rows(*args, **kwargs)
 

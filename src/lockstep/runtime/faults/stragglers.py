@@ -1,0 +1,393 @@
+"""Stragglers: a rank slower than its peers, found from every rank's step times and named while the job runs.
+
+Each rank times its training steps without synchronising anything (``StepClock``): the step (from one
+training batch handed out to the next), the wait for the next batch, the forward and the backward. On
+CUDA the forward and backward are device times, from events read once they are done (a step or more
+later), never a synchronize. The heartbeat thread writes the newest steps to the rendezvous store with
+the seconds the training thread spent runnable but not running (``/proc``'s run-queue time: a busy
+host), and on rank 0 reads every rank's and judges (``StragglerJudge``).
+
+The judge compares each rank's own work in a step (the step less its backward, where data-parallel ranks
+wait for each other's gradients) with the median of its peers' (the ranks of the same pipeline stage).
+A rank above ``factor`` times that median, by more than a few percent of the step, for ``PATIENCE``
+consecutive steps, is named in one line on rank 0: who (rank, host, local rank), its own work against
+the median, and where the extra time goes: data loading, its forward, waiting for a CPU (a busy host),
+or its own code between steps. Said again only when it changes; ``LOCKSTEP_STRAGGLER_FACTOR=0`` turns
+the whole report off (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from lockstep.env.settings import straggler_factor_from_environ, straggler_summary_from_environ
+
+PATIENCE = 4  # consecutive slow steps before a rank is named
+KEPT = 32  # the newest steps each rank publishes, and the judge compares
+TICK_S = 0.5  # how often the heartbeat publishes steps (and rank 0 judges) while steps are timed
+MIN_EXCESS = 0.05  # a slow step's excess must also be this share of the median step (and 1 ms): not noise
+
+
+def run_queue_s(thread_id: int | None) -> float | None:
+    """Seconds the thread waited runnable for a CPU since it started (Linux schedstat), None elsewhere."""
+    if thread_id is None:
+        return None
+    try:
+        fields = Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StepClock:
+    """This rank's step times: written by the training thread, read by the heartbeat thread.
+
+    A record is ``(n, step_s, data_s, forward_s, backward_s, wait_s)`` for the n-th step timed. ``wait_s``
+    is the part of the backward after the model's last gradient was computed: the wait for the other
+    ranks' gradients (the whole backward where that moment is not seen: no gradient hook, as under FSDP).
+    A pass's end (an epoch, validation in between) is not a step: the next pass starts the clock again.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.records: deque[tuple[int, float, float, float, float, float]] = deque(maxlen=KEPT)
+        self.count = 0
+        self.thread = threading.get_native_id()  # the training thread, whose run-queue time is read
+        self._cuda = cuda
+        self._pending: deque[tuple[int, float, list[Any]]] = deque()  # CUDA: steps whose events are not done
+        self._loader: object = None
+        self._handed = 0.0  # when the current batch was handed out (host)
+        self._waited = 0.0  # the loader's wait then
+        self._spans = [0.0, 0.0, 0.0]  # forward, backward, the backward's wait (host) of the current step
+        self._events: list[Any] = []  # CUDA: the handout, then each span's (kind, start, end, last gradient)
+        self._opened = 0.0
+        self._open = -1  # the span being timed: 0 forward, 1 backward, -1 none
+        self._gradient: Any = 0.0  # when the newest gradient was computed (host time; a CUDA event)
+        self._hooks: list[Any] = []
+
+    def watch_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Hook the parameters' gradients: the first backward finds whose comes last, which stays hooked."""
+        last = [-1]
+
+        def hook(index: int) -> Callable[[Any], None]:
+            def ready(_: Any) -> None:
+                self._gradient = _event() if self._cuda else time.perf_counter()
+                last[0] = index
+            return ready
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(parameters)]
+        self._choose = lambda: [h.remove() for i, h in enumerate(self._hooks) if i != last[0]]
+
+    def batch(self, loader: Any) -> None:
+        """A training batch was handed out: the previous one's step ends here."""
+        now, waited = time.perf_counter(), loader.wait_s
+        if loader is self._loader:
+            self.count += 1
+            if self._cuda:
+                self._step_on_device(waited - self._waited)
+            else:
+                self.records.append((self.count, now - self._handed, waited - self._waited, *self._spans))
+        self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0, 0.0, 0.0]
+
+    def pass_ended(self) -> None:
+        self._loader, self._events = None, []
+
+    def enter(self, op: str) -> None:
+        span = 0 if op == "forward" else 1 if op == "backward" else -1
+        if span < 0 or self._open >= 0:  # another scope, or one inside a timed one
+            return
+        self._open, self._opened, self._gradient = span, time.perf_counter(), None
+        if self._cuda:
+            self._events.append(_event())
+
+    def leave(self) -> None:
+        if self._open < 0:
+            return
+        now, span = time.perf_counter(), self._open
+        self._spans[span] += now - self._opened
+        if span == 1:
+            gradient = self._gradient
+            self._spans[2] += now - (gradient if isinstance(gradient, float) else self._opened)
+            if self._hooks:  # the first backward: keep the hook whose gradient came last
+                self._choose()
+                self._hooks = []
+        if self._cuda:
+            self._events.append((span, _event(), self._gradient if span == 1 else None))
+        self._open = -1
+
+    def _step_on_device(self, data_s: float) -> None:
+        """CUDA: the step's spans are device times, taken from its events once they are done."""
+        handout = _event()
+        if self._events:
+            self._pending.append((self.count, data_s, [*self._events, handout]))
+        self._events = [handout]
+        while self._pending and self._pending[0][2][-1].query():
+            n, data, events = self._pending.popleft()
+            spans = [0.0, 0.0, 0.0]
+            for start, (span, end, gradient) in zip(events[1:-1:2], events[2:-1:2], strict=False):
+                spans[span] += start.elapsed_time(end) / 1e3
+                if span == 1:
+                    spans[2] += (gradient or start).elapsed_time(end) / 1e3
+            self.records.append((n, events[0].elapsed_time(events[-1]) / 1e3, data, *spans))
+        while len(self._pending) > KEPT:  # events that never complete (a stalled stream): not kept forever
+            self._pending.popleft()
+
+    def payload(self, host: str, local_rank: int, group: int) -> str:
+        """What the heartbeat publishes: who this rank is, its run-queue time, its newest steps."""
+        steps = [[n, *(round(x, 6) for x in rest)] for n, *rest in list(self.records)]
+        return json.dumps({"host": host, "local_rank": local_rank, "group": group, "count": self.count,
+                           "queued_s": run_queue_s(self.thread), "steps": steps})
+
+    def mine(self) -> list[dict[str, float]]:
+        """The newest steps, as ``rt.step_times()`` gives them."""
+        names = ("step", "step_s", "data_s", "forward_s", "backward_s", "wait_s")
+        return [dict(zip(names, record, strict=True)) for record in list(self.records)]
+
+
+def _event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+class _Rank:
+    """What the judge knows of one rank: its published steps and two run-queue readings."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, Times] = {}
+        self.host, self.local_rank, self.group = "?", -1, 0
+        self.queued: deque[tuple[int, float]] = deque(maxlen=2)  # (steps counted, run-queue seconds)
+
+    def take(self, payload: dict[str, Any]) -> None:
+        self.host, self.local_rank = str(payload.get("host", "?"))[:64], int(payload.get("local_rank", -1))
+        self.group = int(payload.get("group", 0))
+        for entry in payload.get("steps", [])[-KEPT:]:
+            n, *times = entry
+            if len(times) == 5 and all(isinstance(t, (int, float)) and math.isfinite(t) for t in times):
+                self.steps[int(n)] = Times(*(float(t) for t in times))
+        for n in sorted(self.steps)[:-KEPT]:
+            del self.steps[n]
+        queued, count = payload.get("queued_s"), int(payload.get("count", 0))
+        if isinstance(queued, (int, float)) and (not self.queued or count > self.queued[-1][0]):
+            self.queued.append((count, float(queued)))
+
+    def queued_per_step(self) -> float | None:
+        if len(self.queued) < 2:
+            return None
+        (n0, q0), (n1, q1) = self.queued
+        return (q1 - q0) / (n1 - n0)
+
+    def who(self, rank: int) -> str:
+        return f"rank {rank} (host {self.host}, local rank {self.local_rank})"
+
+
+class Times(NamedTuple):
+    """One step of one rank, in seconds."""
+
+    step: float
+    data: float
+    forward: float
+    backward: float
+    wait: float  # the backward's wait for the other ranks
+
+    @property
+    def own(self) -> float:
+        """The rank's own work: the step less its wait for the others."""
+        return self.step - self.wait
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward - self.wait
+
+
+def _own(times: Times) -> float:
+    return times.own
+
+
+def _data(times: Times) -> float:
+    return times.data
+
+
+def _compute(times: Times) -> float:
+    return times.compute
+
+
+def _forward(times: Times) -> float:
+    return times.forward
+
+
+class StragglerJudge:
+    """Rank 0's view of every rank's steps: names a rank whose own work stays above its peers' median."""
+
+    def __init__(self, world_size: int, factor: float, say: Callable[[str], None],
+                 summary: str | None = None) -> None:
+        self.world_size, self.factor, self.say, self.summary = world_size, factor, say, summary
+        self.ranks = {rank: _Rank() for rank in range(world_size)}
+        self.named: dict[int, str] = {}  # rank -> its cause, as last said
+        self.latest: dict[str, float] = {}  # step_time/max_over_median and the slowest rank, newest judged steps
+        self.worst: tuple[float, str] | None = None  # the largest excess named in the run, and its line
+        self._lock = threading.Lock()
+
+    def read(self, store: Any) -> None:
+        """Every rank's newest steps from the store, then a judgement."""
+        keys = [f"lockstep/steps/{rank}" for rank in range(self.world_size)]
+        if not store.check(keys):  # a rank has not published yet
+            return
+        for rank, raw in enumerate(store.multi_get(keys)):
+            try:
+                self.ranks[rank].take(json.loads(raw))
+            except (ValueError, TypeError, AttributeError):  # a damaged entry: that rank waits for its next one
+                continue
+        self.judge()
+
+    def judge(self) -> None:
+        groups: dict[int, list[int]] = {}
+        for rank, known in self.ranks.items():
+            groups.setdefault(known.group, []).append(rank)
+        ratios: list[tuple[float, int]] = []
+        for members in groups.values():
+            if len(members) > 1:
+                ratios += self._judge_group(members)
+        if ratios:
+            top, slowest = max(ratios)
+            with self._lock:
+                self.latest = {"step_time/max_over_median": top, "step_time/slowest_rank": float(slowest)}
+
+    def _judge_group(self, members: list[int]) -> list[tuple[float, int]]:
+        common = sorted(set.intersection(*(set(self.ranks[r].steps) for r in members)))[-KEPT:]
+        if len(common) < PATIENCE:
+            return []
+        runs: dict[int, int] = {}
+        newest: list[tuple[float, int]] = []
+        for rank in members:
+            others = [r for r in members if r != rank]
+            run = 0
+            for n in reversed(common):
+                own = _own(self.ranks[rank].steps[n])
+                peers = statistics.median(_own(self.ranks[r].steps[n]) for r in others)
+                step = statistics.median(self.ranks[r].steps[n].step for r in members)
+                if n == common[-1]:
+                    newest.append((own / peers if peers > 0 else 1.0, rank))
+                if not (own > self.factor * peers and own - peers > max(1e-3, MIN_EXCESS * step)):
+                    break
+                run += 1
+            runs[rank] = run
+        for rank in members:
+            if runs[rank] >= PATIENCE:
+                self._name(rank, members, common[-runs[rank]:])
+            elif rank in self.named and runs[rank] == 0:
+                del self.named[rank]
+                self.say(f"lockstep: {self.ranks[rank].who(rank)} keeps up with its peers again (step {common[-1]}).")
+        return newest
+
+    def _name(self, rank: int, members: list[int], steps: list[int]) -> None:
+        cause, line, excess = self._explain(rank, [r for r in members if r != rank], steps)
+        if self.named.get(rank) == cause:
+            return
+        self.named[rank] = cause
+        self.say(line)
+        if self.worst is None or excess > self.worst[0]:
+            self.worst = (excess, line)
+            if self.summary:
+                _write_atomically(Path(self.summary), line.removeprefix("lockstep: "))
+
+    def _explain(self, rank: int, others: list[int], steps: list[int]) -> tuple[str, str, float]:
+        """The cause of ``rank``'s extra time over ``steps``, the line that names it, and the excess."""
+        def mean(part: Callable[[Times], float], of_peers: bool) -> float:
+            return statistics.fmean(statistics.median(part(self.ranks[r].steps[n]) for r in others) if of_peers
+                                    else part(self.ranks[rank].steps[n]) for n in steps)
+
+        (own, own_peers), (data, data_peers), (compute, compute_peers), (forward, forward_peers) = (
+            (mean(part, False), mean(part, True)) for part in (_own, _data, _compute, _forward))
+        excess = own - own_peers
+        queued = self.ranks[rank].queued_per_step()
+        peers_queued = [q for q in (self.ranks[r].queued_per_step() for r in others) if q is not None]
+        queued_peers = statistics.median(peers_queued) if peers_queued else None
+        parts = {"data": data - data_peers, "compute": compute - compute_peers}
+        parts["own code"] = excess - parts["data"] - parts["compute"]
+        if queued is not None and queued_peers is not None and queued - queued_peers >= 0.5 * excess:
+            cause, where = "host", (
+                f"its training thread waited {_ms(queued)} a step for a CPU (peers' median {_ms(queued_peers)}): "
+                "another process busies its cores. Give each rank cores of its own, or move the other work off "
+                "this host.")
+        else:
+            cause = max(parts, key=lambda k: parts[k])
+            where = {
+                "data": f"it waits {_ms(data)} for each batch (peers' median {_ms(data_peers)}): its data loading "
+                        "is slow. Raise num_workers, make __getitem__ cheaper, or check its storage.",
+                "compute": f"its forward and backward compute for {_ms(compute)} (peers' median "
+                           f"{_ms(compute_peers)}; the forward {_ms(forward)} against {_ms(forward_peers)}): its "
+                           "device computes slower (throttled or shared), or it is given more work (longer rows).",
+                "own code": f"its own code between the model's steps takes {_ms(parts['own code'])} more (the "
+                            "optimizer step, logging or saving on this rank only, a callback).",
+            }[cause]
+        line = (f"lockstep: {self.ranks[rank].who(rank)} is a straggler: the other ranks wait for it in every "
+                f"step's collectives. Its own work takes {_ms(own)} a step against its peers' median "
+                f"{_ms(own_peers)} (steps {steps[0]}-{steps[-1]}); {where}")
+        return cause, line, excess
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.latest, "stragglers": {rank: cause for rank, cause in self.named.items()}}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    try:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text + "\n")
+        os.replace(partial, path)
+    except OSError:  # the summary is a courtesy: the line was said already
+        pass
+
+
+class Stragglers:
+    """A rank's part in the report: its clock; on rank 0 also the judge. The heartbeat thread calls ``beat``."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, factor: float, cuda: bool,
+                 summary: str | None, say: Callable[[str], None]) -> None:
+        self.rank, self.local_rank, self.group = rank, local_rank, 0  # group: the pipeline stage, set by the Runtime
+        self.clock = StepClock(cuda)
+        self.judge = StragglerJudge(world_size, factor, say, summary) if rank == 0 else None
+        self._host = socket.gethostname()
+        self._published = -1
+
+    def beat(self, store: Any) -> None:
+        """Publish this rank's newest steps (when there are new ones); on rank 0, judge every rank's."""
+        if self.clock.count != self._published:
+            self._published = self.clock.count
+            store.set(f"lockstep/steps/{self.rank}", self.clock.payload(self._host, self.local_rank, self.group))
+        if self.judge is not None:
+            self.judge.read(store)
+
+    def report(self) -> dict[str, Any]:
+        """``rt.step_times()``: this rank's newest steps; on rank 0 also the judge's view."""
+        found = {"steps": self.clock.mine()}
+        return {**found, **self.judge.report()} if self.judge is not None else found
+
+
+def stragglers_for(rank: int, world_size: int, local_rank: int, device_type: str, group: int) -> Stragglers | None:
+    """A rank's part of the straggler report; None on one process or with ``LOCKSTEP_STRAGGLER_FACTOR=0``.
+    ``group``: the ranks compared with each other (the pipeline stage). Rank 0 says what it finds on stderr."""
+    factor = straggler_factor_from_environ()
+    if world_size == 1 or not factor:
+        return None
+    found = Stragglers(rank, world_size, local_rank, factor, device_type == "cuda", straggler_summary_from_environ(),
+                       lambda line: print(line, file=sys.stderr, flush=True))
+    found.group = group
+    return found
