@@ -175,8 +175,10 @@ class _Rank:
         self.group = int(payload.get("group", 0))
         for entry in payload.get("steps", [])[-KEPT:]:
             n, *times = entry
+            if not isinstance(n, int) or n in self.steps:  # known already (a step's times do not change)
+                continue
             if len(times) == 5 and all(isinstance(t, (int, float)) and math.isfinite(t) for t in times):
-                self.steps[int(n)] = Times(*(float(t) for t in times))
+                self.steps[n] = Times(*(float(t) for t in times))
         for n in sorted(self.steps)[:-KEPT]:
             del self.steps[n]
         queued, count = payload.get("queued_s"), int(payload.get("count", 0))
@@ -266,28 +268,29 @@ class StragglerJudge:
                 self.latest = {"step_time/max_over_median": top, "step_time/slowest_rank": float(slowest)}
 
     def _judge_group(self, members: list[int]) -> list[tuple[float, int]]:
-        common = sorted(set.intersection(*(set(self.ranks[r].steps) for r in members)))[-KEPT:]
+        """Name (or clear) the ranks of ``members`` over their newest common steps; each rank's ratio of
+        own work to its peers' median at the newest step. The peers' median is the other rank's value in
+        a pair, else the group's median (one sort a step: the judge's cost grows as ranks x log ranks)."""
+        common = sorted(set.intersection(*(set(self.ranks[r].steps) for r in members)))[-2 * PATIENCE:]
         if len(common) < PATIENCE:
             return []
-        runs: dict[int, int] = {}
+        own = {n: [self.ranks[r].steps[n].own for r in members] for n in common}
+        middle = {n: (statistics.median(values), statistics.median(self.ranks[r].steps[n].step for r in members))
+                  for n, values in own.items()}
         newest: list[tuple[float, int]] = []
-        for rank in members:
-            others = [r for r in members if r != rank]
+        for index, rank in enumerate(members):
             run = 0
             for n in reversed(common):
-                own = _own(self.ranks[rank].steps[n])
-                peers = statistics.median(_own(self.ranks[r].steps[n]) for r in others)
-                step = statistics.median(self.ranks[r].steps[n].step for r in members)
+                mine = own[n][index]
+                peers = own[n][1 - index] if len(members) == 2 else middle[n][0]
                 if n == common[-1]:
-                    newest.append((own / peers if peers > 0 else 1.0, rank))
-                if not (own > self.factor * peers and own - peers > max(1e-3, MIN_EXCESS * step)):
+                    newest.append((mine / peers if peers > 0 else 1.0, rank))
+                if not (mine > self.factor * peers and mine - peers > max(1e-3, MIN_EXCESS * middle[n][1])):
                     break
                 run += 1
-            runs[rank] = run
-        for rank in members:
-            if runs[rank] >= PATIENCE:
-                self._name(rank, members, common[-runs[rank]:])
-            elif rank in self.named and runs[rank] == 0:
+            if run >= PATIENCE:
+                self._name(rank, members, common[-run:])
+            elif rank in self.named and run == 0:
                 del self.named[rank]
                 self.say(f"lockstep: {self.ranks[rank].who(rank)} keeps up with its peers again (step {common[-1]}).")
         return newest
