@@ -175,6 +175,24 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
     assert run.stdout.count("healed from") == 1, run.stdout  # the replacement; no live group is left out after
 
 
+def test_a_slow_group_is_named_as_a_group_and_the_weights_stay_the_one_process_runs(tmp_path, reference):
+    """Group 1 sleeps 0.2 s a step: every group's rank 0 knows it from the times carried in the cross-group
+    all-reduce; the first participant names it, `lockstep run` ends with it; the weights are unchanged."""
+    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "3",
+                          "--devices", "3", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
+                          str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.2",
+                          "--slow-group", "1"], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    check_exact(tmp_path, reference, ["g0", "g1", "g2"])
+    named = re.findall(r"replica group (\d) is a straggler: .* \(steps (\d+)-(\d+)\)", run.stdout)
+    assert [group for group, _, _ in named] == ["1"] and int(named[0][2]) <= 10, run.stdout[-3000:]
+    assert "lockstep run: straggler summary: replica group 1 is a straggler" in run.stderr, run.stderr[-3000:]
+    for group in range(3):
+        report = torch.load(tmp_path / f"g{group}.pt")["step_times"]
+        assert report["stragglers"] == {1: "group"} and report["step_time/slowest_group"] == 1.0
+        assert report["step_time/max_over_median"] > 10
+
+
 def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_path, reference):
     """FSDP inside each group of 2 processes: group 1 is SIGKILLed in its backward at step 3, its
     replacement takes each rank's shards from the same rank of group 0; every group's every rank ends

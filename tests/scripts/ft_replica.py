@@ -39,6 +39,7 @@ parser.add_argument("--die-group", type=int, default=-1, help="only this replica
 parser.add_argument("--checkpoints", default="")
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--slow-group", type=int, default=-1, help="only this replica group is slow (default: all)")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=16)
@@ -49,6 +50,8 @@ args.out = args.out.replace("{group}", str(group)).replace("{rank}", rank)
 args.log = args.log.replace("{group}", str(group)).replace("{rank}", rank)
 if args.die_group not in (-1, group):
     args.die_at = -1
+if args.slow_group not in (-1, group):
+    args.slow = 0.0
 
 
 def die() -> None:
@@ -140,5 +143,5 @@ while state["step"] < total:
 full = rt.full_state_dict(model, rank0_only=False)  # FSDP's shards gathered (every rank of the group calls it)
 weights = torch.cat([full[name].flatten() for name, _ in lockstep.unwrap(model).named_parameters()])
 torch.save({"weights": weights, "record": record, "pid": os.getpid(), "seconds": time.monotonic() - started,
-            "step": state["step"]}, args.out)
+            "step": state["step"], "step_times": rt.step_times()}, args.out)
 rt.close()

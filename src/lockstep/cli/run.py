@@ -186,8 +186,8 @@ def _say(line: str) -> None:
 
 @contextlib.contextmanager
 def _straggler_summary() -> Iterator[None]:
-    """Rank 0 writes the slowest rank its straggler report named to a file this run gives it (on this node):
-    said again as the run's last line."""
+    """Rank 0 writes the slowest rank (or replica group) its straggler report named to a file this run gives
+    it (on this node): said again as the run's last line."""
     if os.environ.get("LOCKSTEP_STRAGGLER_SUMMARY"):  # set by whoever runs this: theirs to read
         yield
         return
@@ -199,7 +199,7 @@ def _straggler_summary() -> Iterator[None]:
         finally:
             del os.environ["LOCKSTEP_STRAGGLER_SUMMARY"]
             with contextlib.suppress(OSError, UnicodeDecodeError):
-                _say(f"slowest rank: {summary.read_text()[:2000].strip()}")
+                _say(f"straggler summary: {summary.read_text()[:2000].strip()}")
 
 
 def run_command(args: argparse.Namespace) -> int:

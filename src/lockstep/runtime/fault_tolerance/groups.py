@@ -35,9 +35,11 @@ import torch
 from torch import nn
 
 from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
+from lockstep.env.settings import straggler_factor_from_environ
 from lockstep.errors import CollectiveError, ConfigError, StateError
 from lockstep.runtime.fault_tolerance._torchft_compat import manager_bound_to, record_quorums
 from lockstep.runtime.fault_tolerance.alarm import Alarm
+from lockstep.runtime.fault_tolerance.pace import GroupPace
 from lockstep.runtime.parallel.mesh import Membership
 from lockstep.runtime.parallel.wrappers import unwrap
 from lockstep.runtime.seed import RandomStates, capture_rng, restore_rng
@@ -129,6 +131,8 @@ class ReplicaGroups:
         self._checked_quorum: Any = None  # the last quorum whose members compared their fingerprints
         self._step_began = time.monotonic()
         self._closed = False
+        factor = straggler_factor_from_environ()  # the groups' pace: a group the others wait for is named
+        self._pace = GroupPace(factor, self._say_first, group_rank == 0) if factor else None
 
     # -- the quorum ------------------------------------------------------------------------
     def quorum(self) -> None:
@@ -243,7 +247,13 @@ class ReplicaGroups:
         if not local:
             return
         flat = torch.cat([g.reshape(-1) for g in local])
+        participants = self.manager.num_participants()
+        if self._pace is not None:  # each participant's own time of its previous step, in a slot of its own
+            flat = torch.cat([flat, self._pace.slots(self.manager.participating_rank() or 0, participants, flat)])
         self._all_reduce(flat, average=True)
+        if self._pace is not None:
+            self._pace.reduced(flat[-participants:] * participants, self._members, self.manager.current_step(),
+                               valid=self.manager.errored() is None)
         offset = 0
         for g in local:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -377,6 +387,14 @@ class ReplicaGroups:
     @property
     def step_committed(self) -> bool:
         return bool(self.committed)
+
+    def _say_first(self, line: str) -> None:
+        """Said by the first participant's group alone (every group's rank 0 judges the same numbers)."""
+        if self.manager.participating_rank() == 0:
+            self.say(line)
+
+    def step_times(self) -> dict[str, Any]:
+        return self._pace.report() if self._pace is not None else {}
 
     def close(self) -> None:
         if not self._closed:

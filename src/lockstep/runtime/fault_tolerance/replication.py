@@ -39,6 +39,7 @@ class Replication(Protocol):
              metadata: dict[str, Any] | None, on_commit: Callable[[], None] | None) -> float: ...
     def resumed(self, state: dict[str, Any], metadata: dict[str, Any] | None, step: int) -> None: ...
     def join(self, state: dict[str, Any], step: int) -> None: ...
+    def step_times(self) -> dict[str, Any]: ...  # the groups' pace, as ``rt.step_times()`` adds it
     def close(self) -> None: ...
 
 
@@ -73,6 +74,9 @@ class NoReplicas:
     def join(self, state: dict[str, Any], step: int) -> None:
         raise UsageError("rt.join is for a fault-tolerant job: give Runtime(fault_tolerance=...) or start it "
                          "with `lockstep run --fault-tolerant`.")
+
+    def step_times(self) -> dict[str, Any]:
+        return {}
 
     def close(self) -> None:
         return None

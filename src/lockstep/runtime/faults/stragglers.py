@@ -292,7 +292,7 @@ class StragglerJudge:
                 self._name(rank, members, common[-run:])
             elif rank in self.named and run == 0:
                 del self.named[rank]
-                self.say(f"lockstep: {self.ranks[rank].who(rank)} keeps up with its peers again (step {common[-1]}).")
+                self.say(f"lockstep: {self._who(rank)} keeps up with its peers again (step {common[-1]}).")
         return newest
 
     def _name(self, rank: int, members: list[int], steps: list[int]) -> None:
@@ -336,10 +336,13 @@ class StragglerJudge:
                 "own code": f"its own code between the model's steps takes {_ms(parts['own code'])} more (the "
                             "optimizer step, logging or saving on this rank only, a callback).",
             }[cause]
-        line = (f"lockstep: {self.ranks[rank].who(rank)} is a straggler: the other ranks wait for it in every "
+        line = (f"lockstep: {self._who(rank)} is a straggler: the other ranks wait for it in every "
                 f"step's collectives. Its own work takes {_ms(own)} a step against its peers' median "
                 f"{_ms(own_peers)} (steps {steps[0]}-{steps[-1]}); {where}")
         return cause, line, excess
+
+    def _who(self, rank: int) -> str:
+        return self.ranks[rank].who(rank)
 
     def report(self) -> dict[str, Any]:
         with self._lock:
