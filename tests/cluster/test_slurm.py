@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,17 @@ def test_two_nodes_by_two_tasks_train_like_one_process(cluster, tmp_path):
     assert torch.allclose(result["weights"], _reference(), atol=1e-5, rtol=0)
     script = (tmp_path / "train_tiny.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --signal=B:USR1@90" in script
+
+
+def test_a_rank_slow_in_its_data_is_named_under_srun(cluster, tmp_path):
+    """The straggler report on SLURM's route, 2 nodes of 2 tasks: rank 0 names rank 2 (the second node's
+    first task), whose __getitem__ sleeps."""
+    env, _ = cluster
+    job = _submit(env, tmp_path, "--nodes", "2", "--devices", "2", "tests/scripts/stragglers.py", "data", "16")
+    _wait_until_done(env, job, 120)
+    output = next(tmp_path.glob("*.out")).read_text()
+    assert re.search(r"lockstep: rank 2 \(host \S+, local rank 0\) is a straggler: .*for each batch", output), output
+    assert 'report {"step_time/max_over_median"' in output and '"stragglers": {"2": "data"}' in output, output
 
 
 def _preempted_2x2_job(env, tmp_path: Path, script: str, state: str) -> tuple[str, str]:

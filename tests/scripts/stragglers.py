@@ -26,7 +26,7 @@ MODE = sys.argv[1]
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 24
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "2"))
 SLEEP_S = float(os.environ.get("SLOW_SLEEP_S", "0.2"))
-RANK = int(os.environ.get("RANK", "0"))
+RANK = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 torch.set_num_threads(1)
 if MODE == "host":
     os.sched_setaffinity(0, {int(os.environ["PIN"].split(",")[RANK])})

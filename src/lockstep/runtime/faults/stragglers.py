@@ -99,6 +99,8 @@ class StepClock:
                 self._step_on_device(waited - self._waited)
             else:
                 self.records.append((self.count, now - self._handed, waited - self._waited, *self._spans))
+        elif self._cuda:  # a pass starts: what was timed before it is no step's
+            self._events = [_event()]
         self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0, 0.0, 0.0]
 
     def pass_ended(self) -> None:
@@ -268,9 +270,10 @@ class StragglerJudge:
                 self.latest = {"step_time/max_over_median": top, "step_time/slowest_rank": float(slowest)}
 
     def _judge_group(self, members: list[int]) -> list[tuple[float, int]]:
-        """Name (or clear) the ranks of ``members`` over their newest common steps; each rank's ratio of
-        own work to its peers' median at the newest step. The peers' median is the other rank's value in
-        a pair, else the group's median (one sort a step: the judge's cost grows as ranks x log ranks)."""
+        """Name (or clear) the ranks of ``members`` over their newest common steps. Returns each rank's
+        ratio of own work to its peers' median over the newest ``PATIENCE`` steps (their median). The
+        peers' median is the other rank's value in a pair, else the group's median (one sort a step: the
+        judge's cost grows as ranks x log ranks)."""
         common = sorted(set.intersection(*(set(self.ranks[r].steps) for r in members)))[-2 * PATIENCE:]
         if len(common) < PATIENCE:
             return []
@@ -279,13 +282,15 @@ class StragglerJudge:
                   for n, values in own.items()}
         newest: list[tuple[float, int]] = []
         for index, rank in enumerate(members):
+            def peers(n: int, index: int = index) -> float:
+                return own[n][1 - index] if len(members) == 2 else middle[n][0]
+
+            newest.append((statistics.median(own[n][index] / peers(n) if peers(n) > 0 else 1.0
+                                             for n in common[-PATIENCE:]), rank))
             run = 0
             for n in reversed(common):
                 mine = own[n][index]
-                peers = own[n][1 - index] if len(members) == 2 else middle[n][0]
-                if n == common[-1]:
-                    newest.append((mine / peers if peers > 0 else 1.0, rank))
-                if not (mine > self.factor * peers and mine - peers > max(1e-3, MIN_EXCESS * middle[n][1])):
+                if not (mine > self.factor * peers(n) and mine - peers(n) > max(1e-3, MIN_EXCESS * middle[n][1])):
                     break
                 run += 1
             if run >= PATIENCE:

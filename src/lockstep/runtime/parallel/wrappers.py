@@ -77,7 +77,7 @@ class WrappedModule(nn.Module):
         watchdog: Watchdog | None = self.__dict__["_watchdog"]
         if watchdog is None:
             clock = self.__dict__["_clock"]
-            if clock is None:
+            if clock is None or not torch.is_grad_enabled():  # the straggler report times training forwards
                 return self._forward_rows(*args, **kwargs)
             clock.enter("forward")  # the straggler report times the forward
             try:
