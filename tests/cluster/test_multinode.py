@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -430,6 +431,26 @@ KUBEFLOW_JOB = "lsjob"
 KUBEFLOW_MASTER = f"{KUBEFLOW_JOB}-node-0-0.{KUBEFLOW_JOB}"  # <job>-node-0-0.<job>, as Kubeflow Trainer names it
 
 
+def _kubeflow_hosts(two_hosts) -> None:
+    """Node 0's headless-service name in each pod's hosts file, as Kubernetes' DNS would answer it."""
+    for namespace, _link, _address in two_hosts:
+        hosts = Path("/etc/netns") / namespace / "hosts"
+        if KUBEFLOW_MASTER not in hosts.read_text():
+            hosts.write_text(hosts.read_text() + f"{two_hosts[0][2]} {KUBEFLOW_MASTER}\n")
+
+
+def test_a_kubeflow_trainjob_names_the_rank_on_the_other_pod_that_is_slow_in_its_data(two_hosts):
+    """The straggler report on Kubernetes' route: 2 pods of 2 processes, rank 2 (pod 1's first) sleeps in
+    __getitem__; rank 0, on pod 0, names it and pod 0's `lockstep run` ends with it."""
+    _kubeflow_hosts(two_hosts)
+    pods = [_kubeflow_pod(two_hosts, rank, "tests/scripts/stragglers.py", "data", "16") for rank in range(2)]
+    outputs = _outputs(pods, 120)
+    assert [p.returncode for p in pods] == [0, 0], "\n----\n".join(o[-4000:] for o in outputs)
+    named = r"rank 2 \(host \S+, local rank 0\) is a straggler: .*for each batch"
+    assert re.search("lockstep: " + named, outputs[0]), outputs[0][-4000:]
+    assert re.search("lockstep run: straggler summary: " + named, outputs[0]), outputs[0][-4000:]
+
+
 @pytest.mark.parametrize("lost", ["evicted", "killed"])
 def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(two_hosts, tmp_path, lost):
     """Two pods (network namespaces) with Kubeflow Trainer's PET_* variables and the headless-service name
@@ -442,9 +463,7 @@ def test_a_kubeflow_trainjob_pod_lost_then_every_pod_restarted_resumes_exactly(t
 
     Started again (JobSet's restart-all), the job resumes from the newest checkpoint and ends at the
     one-process fit's weights."""
-    for namespace, _link, _address in two_hosts:
-        hosts = Path("/etc/netns") / namespace / "hosts"
-        hosts.write_text(hosts.read_text() + f"{two_hosts[0][2]} {KUBEFLOW_MASTER}\n")
+    _kubeflow_hosts(two_hosts)
     script = "tests/scripts/trainer_preempt.py"
     ckpt, out, marker = tmp_path / "ckpt", tmp_path / "out.pt", tmp_path / "marker"
     pods = [_kubeflow_pod(two_hosts, rank, script, str(ckpt), str(out), str(marker)) for rank in range(2)]

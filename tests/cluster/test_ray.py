@@ -224,6 +224,17 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
 
 
 
+@pytest.mark.timeout(300)
+def test_on_ray_rank_0_names_a_rank_slow_in_its_data(ray_cluster):
+    """The straggler report on Ray's route: 3 workers on 2 nodes, rank 2's __getitem__ sleeps."""
+    job = ray_cluster.run("--devices", "3", "tests/scripts/stragglers.py", "data", "16", timeout=150)
+    output = _finish(job, 150)
+    assert job.returncode == 0, output[-6000:]
+    assert re.search(r"lockstep: rank 2 \(host \S+, local rank \d\) is a straggler: .*for each batch", output), \
+        output[-6000:]
+    assert '"stragglers": {"2": "data"}' in output, output[-6000:]
+
+
 def _progress(path: Path) -> list[tuple[int, int, float]]:
     if not path.exists():
         return []
