@@ -131,8 +131,8 @@ class ReplicaGroups:
         self._checked_quorum: Any = None  # the last quorum whose members compared their fingerprints
         self._step_began = time.monotonic()
         self._closed = False
-        factor = straggler_factor_from_environ()  # the groups' pace: a group the others wait for is named
-        self._pace = GroupPace(factor, self._say_first, group_rank == 0) if factor else None
+        # the groups' pace: a group the others wait for is named (its slots ride along, the report on or off)
+        self._pace = GroupPace(straggler_factor_from_environ(), self._say_first, group_rank == 0)
 
     # -- the quorum ------------------------------------------------------------------------
     def quorum(self) -> None:
@@ -246,14 +246,13 @@ class ReplicaGroups:
         local = [getattr(g, "_local_tensor", g) for g in grads]  # FSDP: this rank's shard
         if not local:
             return
-        flat = torch.cat([g.reshape(-1) for g in local])
         participants = self.manager.num_participants()
-        if self._pace is not None:  # each participant's own time of its previous step, in a slot of its own
-            flat = torch.cat([flat, self._pace.slots(self.manager.participating_rank() or 0, participants, flat)])
+        # each participant's own time of its previous step, in a slot of its own (the groups' pace)
+        slots = self._pace.slots(self.manager.participating_rank() or 0, participants, local[0])
+        flat = torch.cat([*(g.reshape(-1) for g in local), slots])
         self._all_reduce(flat, average=True)
-        if self._pace is not None:
-            self._pace.reduced(flat[-participants:] * participants, self._members, self.manager.current_step(),
-                               valid=self.manager.errored() is None)
+        self._pace.reduced(flat[-participants:] * participants, self._members, self.manager.current_step(),
+                           valid=self.manager.errored() is None)
         offset = 0
         for g in local:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -394,7 +393,7 @@ class ReplicaGroups:
             self.say(line)
 
     def step_times(self) -> dict[str, Any]:
-        return self._pace.report() if self._pace is not None else {}
+        return self._pace.report()
 
     def close(self) -> None:
         if not self._closed:

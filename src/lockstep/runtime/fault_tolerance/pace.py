@@ -13,7 +13,9 @@ The first participant's rank 0 judges the groups as the straggler report judges 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,61 +43,75 @@ class GroupJudge(StragglerJudge):
             if ratios:
                 top, slowest = max(ratios)
                 with self._lock:
-                    self.latest = {"step_time/max_over_median": top, "step_time/slowest_group": float(slowest)}
+                    self.latest = {"step_time/groups_max_over_median": top, "step_time/slowest_group": float(slowest)}
 
     def _who(self, rank: int) -> str:
         return f"replica group {rank}"
 
     def _explain(self, rank: int, others: list[int], steps: list[int]) -> tuple[str, str, float]:
-        import statistics
-
+        compared = others if len(others) == 1 else [rank, *others]
+        label = f"group {others[0]}'s" if len(others) == 1 else f"the median of the {len(compared)} groups"
         own = statistics.fmean(self.ranks[rank].steps[n].step for n in steps)
-        peers = statistics.fmean(statistics.median(self.ranks[g].steps[n].step for g in others) for n in steps)
+        peers = statistics.fmean(statistics.median(self.ranks[g].steps[n].step for g in compared) for n in steps)
         line = (f"lockstep: replica group {rank} is a straggler: the other groups wait for it in every step's "
-                f"cross-group all-reduce. Its own step takes {_ms(own)} against the other groups' median "
-                f"{_ms(peers)} (steps {steps[0]}-{steps[-1]}); its own output names a slow rank inside it, if one "
-                "is.")
+                f"cross-group all-reduce. Its own step takes {_ms(own)} against {label} {_ms(peers)} (steps "
+                f"{steps[0]}-{steps[-1]}); its own output names a slow rank inside it, if one is.")
         return "group", line, own - peers
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.latest, "group_stragglers": dict(self.named)}
 
 
 class GroupPace:
-    """One rank's part: its own time of the previous step into the all-reduce, the sum read back."""
+    """One rank's part: its own time of the previous step into the all-reduce, the sum read back. Every
+    participant appends its slots, the report on or off, so that the all-reduced tensors have one length."""
 
     def __init__(self, factor: float, say: Callable[[str], None], judges: bool) -> None:
-        self.judge = GroupJudge(factor, say) if judges else None
+        self.judge = GroupJudge(factor, say) if judges and factor else None
+        self._say = say
         self._ended: float | None = None  # when the last cross-group all-reduce ended
-        self._own = 0.0  # this rank's own time in its previous step
-        self._pending: tuple[Any, torch.Tensor, list[int], int] | None = None  # CUDA: a copy not yet done
+        self._fed = -1  # the newest step judged (a step that did not commit comes again under its number)
+        self._pending: deque[tuple[Any, torch.Tensor, list[int], int]] = deque()  # CUDA: copies not yet done
 
     def slots(self, participant: int, participants: int, like: torch.Tensor) -> torch.Tensor:
-        """This rank's row: its own time in slot ``participant`` (0 before its first full step)."""
+        """This rank's row: its own time in slot ``participant`` (0 before its first full step), made on
+        the gradients' device without a copy from the host."""
         now = time.perf_counter()
-        if self._ended is not None:
-            self._own = now - self._ended
-        row = torch.zeros(participants, dtype=like.dtype)
-        row[participant] = self._own
-        return row.to(like.device)
+        own = now - self._ended if self._ended is not None and self.judge is not None else 0.0
+        row = torch.zeros(participants, dtype=like.dtype, device=like.device)
+        row[participant] = min(own, 1e6)
+        return row
 
     def reduced(self, summed: torch.Tensor, members: list[int], step: int, valid: bool) -> None:
         """After the all-reduce: ``summed`` holds every participant's time (``members``: their groups)."""
         self._ended = time.perf_counter()
         if self.judge is None or not valid:
             return
-        if summed.device.type == "cpu":
-            self._judge(summed.tolist(), members, step)
-            return
-        if self._pending is not None and self._pending[0].query():
-            _, values, members_then, step_then = self._pending
-            self._judge(values.tolist(), members_then, step_then)
-        event, host = torch.cuda.Event(), summed.to("cpu", non_blocking=True)
-        event.record()
-        self._pending = (event, host, members, step)
+        try:
+            if summed.device.type == "cpu":
+                self._judge(summed.tolist(), members, step)
+                return
+            while self._pending and self._pending[0][0].query():
+                _, values, members_then, step_then = self._pending.popleft()
+                self._judge(values.tolist(), members_then, step_then)
+            event, host = torch.cuda.Event(), summed.to("cpu", non_blocking=True)
+            event.record()
+            self._pending.append((event, host, members, step))
+            while len(self._pending) > KEPT:
+                self._pending.popleft()
+        except Exception as error:  # noqa: BLE001 - the training step goes on: the report stops, said once
+            self.judge = None
+            self._say(f"lockstep: the replica groups' straggler report stopped ({type(error).__name__}: {error}); "
+                      "training goes on.")
 
     def _judge(self, values: list[float], members: list[int], step: int) -> None:
         """The previous step's times (zero: a participant that has no full step yet)."""
-        own = {group: value for group, value in zip(members, values, strict=False) if value > 0}
-        if self.judge is not None and step > 0:
-            self.judge.feed(step - 1, own)
+        if self.judge is None or step - 1 <= self._fed:
+            return
+        self._fed = step - 1
+        own = {group: value for group, value in zip(members, values, strict=False) if 0 < value < 1e6}
+        self.judge.feed(step - 1, own)
 
     def report(self) -> dict[str, Any]:
         return self.judge.report() if self.judge is not None else {}

@@ -19,7 +19,6 @@ the whole report off (docs/reliability.md).
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import statistics
@@ -76,9 +75,15 @@ class StepClock:
         self._open = -1  # the span being timed: 0 forward, 1 backward, -1 none
         self._gradient: Any = 0.0  # when the newest gradient was computed (host time; a CUDA event)
         self._hooks: list[Any] = []
+        self._watched = False
+        self.first_queued: float | None = None
 
     def watch_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Hook the parameters' gradients: the first backward finds whose comes last, which stays hooked."""
+        """Hook the parameters' gradients: the first backward finds whose comes last, which stays hooked.
+        Only the first model set up is watched (a later one's backward is timed whole)."""
+        if self._watched:
+            return
+        self._watched = True
         last = [-1]
 
         def hook(index: int) -> Callable[[Any], None]:
@@ -99,8 +104,10 @@ class StepClock:
                 self._step_on_device(waited - self._waited)
             else:
                 self.records.append((self.count, now - self._handed, waited - self._waited, *self._spans))
-        elif self._cuda:  # a pass starts: what was timed before it is no step's
-            self._events = [_event()]
+        else:  # a pass starts: what was timed before it is no step's
+            self._events = [_event()] if self._cuda else []
+            if self.first_queued is None:  # the run-queue time when steps start: the first reading
+                self.first_queued = run_queue_s(self.thread)
         self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0, 0.0, 0.0]
 
     def pass_ended(self) -> None:
@@ -108,7 +115,7 @@ class StepClock:
 
     def enter(self, op: str) -> None:
         span = 0 if op == "forward" else 1 if op == "backward" else -1
-        if span < 0 or self._open >= 0:  # another scope, or one inside a timed one
+        if span < 0 or self._open >= 0 or not torch.is_grad_enabled():  # another scope, inside one, evaluation
             return
         self._open, self._opened, self._gradient = span, time.perf_counter(), None
         if self._cuda:
@@ -138,19 +145,22 @@ class StepClock:
         while self._pending and self._pending[0][2][-1].query():
             n, data, events = self._pending.popleft()
             spans = [0.0, 0.0, 0.0]
-            for start, (span, end, gradient) in zip(events[1:-1:2], events[2:-1:2], strict=False):
-                spans[span] += start.elapsed_time(end) / 1e3
-                if span == 1:
-                    spans[2] += (gradient or start).elapsed_time(end) / 1e3
-            self.records.append((n, events[0].elapsed_time(events[-1]) / 1e3, data, *spans))
+            try:
+                for start, (span, end, gradient) in zip(events[1:-1:2], events[2:-1:2], strict=False):
+                    spans[span] += start.elapsed_time(end) / 1e3
+                    if span == 1:
+                        spans[2] += (gradient or start).elapsed_time(end) / 1e3
+                self.records.append((n, events[0].elapsed_time(events[-1]) / 1e3, data, *spans))
+            except RuntimeError:  # events of another device or stream: that step is not timed
+                continue
         while len(self._pending) > KEPT:  # events that never complete (a stalled stream): not kept forever
             self._pending.popleft()
 
-    def payload(self, host: str, local_rank: int, group: int) -> str:
-        """What the heartbeat publishes: who this rank is, its run-queue time, its newest steps."""
+    def payload(self, host: str, local_rank: int, group: int, queued: list[tuple[int, float]]) -> str:
+        """What the heartbeat publishes: who this rank is, its two newest run-queue readings (steps counted,
+        seconds), its newest steps."""
         steps = [[n, *(round(x, 6) for x in rest)] for n, *rest in list(self.records)]
-        return json.dumps({"host": host, "local_rank": local_rank, "group": group, "count": self.count,
-                           "queued_s": run_queue_s(self.thread), "steps": steps})
+        return json.dumps({"host": host, "local_rank": local_rank, "group": group, "queued": queued, "steps": steps})
 
     def mine(self) -> list[dict[str, float]]:
         """The newest steps, as ``rt.step_times()`` gives them."""
@@ -173,24 +183,29 @@ class _Rank:
         self.queued: deque[tuple[int, float]] = deque(maxlen=2)  # (steps counted, run-queue seconds)
 
     def take(self, payload: dict[str, Any]) -> None:
-        self.host, self.local_rank = str(payload.get("host", "?"))[:64], int(payload.get("local_rank", -1))
-        self.group = int(payload.get("group", 0))
-        for entry in payload.get("steps", [])[-KEPT:]:
+        """A rank's published entry, read as untrusted: only bounded numbers and printable text are kept."""
+        self.host = "".join(c for c in str(payload.get("host", "?"))[:64] if c.isprintable())
+        self.local_rank, self.group = _count(payload.get("local_rank"), -1), _count(payload.get("group"), 0)
+        for entry in list(payload.get("steps", []))[-KEPT:]:
             n, *times = entry
             if not isinstance(n, int) or n in self.steps:  # known already (a step's times do not change)
                 continue
-            if len(times) == 5 and all(isinstance(t, (int, float)) and math.isfinite(t) for t in times):
+            if len(times) == 5 and all(_seconds(t) for t in times):
                 self.steps[n] = Times(*(float(t) for t in times))
         for n in sorted(self.steps)[:-KEPT]:
             del self.steps[n]
-        queued, count = payload.get("queued_s"), int(payload.get("count", 0))
-        if isinstance(queued, (int, float)) and (not self.queued or count > self.queued[-1][0]):
-            self.queued.append((count, float(queued)))
+        readings = payload.get("queued")
+        if isinstance(readings, list) and len(readings) == 2 and all(
+                isinstance(r, list) and len(r) == 2 and _count(r[0], -1) >= 0 and _seconds(r[1]) for r in readings):
+            self.queued.clear()
+            self.queued.extend((int(n), float(q)) for n, q in readings)
 
     def queued_per_step(self) -> float | None:
         if len(self.queued) < 2:
             return None
         (n0, q0), (n1, q1) = self.queued
+        if n1 <= n0:
+            return None
         return (q1 - q0) / (n1 - n0)
 
     def who(self, rank: int) -> str:
@@ -214,6 +229,15 @@ class Times(NamedTuple):
     @property
     def compute(self) -> float:
         return self.forward + self.backward - self.wait
+
+
+def _seconds(value: Any) -> bool:
+    """A number of seconds a real step could take (no bool, NaN, infinity or absurd size)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e7
+
+
+def _count(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40 else default
 
 
 def _own(times: Times) -> float:
@@ -250,9 +274,11 @@ class StragglerJudge:
         if not store.check(keys):  # a rank has not published yet
             return
         for rank, raw in enumerate(store.multi_get(keys)):
+            if len(raw) > 64 * KEPT * 16:  # far more than KEPT steps take: not a rank's entry
+                continue
             try:
                 self.ranks[rank].take(json.loads(raw))
-            except (ValueError, TypeError, AttributeError):  # a damaged entry: that rank waits for its next one
+            except Exception:  # noqa: BLE001 - a damaged or hostile entry: that rank waits for its next one
                 continue
         self.judge()
 
@@ -296,7 +322,8 @@ class StragglerJudge:
             if run >= PATIENCE:
                 self._name(rank, members, common[-run:])
             elif rank in self.named and run == 0:
-                del self.named[rank]
+                with self._lock:
+                    del self.named[rank]
                 self.say(f"lockstep: {self._who(rank)} keeps up with its peers again (step {common[-1]}).")
         return newest
 
@@ -304,7 +331,8 @@ class StragglerJudge:
         cause, line, excess = self._explain(rank, [r for r in members if r != rank], steps)
         if self.named.get(rank) == cause:
             return
-        self.named[rank] = cause
+        with self._lock:
+            self.named[rank] = cause
         self.say(line)
         if self.worst is None or excess > self.worst[0]:
             self.worst = (excess, line)
@@ -312,38 +340,42 @@ class StragglerJudge:
                 _write_atomically(Path(self.summary), line.removeprefix("lockstep: "))
 
     def _explain(self, rank: int, others: list[int], steps: list[int]) -> tuple[str, str, float]:
-        """The cause of ``rank``'s extra time over ``steps``, the line that names it, and the excess."""
+        """The cause of ``rank``'s extra time over ``steps``, the line that names it, and the excess. It is
+        compared as the judgement did: with the other rank of a pair, else with the median of the group."""
+        compared = others if len(others) == 1 else [rank, *others]
+        label = f"rank {others[0]}'s" if len(others) == 1 else f"the median of the {len(compared)} ranks compared"
+
         def mean(part: Callable[[Times], float], of_peers: bool) -> float:
-            return statistics.fmean(statistics.median(part(self.ranks[r].steps[n]) for r in others) if of_peers
+            return statistics.fmean(statistics.median(part(self.ranks[r].steps[n]) for r in compared) if of_peers
                                     else part(self.ranks[rank].steps[n]) for n in steps)
 
         (own, own_peers), (data, data_peers), (compute, compute_peers), (forward, forward_peers) = (
             (mean(part, False), mean(part, True)) for part in (_own, _data, _compute, _forward))
         excess = own - own_peers
         queued = self.ranks[rank].queued_per_step()
-        peers_queued = [q for q in (self.ranks[r].queued_per_step() for r in others) if q is not None]
+        peers_queued = [q for q in (self.ranks[r].queued_per_step() for r in compared) if q is not None]
         queued_peers = statistics.median(peers_queued) if peers_queued else None
         parts = {"data": data - data_peers, "compute": compute - compute_peers}
         parts["own code"] = excess - parts["data"] - parts["compute"]
         if queued is not None and queued_peers is not None and queued - queued_peers >= 0.5 * excess:
             cause, where = "host", (
-                f"its training thread waited {_ms(queued)} a step for a CPU (peers' median {_ms(queued_peers)}): "
+                f"its training thread waited {_ms(queued)} a step for a CPU (against {_ms(queued_peers)}): "
                 "another process busies its cores. Give each rank cores of its own, or move the other work off "
                 "this host.")
         else:
             cause = max(parts, key=lambda k: parts[k])
             where = {
-                "data": f"it waits {_ms(data)} for each batch (peers' median {_ms(data_peers)}): its data loading "
-                        "is slow. Raise num_workers, make __getitem__ cheaper, or check its storage.",
-                "compute": f"its forward and backward compute for {_ms(compute)} (peers' median "
-                           f"{_ms(compute_peers)}; the forward {_ms(forward)} against {_ms(forward_peers)}): its "
-                           "device computes slower (throttled or shared), or it is given more work (longer rows).",
+                "data": f"it waits {_ms(data)} for each batch (against {_ms(data_peers)}): its data loading is "
+                        "slow. Raise num_workers, make __getitem__ cheaper, or check its storage.",
+                "compute": f"its forward and backward compute for {_ms(compute)} (against {_ms(compute_peers)}; "
+                           f"the forward {_ms(forward)} against {_ms(forward_peers)}): its device computes slower "
+                           "(throttled or shared), or it is given more work (longer rows).",
                 "own code": f"its own code between the model's steps takes {_ms(parts['own code'])} more (the "
                             "optimizer step, logging or saving on this rank only, a callback).",
             }[cause]
-        line = (f"lockstep: {self._who(rank)} is a straggler: the other ranks wait for it in every "
-                f"step's collectives. Its own work takes {_ms(own)} a step against its peers' median "
-                f"{_ms(own_peers)} (steps {steps[0]}-{steps[-1]}); {where}")
+        line = (f"lockstep: {self._who(rank)} is a straggler: the other ranks wait for it in every step's "
+                f"collectives. Its own work takes {_ms(own)} a step against {label} {_ms(own_peers)} (steps "
+                f"{steps[0]}-{steps[-1]}); {where}")
         return cause, line, excess
 
     def _who(self, rank: int) -> str:
@@ -360,7 +392,7 @@ def _ms(seconds: float) -> str:
 
 def _write_atomically(path: Path, text: str) -> None:
     try:
-        partial = path.with_name(path.name + ".partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         partial.write_text(text + "\n")
         os.replace(partial, path)
     except OSError:  # the summary is a courtesy: the line was said already
@@ -375,16 +407,31 @@ class Stragglers:
         self.rank, self.local_rank, self.group = rank, local_rank, 0  # group: the pipeline stage, set by the Runtime
         self.clock = StepClock(cuda)
         self.judge = StragglerJudge(world_size, factor, say, summary) if rank == 0 else None
+        self._say = say
         self._host = socket.gethostname()
         self._published = -1
+        self._readings: deque[tuple[int, float]] = deque(maxlen=2)  # run-queue readings at the last two beats
+
 
     def beat(self, store: Any) -> None:
         """Publish this rank's newest steps (when there are new ones); on rank 0, judge every rank's."""
+        if not self._readings and self.clock.first_queued is not None:
+            self._readings.append((0, self.clock.first_queued))
+        queued = run_queue_s(self.clock.thread)
+        if queued is not None and self._readings and self.clock.count > self._readings[-1][0]:
+            self._readings.append((self.clock.count, queued))  # a reading at each beat with new steps
         if self.clock.count != self._published:
             self._published = self.clock.count
-            store.set(f"lockstep/steps/{self.rank}", self.clock.payload(self._host, self.local_rank, self.group))
+            readings = list(self._readings) if len(self._readings) == 2 else []
+            store.set(f"lockstep/steps/{self.rank}",
+                      self.clock.payload(self._host, self.local_rank, self.group, readings))
         if self.judge is not None:
-            self.judge.read(store)
+            try:
+                self.judge.read(store)
+            except Exception as error:  # noqa: BLE001 - never the heartbeat's end: the report stops, said once
+                self.judge = None
+                self._say(f"lockstep: the straggler report stopped ({type(error).__name__}: {error}); training and "
+                          "hang reports go on.")
 
     def report(self) -> dict[str, Any]:
         """``rt.step_times()``: this rank's newest steps; on rank 0 also the judge's view."""
