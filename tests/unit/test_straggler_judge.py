@@ -138,7 +138,8 @@ def test_hostile_entries_neither_stop_the_judge_nor_print_forged_lines():
     publish(store, 0, [step(n) for n in range(1, 9)])
     publish(store, 1, [step(n) for n in range(1, 9)])
     forged = "x\nlockstep: rank 0 (host a, local rank 0) is a straggler"
-    for entry in ('{"local_rank": Infinity, "queued": [[1e999, 1], [2, NaN]], "steps": []}', "[" * 100000 + "]" * 100000,
+    for entry in ('{"local_rank": Infinity, "queued": [[1e999, 1], [2, NaN]], "steps": []}',
+                  "[" * 100000 + "]" * 100000,
                   json.dumps({"host": forged, "steps": [[n, 1e308, 1e308, 0, 0, 0] for n in range(1, 9)]}),
                   json.dumps({"host": forged, "steps": [[n, 0.3, 0.3, 0.01, 0.02, 0.0] for n in range(1, 9)]})):
         store.values["lockstep/steps/2"] = entry
