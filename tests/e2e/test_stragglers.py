@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/scripts/stragglers.py"
-pytestmark = pytest.mark.timeout(150)
+# alone: step times are the subject (one test busies a core; "by step 10" and "no one named" assume an idle machine)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.alone]
 NAMED = re.compile(r"lockstep: rank (\d) \(host [^,]+, local rank (\d)\) is a straggler: .*\(steps (\d+)-(\d+)\); (.*)")
 
 

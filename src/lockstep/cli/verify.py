@@ -158,7 +158,8 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
                            f"{against}): the forward or the loss computes something per rank")
         if not _close(ref["grad_norm"], got["grad_norm"], rtol, atol):
             return lines, (f"step {ref['step']}: the gradient norm differs ({got['grad_norm']:.7g} against "
-                           f"{ref['grad_norm']:.7g}) while the loss agrees: the gradients are normalised per rank")
+                           f"{ref['grad_norm']:.7g} on {against}) while the loss agrees: the gradients are normalised "
+                           "per rank")
         if beyond:
             return lines, f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g})"
     if len(other) < len(reference):

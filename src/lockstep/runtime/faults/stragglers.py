@@ -37,6 +37,7 @@ from lockstep.env.settings import straggler_factor_from_environ, straggler_summa
 PATIENCE = 4  # consecutive slow steps before a rank is named
 KEPT = 32  # the newest steps each rank publishes, and the judge compares
 TICK_S = 0.5  # how often the heartbeat publishes steps (and rank 0 judges) while steps are timed
+JUDGE_SHARE_INVERSE = 100  # rank 0 judges again only after 100 times its last judgement took (1 % of its time)
 MIN_EXCESS = 0.05  # a slow step's excess must also be this share of the median step (and 1 ms): not noise
 
 
@@ -411,6 +412,7 @@ class Stragglers:
         self._host = socket.gethostname()
         self._published = -1
         self._readings: deque[tuple[int, float]] = deque(maxlen=2)  # run-queue readings at the last two beats
+        self._next_judgement = 0.0  # monotonic time of rank 0's next judgement
 
 
     def beat(self, store: Any) -> None:
@@ -425,9 +427,12 @@ class Stragglers:
             readings = list(self._readings) if len(self._readings) == 2 else []
             store.set(f"lockstep/steps/{self.rank}",
                       self.clock.payload(self._host, self.local_rank, self.group, readings))
-        if self.judge is not None:
+        if self.judge is not None and time.monotonic() >= self._next_judgement:
             try:
+                started = time.monotonic()
                 self.judge.read(store)
+                # the judgement holds the GIL that rank 0's training thread needs: at most 1 % of its time
+                self._next_judgement = started + JUDGE_SHARE_INVERSE * (time.monotonic() - started)
             except Exception as error:  # noqa: BLE001 - never the heartbeat's end: the report stops, said once
                 self.judge = None
                 self._say(f"lockstep: the straggler report stopped ({type(error).__name__}: {error}); training and "
