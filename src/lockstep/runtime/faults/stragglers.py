@@ -37,7 +37,7 @@ from lockstep.env.settings import straggler_factor_from_environ, straggler_summa
 PATIENCE = 4  # consecutive slow steps before a rank is named
 KEPT = 32  # the newest steps each rank publishes, and the judge compares
 TICK_S = 0.5  # how often the heartbeat publishes steps (and rank 0 judges) while steps are timed
-JUDGE_SHARE_INVERSE = 100  # rank 0 judges again only after 100 times its last judgement took (1 % of its time)
+JUDGE_SHARE_INVERSE = 100  # rank 0 judges again only after 100 times the CPU its last judgement took (1 %)
 MIN_EXCESS = 0.05  # a slow step's excess must also be this share of the median step (and 1 ms): not noise
 
 
@@ -429,10 +429,11 @@ class Stragglers:
                       self.clock.payload(self._host, self.local_rank, self.group, readings))
         if self.judge is not None and time.monotonic() >= self._next_judgement:
             try:
-                started = time.monotonic()
+                started = time.thread_time()
                 self.judge.read(store)
-                # the judgement holds the GIL that rank 0's training thread needs: at most 1 % of its time
-                self._next_judgement = started + JUDGE_SHARE_INVERSE * (time.monotonic() - started)
+                # The judgement's computing holds the GIL that rank 0's training thread needs: at most 1 % of its
+                # time. This thread's CPU time, not the wall time: waiting for the store holds no GIL.
+                self._next_judgement = time.monotonic() + JUDGE_SHARE_INVERSE * (time.thread_time() - started)
             except Exception as error:  # noqa: BLE001 - never the heartbeat's end: the report stops, said once
                 self.judge = None
                 self._say(f"lockstep: the straggler report stopped ({type(error).__name__}: {error}); training and "

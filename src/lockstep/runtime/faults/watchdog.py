@@ -200,18 +200,19 @@ class Watchdog:
                 self._published = text
 
     def _heartbeat(self) -> None:
-        beat = 0
-        # The step times travel with the heartbeat, which then beats at least every TICK_S seconds.
+        beat, due = 0, 0.0
+        # The step times travel with the heartbeat every TICK_S seconds; the liveness beat stays at interval_s.
         tick = min(self.interval_s, TICK_S) if self.stragglers is not None else self.interval_s
         while True:
-            beat += 1
             try:
-                if self.last != self._published:  # a step's collective noted since the last beat
-                    with self._writing:
-                        self._publish()
-                now = current_line(self._thread)
-                position = ", ".join(p for p in (self.position(), f"now at {now}" if now else "") if p)
-                self.store.set(self._key(self.rank, "alive"), f"{beat} {position}")
+                if time.monotonic() >= due:
+                    due, beat = time.monotonic() + self.interval_s - tick / 2, beat + 1
+                    if self.last != self._published:  # a step's collective noted since the last beat
+                        with self._writing:
+                            self._publish()
+                    now = current_line(self._thread)
+                    position = ", ".join(p for p in (self.position(), f"now at {now}" if now else "") if p)
+                    self.store.set(self._key(self.rank, "alive"), f"{beat} {position}")
                 if self.stragglers is not None:
                     self.stragglers.beat(self.store)
             except Exception:  # noqa: BLE001 - the store is gone (shutdown, the agent stopped)
