@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,9 +35,8 @@ def straggler_factor_from_environ(environ: Mapping[str, str] | None = None) -> f
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"LOCKSTEP_STRAGGLER_FACTOR={raw!r} is not a number: give a factor above 1 (e.g. 1.3), "
-                          "or 0 to turn the straggler report off.") from None
-    if value != 0 and not value > 1:
+        value = math.nan
+    if value != 0 and not value > 1:  # NaN, a word, or a factor that names every rank
         raise ConfigError(f"LOCKSTEP_STRAGGLER_FACTOR={raw!r}: give a factor above 1 (e.g. 1.3), or 0 to turn the "
                           "straggler report off.")
     return value

@@ -489,11 +489,12 @@ class Runtime:
 
     def step_times(self) -> dict[str, Any]:
         """This rank's newest training steps, timed without a sync (``steps``: each step's ``step_s``,
-        ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``); on rank 0 also the straggler
-        report's view of every rank (``step_time/max_over_median``, ``step_time/slowest_rank`` over the
-        newest steps judged, ``stragglers``: rank -> cause of each rank named); in a fault-tolerant job, on
-        each group's rank 0, the same over the replica groups (``step_time/slowest_group``). Empty on one
-        process or with ``LOCKSTEP_STRAGGLER_FACTOR=0`` (docs/reliability.md)."""
+        ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``, ``wait_s`` for the other ranks);
+        on rank 0 also the straggler report's view of every rank (``step_time/max_over_median``,
+        ``step_time/slowest_rank`` over the newest steps judged, ``stragglers``: rank -> cause of each rank
+        named); in a fault-tolerant job, on each group's rank 0, the same over the replica groups
+        (``step_time/groups_max_over_median``, ``step_time/slowest_group``, ``group_stragglers``). Empty on
+        one process or with ``LOCKSTEP_STRAGGLER_FACTOR=0`` (docs/reliability.md)."""
         stragglers = self._watchdog.stragglers
         return {**(stragglers.report() if stragglers is not None else {}), **self.replication.step_times()}
 

@@ -13,10 +13,10 @@ The first participant's rank 0 judges the groups as the straggler report judges 
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ from lockstep.runtime.faults.stragglers import KEPT, StragglerJudge, Times, _ms,
 
 class GroupJudge(StragglerJudge):
     """The straggler judge over replica groups, which join and leave: it compares the groups of each step."""
+
+    noun = "group"
 
     def __init__(self, factor: float, say: Callable[[str], None]) -> None:
         super().__init__(0, factor, say, straggler_summary_from_environ())
@@ -49,10 +51,8 @@ class GroupJudge(StragglerJudge):
         return f"replica group {rank}"
 
     def _explain(self, rank: int, others: list[int], steps: list[int]) -> tuple[str, str, float]:
-        compared = others if len(others) == 1 else [rank, *others]
-        label = f"group {others[0]}'s" if len(others) == 1 else f"the median of the {len(compared)} groups"
-        own = statistics.fmean(self.ranks[rank].steps[n].step for n in steps)
-        peers = statistics.fmean(statistics.median(self.ranks[g].steps[n].step for g in compared) for n in steps)
+        compared, label = self._compared(rank, others)
+        own, peers = self._means(attrgetter("step"), rank, compared, steps)
         line = (f"lockstep: replica group {rank} is a straggler: the other groups wait for it in every step's "
                 f"cross-group all-reduce. Its own step takes {_ms(own)} against {label} {_ms(peers)} (steps "
                 f"{steps[0]}-{steps[-1]}); its own output names a slow rank inside it, if one is.")

@@ -7,8 +7,8 @@ later), never a synchronize. The heartbeat thread writes the newest steps to the
 the seconds the training thread spent runnable but not running (``/proc``'s run-queue time: a busy
 host), and on rank 0 reads every rank's and judges (``StragglerJudge``).
 
-The judge compares each rank's own work in a step (the step less its backward, where data-parallel ranks
-wait for each other's gradients) with the median of its peers' (the ranks of the same pipeline stage).
+The judge compares each rank's own work in a step (the step less its wait for the other ranks' gradients
+at the backward's end) with the median of the ranks of its pipeline stage (in a pair: the other rank).
 A rank above ``factor`` times that median, by more than a few percent of the step, for ``PATIENCE``
 consecutive steps, is named in one line on rank 0: who (rank, host, local rank), its own work against
 the median, and where the extra time goes: data loading, its forward, waiting for a CPU (a busy host),
@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,8 +75,9 @@ class StepClock:
         self._events: list[Any] = []  # CUDA: the handout, then each span's (kind, start, end, last gradient)
         self._opened = 0.0
         self._open = -1  # the span being timed: 0 forward, 1 backward, -1 none
-        self._gradient: Any = 0.0  # when the newest gradient was computed (host time; a CUDA event)
-        self._hooks: list[Any] = []
+        self._gradient: Any = None  # when the newest gradient was computed (host time; a CUDA event)
+        self._hooks: list[Any] = []  # until the first backward ends: a hook on each parameter's gradient
+        self._last_hooked = -1  # the index of the parameter whose gradient came last
         self._watched = False
         self.first_queued: float | None = None
 
@@ -85,16 +87,14 @@ class StepClock:
         if self._watched:
             return
         self._watched = True
-        last = [-1]
 
         def hook(index: int) -> Callable[[Any], None]:
             def ready(_: Any) -> None:
                 self._gradient = _event() if self._cuda else time.perf_counter()
-                last[0] = index
+                self._last_hooked = index
             return ready
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(parameters)]
-        self._choose = lambda: [h.remove() for i, h in enumerate(self._hooks) if i != last[0]]
 
     def batch(self, loader: Any) -> None:
         """A training batch was handed out: the previous one's step ends here."""
@@ -131,7 +131,9 @@ class StepClock:
             gradient = self._gradient
             self._spans[2] += now - (gradient if isinstance(gradient, float) else self._opened)
             if self._hooks:  # the first backward: keep the hook whose gradient came last
-                self._choose()
+                for index, handle in enumerate(self._hooks):
+                    if index != self._last_hooked:
+                        handle.remove()
                 self._hooks = []
         if self._cuda:
             self._events.append((span, _event(), self._gradient if span == 1 else None))
@@ -241,24 +243,10 @@ def _count(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40 else default
 
 
-def _own(times: Times) -> float:
-    return times.own
-
-
-def _data(times: Times) -> float:
-    return times.data
-
-
-def _compute(times: Times) -> float:
-    return times.compute
-
-
-def _forward(times: Times) -> float:
-    return times.forward
-
-
 class StragglerJudge:
     """Rank 0's view of every rank's steps: names a rank whose own work stays above its peers' median."""
+
+    noun = "rank"  # what is judged, as the lines say it
 
     def __init__(self, world_size: int, factor: float, say: Callable[[str], None],
                  summary: str | None = None) -> None:
@@ -266,7 +254,7 @@ class StragglerJudge:
         self.ranks = {rank: _Rank() for rank in range(world_size)}
         self.named: dict[int, str] = {}  # rank -> its cause, as last said
         self.latest: dict[str, float] = {}  # step_time/max_over_median and the slowest rank, newest judged steps
-        self.worst: tuple[float, str] | None = None  # the largest excess named in the run, and its line
+        self._worst: float | None = None  # the largest excess named in the run (its line is the summary)
         self._lock = threading.Lock()
 
     def read(self, store: Any) -> None:
@@ -335,23 +323,29 @@ class StragglerJudge:
         with self._lock:
             self.named[rank] = cause
         self.say(line)
-        if self.worst is None or excess > self.worst[0]:
-            self.worst = (excess, line)
+        if self._worst is None or excess > self._worst:
+            self._worst = excess
             if self.summary:
                 _write_atomically(Path(self.summary), line.removeprefix("lockstep: "))
 
+    def _compared(self, rank: int, others: list[int]) -> tuple[list[int], str]:
+        """Whom ``rank`` is compared with, as the judgement did (the other of a pair, else the group's median,
+        itself included), and how the line says it."""
+        if len(others) == 1:
+            return others, f"{self.noun} {others[0]}'s"
+        return [rank, *others], f"the median of the {len(others) + 1} {self.noun}s compared"
+
+    def _means(self, part: Callable[[Times], float], rank: int, compared: list[int],
+               steps: list[int]) -> tuple[float, float]:
+        """``part`` of ``rank``'s steps and the median of ``compared``'s, each averaged over ``steps``."""
+        return (statistics.fmean(part(self.ranks[rank].steps[n]) for n in steps),
+                statistics.fmean(statistics.median(part(self.ranks[r].steps[n]) for r in compared) for n in steps))
+
     def _explain(self, rank: int, others: list[int], steps: list[int]) -> tuple[str, str, float]:
-        """The cause of ``rank``'s extra time over ``steps``, the line that names it, and the excess. It is
-        compared as the judgement did: with the other rank of a pair, else with the median of the group."""
-        compared = others if len(others) == 1 else [rank, *others]
-        label = f"rank {others[0]}'s" if len(others) == 1 else f"the median of the {len(compared)} ranks compared"
-
-        def mean(part: Callable[[Times], float], of_peers: bool) -> float:
-            return statistics.fmean(statistics.median(part(self.ranks[r].steps[n]) for r in compared) if of_peers
-                                    else part(self.ranks[rank].steps[n]) for n in steps)
-
+        """The cause of ``rank``'s extra time over ``steps``, the line that names it, and the excess."""
+        compared, label = self._compared(rank, others)
         (own, own_peers), (data, data_peers), (compute, compute_peers), (forward, forward_peers) = (
-            (mean(part, False), mean(part, True)) for part in (_own, _data, _compute, _forward))
+            self._means(attrgetter(part), rank, compared, steps) for part in ("own", "data", "compute", "forward"))
         excess = own - own_peers
         queued = self.ranks[rank].queued_per_step()
         peers_queued = [q for q in (self.ranks[r].queued_per_step() for r in compared) if q is not None]
@@ -403,9 +397,9 @@ def _write_atomically(path: Path, text: str) -> None:
 class Stragglers:
     """A rank's part in the report: its clock; on rank 0 also the judge. The heartbeat thread calls ``beat``."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, factor: float, cuda: bool,
+    def __init__(self, rank: int, world_size: int, local_rank: int, group: int, factor: float, cuda: bool,
                  summary: str | None, say: Callable[[str], None]) -> None:
-        self.rank, self.local_rank, self.group = rank, local_rank, 0  # group: the pipeline stage, set by the Runtime
+        self.rank, self.local_rank, self.group = rank, local_rank, group  # group: the ranks compared (a pipeline stage)
         self.clock = StepClock(cuda)
         self.judge = StragglerJudge(world_size, factor, say, summary) if rank == 0 else None
         self._say = say
@@ -413,7 +407,6 @@ class Stragglers:
         self._published = -1
         self._readings: deque[tuple[int, float]] = deque(maxlen=2)  # run-queue readings at the last two beats
         self._next_judgement = 0.0  # monotonic time of rank 0's next judgement
-
 
     def beat(self, store: Any) -> None:
         """Publish this rank's newest steps (when there are new ones); on rank 0, judge every rank's."""
@@ -451,7 +444,5 @@ def stragglers_for(rank: int, world_size: int, local_rank: int, device_type: str
     factor = straggler_factor_from_environ()
     if world_size == 1 or not factor:
         return None
-    found = Stragglers(rank, world_size, local_rank, factor, device_type == "cuda", straggler_summary_from_environ(),
-                       lambda line: print(line, file=sys.stderr, flush=True))
-    found.group = group
-    return found
+    return Stragglers(rank, world_size, local_rank, group, factor, device_type == "cuda",
+                      straggler_summary_from_environ(), lambda line: print(line, file=sys.stderr, flush=True))

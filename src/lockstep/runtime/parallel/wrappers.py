@@ -77,9 +77,9 @@ class WrappedModule(nn.Module):
         watchdog: Watchdog | None = self.__dict__["_watchdog"]
         if watchdog is None:
             clock = self.__dict__["_clock"]
-            if clock is None or not torch.is_grad_enabled():  # the straggler report times training forwards
+            if clock is None:
                 return self._forward_rows(*args, **kwargs)
-            clock.enter("forward")  # the straggler report times the forward
+            clock.enter("forward")  # the straggler report times training forwards (the clock leaves out the others)
             try:
                 return self._forward_rows(*args, **kwargs)
             finally:
