@@ -1,8 +1,8 @@
 """``lockstep.Trainer``: fit / validate / test / predict, built only on the runtime's public API.
 
 Reading order of one training run: ``fit`` → ``_train_epoch`` → ``_train_batch`` (one forward
-and backward) → ``_optimizer_step``; then ``_after_step`` (preemption, mid-epoch validation, the
-stop check) and ``_end_epoch``.
+and backward, ``train/steps.py``) → ``_step_taken`` → ``_optimizer_step``; then ``_after_step``
+(preemption, mid-epoch validation, the stop check) and ``_end_epoch``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.loop import LoopCounter, LoopState
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
-from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers, loss_of
+from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers
 from lockstep.train.profilers import SimpleProfiler, make_profiler
+from lockstep.train.steps import WholeModelStep, batch_step_for
 
 if TYPE_CHECKING:
     from lockstep.runtime import Devices, Parallel, Policy, Strategy
@@ -118,6 +119,7 @@ class Trainer:
         self.metrics = TrainingMetrics()
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
         self._defining: dict[tuple[str, int, int], list[tuple[str, Callable[..., None]]]] = {}  # see fire
+        self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
     @property
@@ -139,7 +141,7 @@ class Trainer:
 
     @property
     def is_logging_step(self) -> bool:
-        return self.global_step % self.config.log_every_n_steps == 0
+        return self.loop.global_step % self.config.log_every_n_steps == 0
 
     @property
     def module(self) -> Module:
@@ -321,6 +323,8 @@ class Trainer:
             wrapped = self._runtime.setup(StepRouter(module), *self.optimizers,
                                           activation_checkpointing=self.config.activation_checkpointing)
             self._wrapped = wrapped[0] if self.optimizers else wrapped
+            # a batch's forward and backward: on the whole model, or on pipeline stages; chosen once
+            self._forward_backward = batch_step_for(self, self._runtime.pipeline_parallel_size > 1)
         return self._runtime
 
     def _loader_options(self, given: dict[str, Any] | None) -> dict[str, Any]:
@@ -370,61 +374,43 @@ class Trainer:
 
     def _train_batch(self, batch: Any, batch_idx: int) -> bool:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
-        rt, k, loop, loader = self.runtime, self.config.accumulate_grad_batches, self.loop, self.train_loader
+        loop, loader = self.loop, self.train_loader
         assert loader is not None
-        loop.start_batch(batch_idx, loader.local_batch_size(batch_idx), k)
+        loop.start_batch(batch_idx, loader.local_batch_size(batch_idx), self.config.accumulate_grad_batches)
         self.fire("on_train_batch_start", batch, batch_idx)
-        pipelined = rt.pipeline_parallel_size > 1
-        with rt.no_sync(self._wrapped, enabled=not loop.at_step_boundary):
-            if pipelined:
-                outputs = self._pipeline_step(batch)
-                loss, items = outputs["loss"], outputs.get("num_items")
-            else:
-                with self._hook("training_step"):
-                    outputs = self._wrapped("training_step", batch, batch_idx)
-                loss, items = loss_of(outputs)
-            if items is not None:  # a device tensor: counted without waiting for the device
-                count = torch.as_tensor(items).detach().double()
-                self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
-            self.record_metric("train_loss", loss, prog_bar=True, batch_size=items)  # detached there
-            if not pipelined:  # a pipeline's schedule ran the backward with its forward
-                self.fire("on_before_backward", loss)
-                with self._hook("backward"):
-                    if items is not None:  # normalised over every item of the step, accumulation included
-                        rt.backward(loss, num_items=items)
-                    else:
-                        rt.backward(loss / k if k > 1 else loss)
+        if loop.at_step_boundary:
+            outputs = self._forward_backward(batch, batch_idx)
+        else:  # an accumulation micro-step: the gradients stay on this rank
+            with self._runtime.no_sync(self._wrapped):  # type: ignore[union-attr]
+                outputs = self._forward_backward(batch, batch_idx)
         samples = loop.end_batch(batch_idx, loader.global_batch_size(batch_idx))
-        if samples is not None:  # a step boundary
-            committed = self._optimizer_step()
-            if rt.replication.fault_tolerant:  # what the step logged counts once it commits
-                self.metrics.end_step(committed)
-            if not committed:  # fault tolerance: a replica group died during the step; its batches come again
-                return False
-            loop.stepped(samples)
-            self.profiler.step()
-            if self.is_logging_step:
-                self.log_metrics(self.metrics.window.reduce(rt))
-                self.metrics.window.reset()
+        if samples is not None and not self._step_taken(samples):
+            return False  # fault tolerance: a replica group died during the step; its batches come again
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return loop.at_step_boundary
 
-    def _pipeline_step(self, batch: Any) -> dict[str, Any]:
-        """A training batch on pipeline stages: the module's ``forward`` cut into stages, its ``loss_fn(output,
-        batch)`` on the last, with ``num_items(batch)`` when it defines it (docs/parallelism.md)."""
-        module, k = self._module, self.config.accumulate_grad_batches
-        loss_fn, count = getattr(module, "loss_fn", None), getattr(module, "num_items", None)
-        if loss_fn is None:
-            raise UsageError(f"{type(module).__name__} runs on pipeline stages (pp > 1), where no rank holds the whole "
-                             "model for training_step: define loss_fn(self, output, batch), the loss of the rows of "
-                             "batch from the model's output (and forward(self, inputs), the model).")
-        scaled = loss_fn if count is not None or k == 1 else (lambda output, rows: loss_fn(output, rows) / k)
-        with self._hook("training_step"):
-            loss = self.runtime.forward_backward(self._wrapped, batch, scaled, num_items=count,
-                                                 inputs=getattr(module, "inputs", None))
-        if count is None:
-            return {"loss": loss * k if k > 1 else loss}
-        return {"loss": loss, "num_items": count(batch)}
+    def _record_loss(self, loss: torch.Tensor, items: int | torch.Tensor | None) -> None:
+        """The batch's loss into the logged ``train_loss``; ``num_items`` into the items seen (a device tensor:
+        counted without waiting for the device)."""
+        if items is not None:
+            count = torch.as_tensor(items).detach().double()
+            self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
+        self.record_metric("train_loss", loss, prog_bar=True, batch_size=items)  # detached there
+
+    def _step_taken(self, samples: int) -> bool:
+        """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
+        False when it was not committed (fault tolerance)."""
+        committed = self._optimizer_step()
+        if self._runtime.replication.fault_tolerant:  # type: ignore[union-attr]  # counts once it commits
+            self.metrics.end_step(committed)
+        if not committed:
+            return False
+        self.loop.stepped(samples)
+        self.profiler.step()
+        if self.is_logging_step:
+            self.log_metrics(self.metrics.window.reduce(self._runtime))
+            self.metrics.window.reset()
+        return True
 
     def _optimizer_step(self) -> bool:
         """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:
@@ -477,7 +463,7 @@ class Trainer:
     # -- callbacks and reports ---------------------------------------------------------------------
     def _hook(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Around a hook: tell the runtime where this rank is (for hang reports), and profile it."""
-        self.runtime.mark(name)
+        self._runtime.mark(name)  # type: ignore[union-attr]  # hooks run once the Runtime exists
         return self.profiler.profile(name)
 
     def fire(self, hook: str, *args: Any) -> None:
