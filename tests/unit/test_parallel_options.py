@@ -282,6 +282,10 @@ def test_parallel_holds_the_degrees_and_each_strategy_means_one_layout_on_it():
     assert made("ddp", 8, lockstep.Parallel(tp=2)) == ("FSDP", "ddp", (4, 1, 2, 1))
     assert made("auto", 8, lockstep.Parallel(pp=2)) == ("FSDP", "ddp", (4, 1, 1, 2))
     assert made(DDP(), 8, lockstep.Parallel(tp=2, replicate=4)) == ("FSDP", "ddp", (4, 1, 2, 1))
+    # context parallel: a degree of its own, outside the data-parallel ones (which are the rest)
+    assert made("fsdp", 8, lockstep.Parallel(cp=2))[2] == (1, 4, 1, 1)
+    assert make_strategy("fsdp", 8, lockstep.Parallel(cp=2, tp=2))[1].cp == 2
+    assert made("ddp", 8, lockstep.Parallel(cp=4)) == ("FSDP", "ddp", (2, 1, 1, 1))
     with contextlib.redirect_stdout(io.StringIO()) as said:  # one process: the unsplit reference, said once
         assert made("fsdp", 1, lockstep.Parallel(tp=2)) == ("SingleDevice", "single", (1, 1, 1, 1))
     assert "Parallel(tp=2) on one process: the model runs unsplit" in said.getvalue()
@@ -290,10 +294,11 @@ def test_parallel_holds_the_degrees_and_each_strategy_means_one_layout_on_it():
             (lambda: make_strategy("ddp", 8, lockstep.Parallel(tp=2, replicate=2)), "every data-parallel rank"),
             (lambda: make_strategy(DDP(static_graph=True), 4, lockstep.Parallel(tp=2)), "none of static_graph"),
             (lambda: make_strategy("dp", 4, lockstep.Parallel(tp=2)), "strategy 'ddp' or 'fsdp', not 'dp'"),
-            (lambda: make_strategy("fsdp", 6, lockstep.Parallel(tp=4)), "divisible by tp × pp = 4"),
+            (lambda: make_strategy("fsdp", 6, lockstep.Parallel(tp=4)), "divisible by tp × pp × cp = 4"),
+            (lambda: make_strategy("ddp", 6, lockstep.Parallel(cp=4)), "divisible by tp × pp × cp = 4"),
             (lambda: make_strategy("fsdp", 4, {"tp": 2}), "give lockstep.Parallel"),
             (lambda: lockstep.Parallel(tp=0), "a degree is a whole number"),
-            (lambda: lockstep.Parallel(cp=2), "context parallel is not built yet"),
+            (lambda: lockstep.Parallel(cp=2, pp=2), "context parallel with pipeline parallel is not supported"),
             (lambda: lockstep.FSDP(tp=2, pp=2), r"Runtime\(parallel=lockstep.Parallel\(tp=2, pp=2\)\)"),
             (lambda: lockstep.DDP(tp_plan={}), "DDP keeps only its own options")):
         with pytest.raises(lockstep.ConfigError, match=message):

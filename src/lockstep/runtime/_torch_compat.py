@@ -170,3 +170,50 @@ def stamp_load_id(metadata: Any, load_id: Any) -> Any:
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = load_id
     return metadata
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh``'s dimensions as one, named ``name``, kept in the root mesh (``DeviceMesh._flatten``; torch has no
+    public spelling yet: torchtitan flattens its ``dp_shard × cp`` the same way)."""
+    return mesh._flatten(name)
+
+
+def ring_attention(group: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the ``group``'s ring, each rank holding the head-tail chunks of the sequence
+    (dimension 2): the output and its log-sum-exp, by torch's ring template
+    (``torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention``) over
+    the device's SDPA flash kernel. The public alternative, ``context_parallel()``, shards named buffers and
+    dispatches SDPA on DTensors; it refuses causal attention on the CPU."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    forward, _ = _ring_kernels(query.device.type)
+    out, lse, *_ = cp._templated_ring_attention(group, 2, forward, query, key, value, is_causal=True,
+                                                dropout_p=0.0, scale=scale)
+    return out, lse
+
+
+def ring_attention_backward(group: Any, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``ring_attention``'s query, key and value (torch's ring template's backward)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    _, backward = _ring_kernels(query.device.type)
+    extra: dict[str, Any] = {}
+    if query.device.type == "cuda":  # the CUDA flash kernel's backward also takes its forward's bookkeeping
+        extra = {"cum_seq_q": None, "cum_seq_k": None, "max_q": query.size(2), "max_k": key.size(2),
+                 "philox_seed": torch.empty((), dtype=torch.int64, device=query.device),
+                 "philox_offset": torch.empty((), dtype=torch.int64, device=query.device)}
+    grads = cp._templated_ring_attention_backward(group, 2, backward, grad_out, "grad_out", query, key, value, out,
+                                                  lse, is_causal=True, dropout_p=0.0, scale=scale, **extra)
+    return grads[0], grads[1], grads[2]
+
+
+def _ring_kernels(device_type: str) -> tuple[Any, Any]:
+    """The SDPA flash kernel of ``device_type`` and its backward, as torch's ring template calls them."""
+    aten = torch.ops.aten
+    if device_type == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default

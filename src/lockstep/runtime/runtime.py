@@ -131,7 +131,7 @@ class Runtime:
         self._watchdog = self._make_watchdog(layout)
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
-        self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel)
+        self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         can = self.env.capabilities
         self.preemption = (Preemption(slurm_requeue_from_environ() if can.requeues else None, self.rank)
@@ -203,7 +203,7 @@ class Runtime:
         return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
                        self.print, self.replication.gate, self.replication.evaluation_membership(self.membership),
-                       every_rank)
+                       every_rank, self.mesh.cut)
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks (tensor-parallel peers hold the same value),

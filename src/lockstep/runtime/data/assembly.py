@@ -46,6 +46,7 @@ class Loaders:
     gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
     evaluation_membership: Membership | None = None  # fault tolerance: the group's own ranks
     every_rank: Callable[[int], list[int]] | None = None  # a number of each rank (an all-gather; None: one rank)
+    cut: Callable[[Any], Any] | None = None  # context parallel: this rank's part of a training batch's sequences
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
@@ -118,7 +119,7 @@ class Loaders:
                 training: bool) -> DistributedLoader:
         return DistributedLoader(dataset, sampler, opts, self.device, self.seed, self.membership.rank, self.observer,
                                  per_sample_rng=self.per_sample_rng, count_ranks=self.count_ranks, training=training,
-                                 gate=self.gate)
+                                 gate=self.gate, cut=self.cut)
 
 
 def global_batches(dataset: Any, opts: dict[str, Any], shuffle: bool, drop_last: bool, seed: int) -> Batches:

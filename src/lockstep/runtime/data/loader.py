@@ -179,6 +179,7 @@ class DistributedLoader:
         device: torch.device, seed: int, rank: int, observer: BatchObserver | None = None,
         per_sample_rng: bool = False, count_ranks: Callable[[bool], int] | None = None, training: bool = True,
         gate: Callable[[DistributedLoader, int], int] | None = None,
+        cut: Callable[[Any], Any] | None = None,
     ) -> None:
         self.dataset = dataset
         self.training = training  # global batches to train on; else evaluation batches (no loss weight)
@@ -197,6 +198,7 @@ class DistributedLoader:
         # Asked before each batch which step to draw (fault tolerance: the quorum, and a step drawn again
         # when it did not commit; fault_tolerance/groups.py).
         self._gate = gate if training else None
+        self._cut = cut if training else None  # context parallel: this rank's part of each row's sequence
         batches = getattr(sampler, "batches", None)
         if isinstance(batches, StreamBatches):
             assert isinstance(sampler, GlobalBatchSampler)
@@ -255,12 +257,15 @@ class DistributedLoader:
         observer = self._observer
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
+        cut = self._cut
         try:
             for step, batch in self._draws(epoch, start):
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
                 batch = batch if on_cpu else to_device(batch, self.device, self._non_blocking)
+                if cut is not None:
+                    batch = cut(batch)
                 if pads and self.sampler.local_size(step) == 0:
                     real, batch = batch, empty_rows(batch)
                     if observer is not None:

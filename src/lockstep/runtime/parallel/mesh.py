@@ -1,10 +1,12 @@
-"""The job's ranks on a device mesh: pipeline × data parallel (replicated × sharded) × tensor parallel.
+"""The job's ranks on a device mesh: pipeline × data parallel (replicated × sharded) × context parallel ×
+tensor parallel.
 
-Rank ``r`` sits at ``(pp, replicate, shard, tp)`` coordinates in row-major order, the tensor-parallel
+Rank ``r`` sits at ``(pp, replicate, shard, cp, tp)`` coordinates in row-major order, the tensor-parallel
 dimension innermost: the ranks of one tensor-parallel group are consecutive, so on one node they
-share the fastest links; the pipeline dimension is outermost, as its point-to-point sends are the
-cheapest traffic to put across nodes. The data-parallel rank of ``r`` is
-``(r // tp) % (replicate × shard)``; the ``tp × pp`` ranks that share it see the same batches.
+share the fastest links; the context-parallel ring next; the pipeline dimension is outermost, as its
+point-to-point sends are the cheapest traffic to put across nodes. The data-parallel rank of ``r`` is
+``(r // (cp × tp)) % (replicate × shard)``; the ``cp × tp × pp`` ranks that share it see the same rows
+(the cp ranks each take their part of every row's sequence).
 
 ``Parallel`` is what a user asks for (public: ``lockstep.Parallel(tp=2, pp=2)``), given once to the
 Runtime or the Trainer; ``MeshLayout`` holds the degrees it resolves to on a world size (the sharded
@@ -17,16 +19,20 @@ and tensor-parallel ones that the loaders, ``num_items``, ``gather`` and the FLO
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from lockstep.errors import ConfigError
+from lockstep.runtime._torch_compat import flatten_mesh
+from lockstep.runtime.parallel.context import ContextParallel
 from lockstep.runtime.parallel.pipeline.stages import check_settings
 from lockstep.runtime.parallel.tensor_parallel import Plan
 
-DIMENSIONS = ("pp", "replicate", "shard", "tp")
+DIMENSIONS = ("pp", "replicate", "shard", "cp", "tp")
 #: what a strategy took before ``lockstep.Parallel`` held the degrees
 MOVED = ("tp", "pp", "replicate", "cp", "tp_plan", "pp_schedule", "pp_microbatches", "pp_stages")
 _Class = TypeVar("_Class", bound=type)
@@ -88,7 +94,11 @@ class Parallel:
         replicate: with FSDP, groups that each hold a whole sharded copy (HSDP); the rest of the
             data-parallel ranks shard. With DDP every data-parallel rank holds a whole copy: leave it
             unset (another value than the data-parallel degree is refused).
-        cp: context parallel, not built yet: anything but 1 is refused.
+        cp: ranks that each take a part of every row's sequence (context parallel): a training batch's
+            sequence dimension is cut into ``2 × cp`` chunks, rank ``i`` of the ring taking chunks ``i`` and
+            ``2 × cp - 1 - i`` (the load balance of causal attention), and causal attention runs as a ring
+            over them (docs/parallelism.md, "Context parallel"). They see the same rows; gradients are
+            averaged over the data-parallel and context-parallel ranks together.
 
     With DDP (or ``"auto"``), tensor or pipeline parallel means data parallel by replication on the mesh:
     FSDP2's ``fully_shard`` over a ``(replicate = data-parallel degree, shard = 1)`` mesh, which
@@ -113,9 +123,10 @@ class Parallel:
                 continue
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ConfigError(f"Parallel({name}={degree!r}): a degree is a whole number of at least 1.")
-        if self.cp != 1:
-            raise ConfigError(f"Parallel(cp={self.cp}): context parallel is not built yet; leave cp at 1 (split "
-                              "long sequences with tensor parallel's sequence_parallel style meanwhile).")
+        if self.cp > 1 and self.pp > 1:
+            raise ConfigError(f"Parallel(cp={self.cp}, pp={self.pp}): context parallel with pipeline parallel is not "
+                              "supported (torch's pipeline schedules cut the batch's rows, the ring its sequence, and "
+                              "neither knows the other): use cp with data and tensor parallel, or pp without cp.")
         check_settings(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages, "Parallel")
 
     def __repr__(self) -> str:
@@ -126,7 +137,7 @@ class Parallel:
     @property
     def trivial(self) -> bool:
         """Nothing but data parallel: every rank holds the whole model and sees batches of its own."""
-        return self.tp == 1 and self.pp == 1 and self.replicate in (None, 1)
+        return self.tp == 1 and self.pp == 1 and self.cp == 1 and self.replicate in (None, 1)
 
     def pipeline_settings(self) -> tuple[str, int]:
         """The pipeline schedule's own name and its number of micro-batches."""
@@ -135,20 +146,21 @@ class Parallel:
     def layout(self, world_size: int, shards: bool) -> MeshLayout:
         """The degrees on ``world_size`` ranks. ``shards``: the data-parallel ranks shard (FSDP) beyond
         ``replicate``; else every data-parallel rank replicates (DDP)."""
-        fixed = self.tp * self.pp
+        fixed = self.tp * self.pp * self.cp
         if world_size % fixed:
             raise ConfigError(
-                f"{self!r} needs a world size divisible by tp × pp = {fixed}, but the job has {world_size} "
+                f"{self!r} needs a world size divisible by tp × pp × cp = {fixed}, but the job has {world_size} "
                 f"process(es): launch a multiple of {fixed}, or change the degrees.")
         data_parallel = world_size // fixed
         if shards:
-            return MeshLayout.for_world(world_size, self.replicate or 1, self.tp, owner="Parallel", pp=self.pp)
+            return MeshLayout.for_world(world_size, self.replicate or 1, self.tp, owner="Parallel", pp=self.pp,
+                                        cp=self.cp)
         if self.replicate not in (None, data_parallel):
             raise ConfigError(
                 f"Parallel(replicate={self.replicate}) with DDP: every data-parallel rank holds a whole copy, "
-                f"{data_parallel} here (world size {world_size} / tp × pp): leave replicate unset, or use "
+                f"{data_parallel} here (world size {world_size} / tp × pp × cp): leave replicate unset, or use "
                 "strategy='fsdp' to shard within the replicas (HSDP).")
-        return MeshLayout(data_parallel, 1, self.tp, self.pp)
+        return MeshLayout(data_parallel, 1, self.tp, self.pp, self.cp)
 
 
 @dataclass(frozen=True)
@@ -159,31 +171,42 @@ class MeshLayout:
     shard: int
     tp: int
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def for_world(cls, world_size: int, replicate: int = 1, tp: int = 1, owner: str = "FSDP",
-                  pp: int = 1) -> MeshLayout:
-        """The layout with the given replicate, tensor-parallel and pipeline degrees; the sharded degree is
-        the rest. ``owner``: the configuration the degrees come from, as errors name it."""
-        for name, degree in (("replicate", replicate), ("tp", tp), ("pp", pp)):
+                  pp: int = 1, cp: int = 1) -> MeshLayout:
+        """The layout with the given replicate, tensor-parallel, pipeline and context-parallel degrees; the
+        sharded degree is the rest. ``owner``: the configuration the degrees come from, as errors name it."""
+        for name, degree in (("replicate", replicate), ("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ConfigError(f"{owner}({name}={degree!r}): a degree is a whole number of at least 1.")
-        fixed = replicate * tp * pp
+        fixed = replicate * tp * pp * cp
         if world_size % fixed:
             raise ConfigError(
-                f"{owner}(replicate={replicate}, tp={tp}, pp={pp}) needs a world size divisible by {fixed}, but the "
-                f"job has {world_size} process(es): launch a multiple of {fixed}, or change the degrees "
-                "(the sharded data-parallel degree is the world size divided by replicate × tp × pp).")
-        return cls(replicate, world_size // fixed, tp, pp)
+                f"{owner}(replicate={replicate}, tp={tp}, pp={pp}, cp={cp}) needs a world size divisible by "
+                f"{fixed}, but the job has {world_size} process(es): launch a multiple of {fixed}, or change the "
+                "degrees (the sharded data-parallel degree is the world size divided by replicate × tp × pp × cp).")
+        return cls(replicate, world_size // fixed, tp, pp, cp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.cp * self.tp
 
     @property
     def batch_peers(self) -> int:
-        """How many ranks see the same batches: the tensor-parallel peers of each pipeline stage."""
-        return self.tp * self.pp
+        """How many ranks see the same rows: the context- and tensor-parallel peers of each pipeline stage."""
+        return self.cp * self.tp * self.pp
+
+    @property
+    def gradient_peers(self) -> int:
+        """How many ranks each gradient is averaged over: the data-parallel and context-parallel ranks (the
+        cp ranks hold the same weights and compute gradients of different tokens)."""
+        return self.data_parallel_size * self.cp
+
+    def context_rank(self, rank: int) -> int:
+        """Which of the ``cp`` ranks of its ring ``rank`` is (the chunks of the sequence it takes)."""
+        return (rank // self.tp) % self.cp
 
     @property
     def data_parallel_size(self) -> int:
@@ -191,16 +214,16 @@ class MeshLayout:
         return self.replicate * self.shard
 
     def data_parallel_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.data_parallel_size
+        return (rank // (self.tp * self.cp)) % self.data_parallel_size
 
     def pipeline_rank(self, rank: int) -> int:
         """Which of the ``pp`` pipeline ranks ``rank`` is (the stages it holds follow from it)."""
-        return rank // (self.data_parallel_size * self.tp)
+        return rank // (self.data_parallel_size * self.cp * self.tp)
 
     @property
     def trivial(self) -> bool:
         """One data-parallel dimension and nothing else: plain DDP or FSDP over every rank."""
-        return self.tp == 1 and self.replicate == 1 and self.pp == 1
+        return self.tp == 1 and self.replicate == 1 and self.pp == 1 and self.cp == 1
 
     @property
     def stage_size(self) -> int:
@@ -218,13 +241,13 @@ class MeshLayout:
         return self.pipeline_rank(rank) * self.stage_size
 
     def keeps_rows(self, rank: int) -> bool:
-        """Whether ``rank`` is the one of its batch peers (tensor-parallel peers, later pipeline ranks)
-        that keeps the rows they all hold: the first tensor-parallel rank of the first pipeline rank."""
-        return rank % self.tp == 0 and self.pipeline_rank(rank) == 0
+        """Whether ``rank`` is the one of its batch peers (tensor- and context-parallel peers, later pipeline
+        ranks) that keeps the rows they all hold: the first tp and cp rank of the first pipeline rank."""
+        return rank % (self.tp * self.cp) == 0 and self.pipeline_rank(rank) == 0
 
     def speaks_for_stage(self, rank: int) -> bool:
         """Whether ``rank`` is the one rank that sends its pipeline stage's state (its first)."""
-        return self.data_parallel_rank(rank) == 0 and rank % self.tp == 0
+        return self.data_parallel_rank(rank) == 0 and rank % (self.tp * self.cp) == 0
 
 
 class Mesh:
@@ -236,6 +259,12 @@ class Mesh:
         self.membership = Membership(layout.data_parallel_rank(rank), layout.data_parallel_size)
         self._built: Any = None
         self._stage_group: Any = None
+        context = ContextParallel(layout.cp, layout.context_rank(rank), self.cp_group) if layout.cp > 1 else None
+        #: context parallel: what a training loader makes of each batch (this rank's part of every row's
+        #: sequence), and what a training forward runs in (attention as a ring); None without
+        self.cut: Callable[[Any], Any] | None = context.cut if context is not None else None
+        self.ring: Callable[[], contextlib.AbstractContextManager[None]] | None = (
+            context.ring if context is not None else None)
 
     @property
     def tp(self) -> int:
@@ -248,15 +277,15 @@ class Mesh:
         return self.layout.pp
 
     def device_mesh(self) -> Any:
-        """The ``DeviceMesh`` over every rank, its dimensions named ``pp``, ``replicate``, ``shard``, ``tp``
-        (a trivial layout: one unnamed dimension)."""
+        """The ``DeviceMesh`` over every rank, its dimensions named ``pp``, ``replicate``, ``shard``, ``cp``,
+        ``tp`` (a trivial layout: one unnamed dimension)."""
         if self._built is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             layout = self.layout
             self._built = (init_device_mesh(self.device_type, (layout.world_size,)) if layout.trivial else
-                           init_device_mesh(self.device_type, (layout.pp, layout.replicate, layout.shard, layout.tp),
-                                            mesh_dim_names=DIMENSIONS))
+                           init_device_mesh(self.device_type, (layout.pp, layout.replicate, layout.shard, layout.cp,
+                                                                layout.tp), mesh_dim_names=DIMENSIONS))
         return self._built
 
     def stage_group(self) -> Any:
@@ -279,11 +308,23 @@ class Mesh:
         return self.device_mesh()["tp"]
 
     def data_mesh(self) -> Any:
-        """What FSDP shards (and replicates) over: ``(replicate, shard)`` with ``replicate > 1``, else ``shard``."""
-        mesh = self.device_mesh()
-        if self.layout.trivial:
+        """What FSDP shards (and replicates) over: ``(replicate, shard)`` with ``replicate > 1``, else ``shard``.
+        Context-parallel ranks hold the same weights: they join the sharded dimension (``shard_cp``, as
+        torchtitan's ``dp_shard_cp``), also where the data-parallel ranks replicate (DDP on the mesh)."""
+        mesh, layout = self.device_mesh(), self.layout
+        if layout.trivial:
             return mesh
-        return mesh["replicate", "shard"] if self.layout.replicate > 1 else mesh["shard"]
+        shard = "shard"
+        if layout.cp > 1:
+            with warnings.catch_warnings():  # torch's note on slicing a flattened dimension from the root mesh
+                warnings.simplefilter("ignore", UserWarning)
+                shard = flatten_mesh(mesh["shard", "cp"], "shard_cp").mesh_dim_names[0]
+                return mesh["replicate", shard] if layout.replicate > 1 else mesh[shard]
+        return mesh["replicate", shard] if layout.replicate > 1 else mesh[shard]
+
+    def cp_group(self) -> Any:
+        """The process group of this rank's context-parallel ring (its ``cp`` peers)."""
+        return self.device_mesh()["cp"].get_group()
 
 
 class Membership:

@@ -126,7 +126,7 @@ class WholeModel:
             clock.watch_gradients([p for p in module.parameters() if p.requires_grad])
         replicas = tools.mesh.layout.data_parallel_size
         return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas,
-                              clock), forward_module)
+                              clock, tools.mesh.ring), forward_module)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                          num_items: Callable[[Any], int | torch.Tensor] | None,

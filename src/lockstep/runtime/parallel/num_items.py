@@ -29,8 +29,9 @@ class ItemNormalizer:
     """The item counts of the current optimizer step, and the gradient correction they give."""
 
     def __init__(self, membership: Membership, device: torch.device,
-                 all_reduce_sum: Callable[[torch.Tensor], Any]) -> None:
+                 all_reduce_sum: Callable[[torch.Tensor], Any], cp: int = 1) -> None:
         self.membership, self.device = membership, device
+        self.cp = cp  # context parallel: each of the cp ranks of a row counts its own part's items
         self._all_reduce_sum = all_reduce_sum
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._pending: torch.Tensor | None = None  # this rank's items since the last step (float64)
@@ -56,7 +57,7 @@ class ItemNormalizer:
         count = count.reshape(())
         if not self._calibrated:  # once per run: a c of 1 would inflate the first backward n-fold (fp16 overflow)
             self._calibrated = True
-            self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self.membership.size)
+            self.scale = _power_of_two_at_most(self._sum_over_ranks(count) / self._gradient_peers)
         self._pending = count if self._pending is None else self._pending + count
         if self._first_divisors is not None and loss is not None:
             self._first_divisors.append((constant_divisor(loss), count))
@@ -90,7 +91,7 @@ class ItemNormalizer:
                 "division by the accumulation steps (docs/models.md, 'Token-averaged losses').")
         pending, self._pending = self._pending, None
         total = self._sum_over_ranks(pending)
-        factor = (self.membership.size * self.scale) / total.clamp(min=1.0)
+        factor = (self._gradient_peers * self.scale) / total.clamp(min=1.0)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for ref in self._optimizers:
@@ -106,10 +107,18 @@ class ItemNormalizer:
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
                 foreach_mul_(same, factor.to(device=device, dtype=dtype))
-        self.scale = _power_of_two_at_most(total / self.membership.size)
+        self.scale = _power_of_two_at_most(total / self._gradient_peers)
+
+    @property
+    def _gradient_peers(self) -> int:
+        """The ranks each gradient is averaged over: the data-parallel ones, times the context-parallel ring."""
+        return self.membership.size * self.cp
 
     def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce_sum(count.clone())  # the Runtime's all_reduce: the identity on one process
+        """The items over every rank: the Runtime's sum over the data-parallel ranks (the identity on one
+        process), which counts one of each row's cp ranks, times cp (each holds as many items in its part)."""
+        total = self._all_reduce_sum(count.clone())
+        return total * self.cp if self.cp > 1 else total
 
 
 def _divided_by_accumulation(losses: list[tuple[float | None, torch.Tensor]]) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,6 +55,7 @@ class WrappedModule(nn.Module):
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
         watchdog: Watchdog | None = None, replicas: int = 1, clock: StepClock | None = None,
+        ring: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -63,6 +65,7 @@ class WrappedModule(nn.Module):
         self.__dict__["_stand_in"] = stand_in
         self.__dict__["_watchdog"] = watchdog  # a forward that is a collective: watched (and timed) as one
         self.__dict__["_clock"] = clock  # else only timed, for the straggler report
+        self.__dict__["_ring"] = ring  # context parallel: a training forward's attention runs as a ring
         # running statistics (BatchNorm) that each data-parallel replica (of ``replicas``) moves with its own rows
         self.__dict__["_tracks_stats"] = replicas > 1 and tracks_statistics(module)
 
@@ -96,7 +99,14 @@ class WrappedModule(nn.Module):
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        target = self._forward_module if torch.is_grad_enabled() else self.__dict__["_eval_module"]
+        training = torch.is_grad_enabled()
+        ring = self.__dict__["_ring"]
+        if ring is not None and training:  # on the cut batch: attention over every cp rank's part
+            with ring():
+                return self._run(self._forward_module, args, kwargs)
+        return self._run(self._forward_module if training else self.__dict__["_eval_module"], args, kwargs)
+
+    def _run(self, target: nn.Module, args: Any, kwargs: Any) -> Any:
         precision: Precision = self.__dict__["_precision"]
         if not precision.transforms_forward:  # 32-true: nothing to add on the hot path
             return target(*args, **kwargs)
