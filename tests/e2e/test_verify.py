@@ -46,6 +46,21 @@ def test_a_script_on_a_tensor_parallel_mesh_verifies_against_itself_on_one_proce
     assert f"the run on {devices} processes computes what one process computes: 3 steps agree" in done.stdout
 
 
+def test_a_context_parallel_script_verifies_against_itself_on_one_process(tmp_path):
+    """Parallel(cp=2) on 4 processes (cp2 × dp2): each rank holds half of every row's sequence."""
+    done = _verify_as_the_readme_writes_it(4, "tests/scripts/cp_trainer.py", "--parallel", "cp=2", str(tmp_path / "c"),
+                                           str(tmp_path / "out.pt"), "-1", "no-checkpoints")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the run on 4 processes, parallel cp=2 computes what one process computes: 3 steps agree" in done.stdout
+
+
+def test_a_checkpoint_saved_mid_run_is_no_step_of_its_own(tmp_path):
+    """DCP's state-creating optimizer step (lr 0, zero gradients) while saving is not recorded as a step."""
+    done = _verify(2, "tests/scripts/verify_saves.py", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 steps agree" in done.stdout and "nan" not in done.stdout
+
+
 def test_verify_takes_its_options_after_the_script_and_passes_the_rest_on():
     done = _verify_as_the_readme_writes_it(2, "tests/scripts/verify_planted.py", "--", "tokens-bug")
     assert done.returncode == 1 and "DIVERGES at step 1: the loss differs" in done.stderr, done.stdout + done.stderr

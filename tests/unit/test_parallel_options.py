@@ -289,6 +289,9 @@ def test_parallel_holds_the_degrees_and_each_strategy_means_one_layout_on_it():
     with contextlib.redirect_stdout(io.StringIO()) as said:  # one process: the unsplit reference, said once
         assert made("fsdp", 1, lockstep.Parallel(tp=2)) == ("SingleDevice", "single", (1, 1, 1, 1))
     assert "Parallel(tp=2) on one process: the model runs unsplit" in said.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert made("ddp", 1, lockstep.Parallel(cp=2)) == ("SingleDevice", "single", (1, 1, 1, 1))
+    assert "Parallel(cp=2) on one process: the model runs unsplit" in said.getvalue()
     assert isinstance(make_strategy("ddp", 1)[0], SingleDevice)
     for refused, message in (
             (lambda: make_strategy("ddp", 8, lockstep.Parallel(tp=2, replicate=2)), "every data-parallel rank"),

@@ -3,7 +3,8 @@ saved by parameter name through DCP) and what is a small object (rank 0's, saved
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,10 @@ from lockstep.errors import CheckpointError
 from lockstep.runtime.parallel.wrappers import unwrap
 
 OPTIMIZERS_BY_PARAMETER = "by_parameter"  # lockstep.json's "optimizer_layout" since pipeline parallel
+#: Set on an optimizer (its ``__dict__``) while DCP reads or writes its state: torch's state dict functions
+#: create an empty state by calling ``optimizer.step()`` on zero gradients at lr 0 (``_init_optim_state``),
+#: which then runs as the optimizer's own step, not as a training step (no item count, verify record, commit).
+STATE_INIT_STEP = "_lockstep_state_init_step"
 
 
 class ModelState:
@@ -39,13 +44,26 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         if self.optimizers:
-            state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
+            with self._state_init_steps():
+                state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state["model"])
         if self.optimizers:
-            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"], options=self.options)
+            with self._state_init_steps():
+                set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"], options=self.options)
+
+    @contextlib.contextmanager
+    def _state_init_steps(self) -> Iterator[None]:
+        """While DCP handles the optimizers, a ``step()`` it calls is the optimizer's own (``STATE_INIT_STEP``)."""
+        for optimizer in self.optimizers:
+            optimizer.__dict__[STATE_INIT_STEP] = True
+        try:
+            yield
+        finally:
+            for optimizer in self.optimizers:
+                optimizer.__dict__.pop(STATE_INIT_STEP, None)
 
 
 def is_stateful(value: Any) -> bool:
