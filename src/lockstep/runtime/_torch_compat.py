@@ -172,6 +172,13 @@ def stamp_load_id(metadata: Any, load_id: Any) -> Any:
     return metadata
 
 
+#: Set on an optimizer (its ``__dict__``) while DCP reads or writes its state: torch's state dict functions
+#: create an empty state by calling ``optimizer.step()`` on zero gradients at lr 0
+#: (``torch.distributed.checkpoint.state_dict._init_optim_state``; no public way to create it), which must
+#: run as the optimizer's own step, not as a training step (no item count, no verify record, no commit).
+DCP_STATE_INIT_STEP = "_lockstep_state_init_step"
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """``mesh``'s dimensions as one, named ``name``, kept in the root mesh (``DeviceMesh._flatten``; torch has no
     public spelling yet: torchtitan flattens its ``dp_shard × cp`` the same way)."""

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lockstep.runtime._torch_compat import mark_wrapped_by_lr_scheduler
-from lockstep.runtime.checkpoint.parts import STATE_INIT_STEP
+from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP, mark_wrapped_by_lr_scheduler
 from lockstep.runtime.parallel.grad_norm import clip_grad_norm
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ class OptimizerStep:
 
         def patched(self: torch.optim.Optimizer, closure: Any = None) -> Any:
             nonlocal inside
-            if inside or self.__dict__.get(STATE_INIT_STEP):  # GradScaler's call; DCP's state-creating step
+            if inside or self.__dict__.get(DCP_STATE_INIT_STEP):  # GradScaler's call; DCP's state-creating step
                 return original() if closure is None else original(closure)
             inside = True
             try:

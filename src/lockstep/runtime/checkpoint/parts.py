@@ -18,13 +18,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lockstep.errors import CheckpointError
+from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP
 from lockstep.runtime.parallel.wrappers import unwrap
 
 OPTIMIZERS_BY_PARAMETER = "by_parameter"  # lockstep.json's "optimizer_layout" since pipeline parallel
-#: Set on an optimizer (its ``__dict__``) while DCP reads or writes its state: torch's state dict functions
-#: create an empty state by calling ``optimizer.step()`` on zero gradients at lr 0 (``_init_optim_state``),
-#: which then runs as the optimizer's own step, not as a training step (no item count, verify record, commit).
-STATE_INIT_STEP = "_lockstep_state_init_step"
 
 
 class ModelState:
@@ -56,14 +53,14 @@ class ModelState:
 
     @contextlib.contextmanager
     def _state_init_steps(self) -> Iterator[None]:
-        """While DCP handles the optimizers, a ``step()`` it calls is the optimizer's own (``STATE_INIT_STEP``)."""
+        """While DCP handles the optimizers, a ``step()`` it calls is the optimizer's own (``DCP_STATE_INIT_STEP``)."""
         for optimizer in self.optimizers:
-            optimizer.__dict__[STATE_INIT_STEP] = True
+            optimizer.__dict__[DCP_STATE_INIT_STEP] = True
         try:
             yield
         finally:
             for optimizer in self.optimizers:
-                optimizer.__dict__.pop(STATE_INIT_STEP, None)
+                optimizer.__dict__.pop(DCP_STATE_INIT_STEP, None)
 
 
 def is_stateful(value: Any) -> bool:
