@@ -107,3 +107,58 @@ def cp_weights(strategy, kind: str = "llama", steps: int = 5, batch_size: int = 
         if i + 1 == steps * accumulate:
             break
     return {"weights": hc.flat(model), "seen": seen, "length": int(batch["input_ids"].size(1))}
+
+
+class OwnAttention(nn.Module):
+    """A model of one's own, the documented way: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on
+    ``(batch, heads, positions, head_dim)``, positions taken from the batch (learned position embeddings)."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.tokens, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(LENGTH, width)
+        self.qkv, self.out, self.head = nn.Linear(width, 3 * width), nn.Linear(width, width), nn.Linear(width, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens) + self.positions(positions)
+        rows, length, width = x.shape
+        q, k, v = (t.view(rows, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(rows, length, width)
+        return self.head(x + self.out(attended))
+
+
+def own_rows(n: int = 40) -> torch.utils.data.TensorDataset:
+    """(tokens, positions, next-token targets shifted over the whole row, -100 on the padding) per row."""
+    rows = Rows(n)
+    tokens = torch.stack([rows[i]["input_ids"] for i in range(n)])
+    labels = torch.stack([rows[i]["labels"] for i in range(n)])
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return torch.utils.data.TensorDataset(tokens, torch.arange(LENGTH).expand(n, LENGTH).clone(), targets)
+
+
+def own_loss(model: nn.Module, tokens, positions, targets) -> torch.Tensor:
+    logits = model(tokens, positions)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE)
+
+
+def own_attention_weights(strategy=None, steps: int = 5, batch_size: int = 8) -> torch.Tensor:
+    """A hand-written loop (strategy None: one process, no lockstep) or the runtime API on ``strategy``."""
+    model = OwnAttention()
+    if strategy is None:
+        optimizer, data = optimizer_for(model, LR), own_rows()
+        for step in range(steps):
+            tokens, positions, targets = data[step * batch_size:(step + 1) * batch_size]
+            own_loss(model, tokens, positions, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return hc.flat(model)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
+    model, optimizer = rt.setup(model, optimizer_for(model, LR))
+    for step, (tokens, positions, targets) in enumerate(rt.loader(own_rows(), batch_size=batch_size, num_workers=0)):
+        rt.backward(own_loss(model, tokens, positions, targets), num_items=(targets != IGNORE).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == steps:
+            break
+    return hc.flat(model)

@@ -50,6 +50,14 @@ def test_cp2_times_tp2_and_cp2_times_dp2_with_accumulation_and_clipping_reach_th
         assert torch.allclose(result["weights"], clipped, atol=TOLERANCE, rtol=0)
 
 
+def test_an_attention_module_of_ones_own_with_positions_and_shifted_targets_in_the_batch():
+    """The documented way for a model of one's own: SDPA with is_causal=True, positions and targets (shifted
+    over the whole row) as tensors of the batch, cut with the tokens."""
+    reference = cc.own_attention_weights()
+    for weights in run_ranks(cc.own_attention_weights, 2, ("ddp", lockstep.Parallel(cp=2))):
+        assert torch.allclose(weights, reference, atol=TOLERANCE, rtol=0)
+
+
 def _run(tmp_path: Path, name: str, devices: int, kill_at: int, *parallel: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", str(devices), "--accelerator",
                            "cpu", *parallel, "tests/scripts/cp_trainer.py", str(tmp_path / name),

@@ -186,32 +186,33 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 
 
 def ring_attention(group: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Causal attention over the ``group``'s ring, each rank holding the head-tail chunks of the sequence
-    (dimension 2): the output and its log-sum-exp, by torch's ring template
-    (``torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention``) over
-    the device's SDPA flash kernel. The public alternative, ``context_parallel()``, shards named buffers and
-    dispatches SDPA on DTensors; it refuses causal attention on the CPU."""
+    (dimension 2): the output, its log-sum-exp and what the kernel's backward needs besides, by torch's ring
+    template (``torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention``)
+    over the device's SDPA flash kernel (CUDA's takes bf16 and fp16 only). The public alternative,
+    ``context_parallel()``, shards named buffers and dispatches SDPA on DTensors; it refuses causal attention
+    on the CPU."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     forward, _ = _ring_kernels(query.device.type)
-    out, lse, *_ = cp._templated_ring_attention(group, 2, forward, query, key, value, is_causal=True,
-                                                dropout_p=0.0, scale=scale)
-    return out, lse
+    out, lse, *rest = cp._templated_ring_attention(group, 2, forward, query, key, value, is_causal=True,
+                                                   dropout_p=0.0, scale=scale)
+    return out, lse, rest
 
 
 def ring_attention_backward(group: Any, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rest: list[Any],
                             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``ring_attention``'s query, key and value (torch's ring template's backward)."""
+    """The gradients of ``ring_attention``'s query, key and value (torch's ring template's backward; on CUDA
+    with the flash kernel's bookkeeping from the forward, as torch's own ring handler passes it)."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     _, backward = _ring_kernels(query.device.type)
     extra: dict[str, Any] = {}
-    if query.device.type == "cuda":  # the CUDA flash kernel's backward also takes its forward's bookkeeping
-        extra = {"cum_seq_q": None, "cum_seq_k": None, "max_q": query.size(2), "max_k": key.size(2),
-                 "philox_seed": torch.empty((), dtype=torch.int64, device=query.device),
-                 "philox_offset": torch.empty((), dtype=torch.int64, device=query.device)}
+    if query.device.type == "cuda":
+        names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+        extra = dict(zip(names, rest, strict=False))
     grads = cp._templated_ring_attention_backward(group, 2, backward, grad_out, "grad_out", query, key, value, out,
                                                   lse, is_causal=True, dropout_p=0.0, scale=scale, **extra)
     return grads[0], grads[1], grads[2]

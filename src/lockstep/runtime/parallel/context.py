@@ -100,15 +100,16 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any,
                 scale: float | None) -> torch.Tensor:
-        out, lse = ring_attention(group, query, key, value, scale)
+        out, lse, rest = ring_attention(group, query, key, value, scale)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.rest = group, scale, rest
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         query, key, value, out, lse = ctx.saved_tensors
-        grads = ring_attention_backward(ctx.group, grad_out.contiguous(), query, key, value, out, lse, ctx.scale)
+        grads = ring_attention_backward(ctx.group, grad_out.contiguous(), query, key, value, out, lse, ctx.rest,
+                                        ctx.scale)
         return (*grads, None, None)
 
 
@@ -137,6 +138,10 @@ class RingAttention(TorchFunctionMode):
                 f"for {why} (scaled_dot_product_attention(attn_mask={'a tensor' if attn_mask is not None else None}"
                 f", dropout_p={dropout_p}, is_causal={is_causal})). Give causal attention without a mask (no padding "
                 "mask: pad at the end with labels -100) and attention dropout 0, or train without cp.")
+        if query.device.type == "cuda" and query.dtype not in (torch.bfloat16, torch.float16):
+            raise ConfigError(f"context parallel on CUDA runs the ring with the SDPA flash kernel, which takes "
+                              f"bfloat16 or float16; this attention's inputs are {query.dtype}: train with "
+                              "precision='bf16-mixed' (or 'bf16-true').")
         local = query.size(-2)
         if self.cut.length is None or local * self.cut.degree != self.cut.length:
             raise UsageError(
