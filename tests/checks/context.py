@@ -17,14 +17,15 @@ IGNORE = -100
 LR = 0.5
 
 
-def tiny_model(kind: str = "llama", seed: int = 0) -> nn.Module:
-    """A two-layer causal LM from a config, grouped-query attention, SDPA attention, no dropout."""
+def tiny_model(kind: str = "llama", seed: int = 0, attention: str = "sdpa") -> nn.Module:
+    """A two-layer causal LM from a config, grouped-query attention, SDPA attention (or ``attention``), no
+    dropout."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                 attn_implementation="sdpa")
+                 attn_implementation=attention)
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**shape))
     return LlamaForCausalLM(LlamaConfig(**shape))

@@ -111,14 +111,16 @@ class _Odd(torch.utils.data.Dataset):
 
 def _first_batch(dataset_name: str) -> None:
     rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="ddp", parallel=lockstep.Parallel(cp=2))
-    model = rt.setup(cc.tiny_model())
-    for batch in rt.loader({"masked": _Masked, "odd": _Odd}[dataset_name](), batch_size=4, num_workers=0):
-        model(**batch)
+    model = rt.setup(cc.tiny_model(attention="eager" if dataset_name == "eager" else "sdpa"))
+    data = {"masked": _Masked, "odd": _Odd}.get(dataset_name, cc.Rows)()
+    for batch in rt.loader(data, batch_size=4, num_workers=0):
+        model(**cc.model_inputs(batch))
 
 
 @pytest.mark.parametrize("dataset_name, message", [
     ("masked", "attention_mask hides tokens"),
-    ("odd", r"hold 10 tokens: pad the rows to a multiple of 4 \(e.g. 12\)")])
+    ("odd", r"hold 10 tokens: pad the rows to a multiple of 4 \(e.g. 12\)"),
+    ("eager", "uses attn_implementation='eager': load it with attn_implementation='sdpa'")])
 def test_what_the_ring_cannot_run_is_refused_by_name_on_every_rank(dataset_name, message):
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_first_batch, 2, dataset_name, timeout=120)

@@ -195,6 +195,11 @@ def ring_attention(group: Any, query: torch.Tensor, key: torch.Tensor, value: to
     on the CPU."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
+    if not cp._cp_options.enable_load_balance:  # torch's own cp without a load balancer turns it off for good
+        from lockstep.errors import ConfigError
+
+        raise ConfigError("torch's context-parallel options have load balancing off (set by torch's own "
+                           "context_parallel without a load balancer): lockstep's ring needs it on.")
     forward, _ = _ring_kernels(query.device.type)
     out, lse, *rest = cp._templated_ring_attention(group, 2, forward, query, key, value, is_causal=True,
                                                    dropout_p=0.0, scale=scale)

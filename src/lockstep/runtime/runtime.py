@@ -10,6 +10,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -288,7 +289,7 @@ class Runtime:
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different batches one step sees: ``world_size / (tp × pp)``."""
+        """How many different batches one step sees: ``world_size / (tp × pp × cp)``."""
         return self.membership.size
 
     @property
@@ -297,21 +298,18 @@ class Runtime:
         return self.mesh.tp
 
     @property
+    def context_parallel_size(self) -> int:
+        """How many ranks share each row, each holding part of its sequence: ``cp`` on a mesh, else 1."""
+        return self.mesh.layout.cp
+
+    @property
     def pipeline_parallel_size(self) -> int:
         """How many ranks hold the stages of one copy of the model, one after another: ``pp``, else 1."""
         return self.mesh.pp
 
-    @property
-    def node_rank(self) -> int:
-        return self.env.node_rank
-
-    @property
-    def num_nodes(self) -> int:
-        return self.env.num_nodes
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.env.is_global_zero
+    node_rank = property(attrgetter("env.node_rank"), doc="This rank's node (0 to num_nodes - 1).")
+    num_nodes = property(attrgetter("env.num_nodes"), doc="How many nodes the job runs on.")
+    is_global_zero = property(attrgetter("env.is_global_zero"), doc="True on rank 0.")
 
     @property
     def is_local_zero(self) -> bool:

@@ -45,7 +45,8 @@ class ThroughputMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
         if self.flops_per_sample is None and self._peak is not None and self._counting is None:
-            self._counting = FlopCount(tp=trainer.runtime.tensor_parallel_size)
+            rt = trainer.runtime
+            self._counting = FlopCount(tp=rt.tensor_parallel_size, cp=rt.context_parallel_size)
             self._counting.start()
 
     def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:

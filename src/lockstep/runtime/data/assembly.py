@@ -46,7 +46,7 @@ class Loaders:
     gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
     evaluation_membership: Membership | None = None  # fault tolerance: the group's own ranks
     every_rank: Callable[[int], list[int]] | None = None  # a number of each rank (an all-gather; None: one rank)
-    cut: Callable[[Any], Any] | None = None  # context parallel: this rank's part of a training batch's sequences
+    cut: Callable[[Any, Callable[[Any], Any]], Any] | None = None  # context parallel: this rank's part of a batch
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""

@@ -8,6 +8,7 @@ evenly as possible. Every rank has the same number of steps. Evaluation: rank ``
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -179,7 +180,7 @@ class DistributedLoader:
         device: torch.device, seed: int, rank: int, observer: BatchObserver | None = None,
         per_sample_rng: bool = False, count_ranks: Callable[[bool], int] | None = None, training: bool = True,
         gate: Callable[[DistributedLoader, int], int] | None = None,
-        cut: Callable[[Any], Any] | None = None,
+        cut: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
     ) -> None:
         self.dataset = dataset
         self.training = training  # global batches to train on; else evaluation batches (no loss weight)
@@ -257,15 +258,17 @@ class DistributedLoader:
         observer = self._observer
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
+        move = _unmoved if on_cpu else functools.partial(to_device, device=self.device, non_blocking=self._non_blocking)
         cut = self._cut
         try:
             for step, batch in self._draws(epoch, start):
                 self._batches_done = step + 1
                 if observer is not None:
                     observer.batch_started(self, step)
-                batch = batch if on_cpu else to_device(batch, self.device, self._non_blocking)
-                if cut is not None:
-                    batch = cut(batch)
+                if cut is not None:  # before the move: only this rank's part moves, and no check waits for a device
+                    batch = cut(batch, move)
+                else:
+                    batch = move(batch)
                 if pads and self.sampler.local_size(step) == 0:
                     real, batch = batch, empty_rows(batch)
                     if observer is not None:
@@ -418,3 +421,8 @@ class DistributedLoader:
         elif done >= self.sampler.steps_per_epoch():
             epoch, done = epoch + 1, 0
         self._pending = (epoch, done)
+
+
+def _unmoved(batch: Any) -> Any:
+    """A CPU loader's batch: where the DataLoader made it."""
+    return batch

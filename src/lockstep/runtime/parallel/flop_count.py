@@ -63,19 +63,20 @@ def _on_local_shards(formula: Any) -> Any:
 
 class FlopCount:
     """Counts the FLOPs of what runs between ``start`` and ``stop`` on this rank's batch; with
-    ``tp > 1`` (this rank's tensor-parallel degree), those its whole tp group spends on it.
+    ``tp > 1`` (this rank's tensor-parallel degree), those its whole tp group spends on it; with ``cp > 1``
+    (each rank holds a part of every row's sequence), those its cp ring spends on the rows.
 
     What runs in between runs eagerly (``torch.compiler.set_stance("force_eager")``): a compiled
     region first called under the counter's dispatch mode is never compiled after it, and ran eagerly
     for the rest of the run (so did every compiled Trainer fit that counted its MFU on the first batch)."""
 
-    def __init__(self, tp: int = 1) -> None:
+    def __init__(self, tp: int = 1, cp: int = 1) -> None:
         from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
         formulas = _attention_formulas()
         if tp > 1:  # every formula, torch's and ours, on the local shards
             formulas = {op: _on_local_shards(formula) for op, formula in {**flop_registry, **formulas}.items()}
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self._mode: Any = FlopCounterMode(display=False, custom_mapping=formulas)
         self._active = contextlib.ExitStack()
 
@@ -85,4 +86,4 @@ class FlopCount:
 
     def stop(self) -> int:
         self._active.close()
-        return int(self._mode.get_total_flops()) * self.tp
+        return int(self._mode.get_total_flops()) * self.tp * self.cp

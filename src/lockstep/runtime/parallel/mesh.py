@@ -261,10 +261,10 @@ class Mesh:
         self._stage_group: Any = None
         context = ContextParallel(layout.cp, layout.context_rank(rank), self.cp_group) if layout.cp > 1 else None
         #: context parallel: what a training loader makes of each batch (this rank's part of every row's
-        #: sequence), and what a training forward runs in (attention as a ring); None without
-        self.cut: Callable[[Any], Any] | None = context.cut if context is not None else None
-        self.ring: Callable[[], contextlib.AbstractContextManager[None]] | None = (
-            context.ring if context is not None else None)
+        #: sequence), and what a forward on such a batch runs in (attention as a ring); None without
+        self.cut: Callable[[Any, Callable[[Any], Any]], Any] | None = context.cut if context is not None else None
+        self.ring: Callable[[Any, Any, bool], contextlib.AbstractContextManager[None] | None] | None = (
+            context.forward if context is not None else None)
 
     @property
     def tp(self) -> int:

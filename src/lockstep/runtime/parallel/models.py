@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lockstep.errors import UsageError
+from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
@@ -86,6 +86,9 @@ def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kin
     module = tools.precision.convert_module(model)  # 2. precision
     if is_empty(module) and not strategy.collective_forward:  # nothing shards it: allocated whole, now
         strategy.materialize(module, tools.placement, tools.seed, mesh)
+    if policy is not None and mesh.cut is not None:
+        raise ConfigError("context parallel with activation checkpointing: the recompute in the backward runs "
+                          "outside the ring's attention; leave activation_checkpointing unset with cp > 1.")
     checkpoint_activations(module, policy)  # 3. activation checkpointing
     compile_module(module)  # 4. compile, before any wrapper sees the blocks
     views = kind.views(module)
@@ -124,7 +127,7 @@ class WholeModel:
         clock = tools.watchdog.clock
         if clock is not None and not tools.strategy.collective_forward:  # the straggler report: its wait in DDP
             clock.watch_gradients([p for p in module.parameters() if p.requires_grad])
-        replicas = tools.mesh.layout.data_parallel_size
+        replicas = tools.mesh.layout.gradient_peers  # each moves running statistics with its own tokens
         return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas,
                               clock, tools.mesh.ring), forward_module)
 

@@ -55,7 +55,7 @@ class WrappedModule(nn.Module):
         self, forward_module: nn.Module, eval_module: nn.Module, module: nn.Module,
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
         watchdog: Watchdog | None = None, replicas: int = 1, clock: StepClock | None = None,
-        ring: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        ring: Callable[[nn.Module, Any, bool], contextlib.AbstractContextManager[None] | None] | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -65,7 +65,7 @@ class WrappedModule(nn.Module):
         self.__dict__["_stand_in"] = stand_in
         self.__dict__["_watchdog"] = watchdog  # a forward that is a collective: watched (and timed) as one
         self.__dict__["_clock"] = clock  # else only timed, for the straggler report
-        self.__dict__["_ring"] = ring  # context parallel: a training forward's attention runs as a ring
+        self.__dict__["_ring"] = ring  # context parallel: a forward on a cut batch runs its attention as a ring
         # running statistics (BatchNorm) that each data-parallel replica (of ``replicas``) moves with its own rows
         self.__dict__["_tracks_stats"] = replicas > 1 and tracks_statistics(module)
 
@@ -100,11 +100,13 @@ class WrappedModule(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
+        target = self._forward_module if training else self.__dict__["_eval_module"]
         ring = self.__dict__["_ring"]
-        if ring is not None and training:  # on the cut batch: attention over every cp rank's part
-            with ring():
-                return self._run(self._forward_module, args, kwargs)
-        return self._run(self._forward_module if training else self.__dict__["_eval_module"], args, kwargs)
+        context = ring(self.__dict__["module"], (args, kwargs), training) if ring is not None else None
+        if context is not None:  # a cut batch: attention over every cp rank's part
+            with context:
+                return self._run(target, args, kwargs)
+        return self._run(target, args, kwargs)
 
     def _run(self, target: nn.Module, args: Any, kwargs: Any) -> Any:
         precision: Precision = self.__dict__["_precision"]

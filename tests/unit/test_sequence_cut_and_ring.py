@@ -62,18 +62,57 @@ def test_what_the_cut_cannot_run_is_refused_with_what_to_do():
 
 def test_the_ring_refuses_attention_it_cannot_run_before_any_collective():
     context = ContextParallel(2, 0, lambda: pytest.fail("no group is asked for"))
-    context.cut(torch.zeros(1, 8))  # the loader's batch: 8 positions per row, 4 on this rank
+    model = torch.nn.Linear(8, 8)
+    batch = context.cut((torch.zeros(1, 8, 8),))  # the loader's batch: 8 positions per row, 4 on this rank
     q = torch.zeros(1, 2, 4, 8)
-    with context.ring():
-        with pytest.raises(ConfigError, match="an attention mask"):
-            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=False)
-        with pytest.raises(ConfigError, match="attention that is not causal"):
-            F.scaled_dot_product_attention(q, q, q)
-        with pytest.raises(ConfigError, match="dropout"):
-            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
-        whole = torch.zeros(1, 2, 8, 8)  # an uncut batch in a training forward
-        with pytest.raises(UsageError, match="attention over 8 positions"):
-            F.scaled_dot_product_attention(whole, whole, whole, is_causal=True)
+    with pytest.raises(ConfigError, match="ran no torch.nn.functional.scaled_dot_product_attention"):
+        with context.forward(model, batch, training=True):
+            with pytest.raises(ConfigError, match="an attention mask"):
+                F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=False)
+            with pytest.raises(ConfigError, match="attention that is not causal"):
+                F.scaled_dot_product_attention(q, q, q)
+            with pytest.raises(ConfigError, match="dropout"):
+                F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+            whole = torch.zeros(1, 2, 8, 8)  # the whole sequence's attention in a forward on the cut batch
+            with pytest.raises(UsageError, match="attention over 8 query and 8 key positions"):
+                F.scaled_dot_product_attention(whole, whole, whole, is_causal=True)
+    # a training forward on a batch the loader did not cut is refused; without gradients it runs unsplit
+    with pytest.raises(UsageError, match="a training forward on a batch that the training loader did not cut"):
+        context.forward(model, (torch.zeros(1, 8, 8),), training=True)
+    assert context.forward(model, (torch.zeros(1, 8, 8),), training=False) is None
+
+
+def test_models_whose_attention_or_positions_the_ring_would_get_wrong_are_refused_by_name():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cases = [
+        (LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="eager")), 8, "attn_implementation='eager'"),
+        (LlamaForCausalLM(LlamaConfig(**shape, rope_scaling={"rope_type": "dynamic", "factor": 2.0})), 8,
+         "rotary scaling 'dynamic'"),
+        (MistralForCausalLM(MistralConfig(**shape, sliding_window=4)), 8, "window of 4 positions"),
+    ]
+    checkpointing = LlamaForCausalLM(LlamaConfig(**shape))
+    checkpointing.gradient_checkpointing_enable()
+    cases.append((checkpointing, 8, "gradient checkpointing"))
+    for model, length, message in cases:
+        context = ContextParallel(2, 0, lambda: None)
+        batch = context.cut({"input_ids": torch.zeros(1, length, dtype=torch.long)})
+        with pytest.raises(ConfigError, match=message):
+            context.forward(model, batch, training=True)
+    window_covers = MistralForCausalLM(MistralConfig(**shape, sliding_window=8))  # the window covers the row
+    context = ContextParallel(2, 0, lambda: None)
+    assert context.forward(window_covers, context.cut({"input_ids": torch.zeros(1, 8, dtype=torch.long)}), True)
+
+
+def test_labels_that_are_not_one_per_token_and_ambiguous_sequences_are_refused():
+    cut = SequenceCut(2, 0)
+    with pytest.raises(ConfigError, match="labels are \\(2,\\)"):
+        cut({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.tensor([0, 1])})
+    with pytest.raises(ConfigError, match="disagree on it"):
+        cut((torch.zeros(2, 5), torch.zeros(2, 8, dtype=torch.long)))  # features and tokens: which is the sequence?
+    with pytest.raises(ConfigError, match="give input_ids"):
+        cut({"inputs_embeds": torch.zeros(2, 8, 4), "labels": torch.zeros(2, 8, dtype=torch.long)})
 
 
 def test_item_counts_cover_every_cp_rank_and_gradients_are_averaged_over_them():
