@@ -70,11 +70,11 @@ def test_ddp_with_tensor_parallel_reaches_the_one_process_weights_and_its_checkp
 
 
 def test_ddp_with_tensor_parallel_that_does_not_fit_or_takes_ddp_only_options_is_refused():
-    with pytest.raises(RanksFailed, match=r"Parallel\(tp=4\) needs a world size divisible by tp × pp = 4, but the "
+    with pytest.raises(RanksFailed, match=r"Parallel\(tp=4\) needs a world size divisible by tp × pp × cp = 4, but the "
                                           r"job has 2 process"):
         run_ranks(mc.mesh_weights, 2, ("ddp", lockstep.Parallel(tp=4)))
-    with pytest.raises(RanksFailed, match=r"DDP with tensor or pipeline parallel replicates through FSDP2 on the mesh, "
-                                          r"which takes none of find_unused_parameters"):
+    with pytest.raises(RanksFailed, match=r"DDP with tensor, pipeline or context parallel replicates through FSDP2 on "
+                                          r"the mesh, which takes none of find_unused_parameters"):
         run_ranks(mc.mesh_weights, 2, (lockstep.DDP(find_unused_parameters=True), lockstep.Parallel(tp=2)))
 
 
@@ -125,7 +125,7 @@ def test_saved_on_dp2_tp2_resumes_on_dp4_dp1_tp2_and_one_process(tmp_path):
 
 
 def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
-    with pytest.raises(RanksFailed, match="divisible by tp × pp = 4"):
+    with pytest.raises(RanksFailed, match="divisible by tp × pp × cp = 4"):
         run_ranks(mc.mesh_weights, 2, lockstep.Parallel(tp=4))
     with pytest.raises(RanksFailed, match="num_key_value_heads=2 does not divide by tp=4"):
         run_ranks(mc.mesh_weights, 4, lockstep.Parallel(tp=4))

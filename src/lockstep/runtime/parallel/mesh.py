@@ -80,7 +80,7 @@ def parallel_from_text(text: str) -> Parallel:
 class Parallel:
     """How the job's ranks split the work besides data parallel: one frozen value, given as
     ``Runtime(parallel=...)`` or ``Trainer(parallel=...)``, with any strategy that runs one process per
-    device (DDP, FSDP). The data-parallel degree is what is left: ``world_size / (tp × pp)`` ranks see
+    device (DDP, FSDP). The data-parallel degree is what is left: ``world_size / (tp × pp × cp)`` ranks see
     different batches (docs/parallelism.md).
 
     Args:

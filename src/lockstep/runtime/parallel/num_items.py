@@ -116,7 +116,8 @@ class ItemNormalizer:
 
     def _sum_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
         """The items over every rank: the Runtime's sum over the data-parallel ranks (the identity on one
-        process), which counts one of each row's cp ranks, times cp (each holds as many items in its part)."""
+        process) is the sum over every rank divided by the batch peers, the cp ranks among them; times cp, it
+        is the sum over every rank divided by the tp and pp peers, who hold the same items."""
         total = self._all_reduce_sum(count.clone())
         return total * self.cp if self.cp > 1 else total
 

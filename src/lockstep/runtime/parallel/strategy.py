@@ -71,9 +71,10 @@ class DDP(_Replicated):
     ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm so statistics cover the
     global batch; the other options are DistributedDataParallel's own.
 
-    With tensor or pipeline parallel (``lockstep.Parallel(tp=..., pp=...)``) DDP means data parallel
-    by replication on the mesh, built as FSDP2's ``fully_shard`` over a ``(replicate = data-parallel
-    degree, shard = 1)`` mesh, which all-reduces without sharding: ``DistributedDataParallel``'s own
+    With tensor, pipeline or context parallel (``lockstep.Parallel(tp=..., pp=..., cp=...)``) DDP means data
+    parallel by replication on the mesh, built as FSDP2's ``fully_shard`` over a ``(replicate = data-parallel
+    degree, shard = 1)`` mesh, which all-reduces without sharding (with ``cp``, the weights are sharded over
+    each copy's cp ranks, which hold the same weights): ``DistributedDataParallel``'s own
     route to tensor parallel swaps the parameters for local tensors outside the forward (torch's
     ``_pre_dp_module_transform``) and its state_dict then holds no DTensors; this way checkpoints
     reshard like FSDP's (docs/parallelism.md). Its options, DistributedDataParallel's, are then
@@ -179,13 +180,14 @@ STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 
 
 def _replicated_on_a_mesh(ddp: DDP) -> FSDP:
-    """DDP on a mesh (tensor or pipeline parallel): FSDP2 over ``(replicate = data-parallel degree, shard = 1)``,
-    gradients all-reduced across the data-parallel ranks, nothing sharded (see ``DDP``)."""
+    """DDP on a mesh (tensor, pipeline or context parallel): FSDP2 over ``(replicate = data-parallel degree,
+    shard = 1)`` (× cp, sharded), gradients all-reduced across the data-parallel ranks (see ``DDP``)."""
     unsupported = [name for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
                                      "sync_batchnorm") if getattr(ddp, name)]
     if unsupported:
-        raise ConfigError(f"DDP with tensor or pipeline parallel replicates through FSDP2 on the mesh, which takes "
-                          f"none of {', '.join(unsupported)} (options of DistributedDataParallel): leave them out.")
+        raise ConfigError(f"DDP with tensor, pipeline or context parallel replicates through FSDP2 on the mesh, which "
+                          f"takes none of {', '.join(unsupported)} (options of DistributedDataParallel): leave them "
+                          "out.")
     return FSDP(reshard_after_forward=False, name="ddp")
 
 
