@@ -65,7 +65,7 @@ def _run(tmp_path: Path, name: str, devices: int, kill_at: int, *parallel: str) 
                           timeout=300)
 
 
-def test_a_killed_cp2_dp2_trainer_run_resumes_on_dp4_and_on_one_process_to_the_uninterrupted_weights(tmp_path):
+def test_a_killed_cp2_dp2_trainer_run_resumes_on_dp4_cp4_and_one_process_to_the_uninterrupted_weights(tmp_path):
     cp = ("--parallel", "cp=2")
     for name, devices, parallel in (("whole", 4, cp), ("one", 1, ())):
         finished = _run(tmp_path, name, devices, -1, *parallel)
@@ -75,17 +75,17 @@ def test_a_killed_cp2_dp2_trainer_run_resumes_on_dp4_and_on_one_process_to_the_u
     assert torch.allclose(whole["weights"], one["weights"], atol=TOLERANCE, rtol=0)
     # predict on cp2 × dp2: every row once, in dataset order, the one process's logits (each cp rank runs it whole)
     assert whole["predictions"].shape == one["predictions"].shape == (13, cc.LENGTH, cc.VOCAB)
-    assert torch.allclose(whole["predictions"], one["predictions"], atol=1e-4, rtol=0)
-    for resumed_on in (4, 1):
-        name = f"killed{resumed_on}"
+    assert torch.allclose(whole["predictions"], one["predictions"], atol=1e-5, rtol=0)
+    for resumed_on, parallel in ((4, ()), (1, ()), (4, ("--parallel", "cp=4"))):  # dp4, one process, cp4
+        name = f"killed{resumed_on}{''.join(parallel)}"
         killed = _run(tmp_path, name, 4, 5, *cp)
         assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
-        resumed = _run(tmp_path, name, resumed_on, -1)
+        resumed = _run(tmp_path, name, resumed_on, -1, *parallel)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "resumed from" in resumed.stdout and "after step 4." in resumed.stdout
         result = torch.load(tmp_path / f"{name}.pt")
-        assert result["steps"] == 10 and result["parallel"] is None
-        assert torch.allclose(result["weights"], whole["weights"], atol=TOLERANCE, rtol=0), resumed_on
+        assert result["steps"] == 10 and result["parallel"] == (parallel[1] if parallel else None)
+        assert torch.allclose(result["weights"], whole["weights"], atol=TOLERANCE, rtol=0), (resumed_on, parallel)
 
 
 class _Masked(torch.utils.data.Dataset):
