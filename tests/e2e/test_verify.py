@@ -54,11 +54,13 @@ def test_a_context_parallel_script_verifies_against_itself_on_one_process(tmp_pa
     assert "the run on 4 processes, parallel cp=2 computes what one process computes: 3 steps agree" in done.stdout
 
 
-def test_a_checkpoint_saved_mid_run_is_no_step_of_its_own(tmp_path):
-    """DCP's state-creating optimizer step (lr 0, zero gradients) while saving is not recorded as a step."""
+def test_a_checkpoint_saved_mid_run_is_no_step_and_no_other_run_resumes_from_it(tmp_path):
+    """DCP's state-creating optimizer step (lr 0, zero gradients) while saving is not recorded as a step; the
+    run on 2 processes does not resume from the checkpoint the one-process run saved in the shared folder."""
     done = _verify(2, "tests/scripts/verify_saves.py", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 steps agree" in done.stdout and "nan" not in done.stdout
+    assert (tmp_path / "step-2" / "lockstep.json").is_file()  # saved by the first run, not resumed from by the other
 
 
 def test_verify_takes_its_options_after_the_script_and_passes_the_rest_on():

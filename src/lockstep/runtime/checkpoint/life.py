@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.env import verify_from_environ
 from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime.checkpoint.format import METADATA, is_checkpoint_folder, read_metadata
 
@@ -101,6 +102,10 @@ class Checkpoints:
         self.ranks, self.strategy_name, self.checksums, self.record = ranks, strategy_name, checksums, record
         self._checkpointer: Checkpointer | None = None  # made at the first save or load (it imports DCP)
         self._unreported: tuple[Path, dict[str, Any]] | None = None  # a background save the record awaits
+        # Under lockstep verify: this run's record folder, stamped on what it saves. Its runs share the script's
+        # arguments, so a checkpoint folder too: one run must not resume from what another saved.
+        verifying = verify_from_environ()
+        self.verify_run = verifying[0] if verifying is not None else None
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, path: Path | str, state: dict[str, Any], blocking: bool, metadata: dict[str, Any] | None,
@@ -114,7 +119,8 @@ class Checkpoints:
         hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
         info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
                 "optimizers": optimizer_of, "optimizer_layout": OPTIMIZERS_BY_PARAMETER,
-                **({"hf_models": hf_models} if hf_models else {})}
+                **({"hf_models": hf_models} if hf_models else {}),
+                **({"verify_run": self.verify_run} if self.verify_run is not None else {})}
         reported = self.wait() if self.record is not None else 0.0  # the record hears of saves in order
         with self.ranks.watchdog.watch("checkpoint save"):
             blocked = self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
@@ -178,6 +184,7 @@ class Checkpoints:
                 raise CheckpointError(f"{source}: a file, not a checkpoint folder or a folder of checkpoints.")
             else:
                 found = self._with_recorded(complete_checkpoints(source))
+            found = self._this_verify_run(found, one)
         except CheckpointError as error:
             failure = error
         self._agree(str(failure or "") or ", ".join(f"{c.path.name} (step {c.step})" for c in found) or "none")
@@ -192,6 +199,21 @@ class Checkpoints:
             more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
             self.ranks.say(f"lockstep: skipping the damaged checkpoint {checkpoint.path.name}: {damage[0]}{more}")
         return None
+
+    def _this_verify_run(self, found: list[Checkpoint], one: bool) -> list[Checkpoint]:
+        """Under lockstep verify, ``found`` less what another of its runs saved (a checkpoint given by name is
+        refused): each run starts where the script starts it, not where the other run got to."""
+        if self.verify_run is None:
+            return found
+        other = [c for c in found if c.metadata.get("verify_run") not in (None, self.verify_run)]
+        if other and one:
+            raise CheckpointError(f"{other[0].path}: saved by another run of this lockstep verify (the runs share the "
+                                  "script's arguments): give the script a checkpoint folder of each world size, or "
+                                  "none, to verify it.")
+        if other:
+            self.ranks.say(f"lockstep verify: not resuming from {', '.join(c.path.name for c in other)} in "
+                           f"{other[0].path.parent}: saved by another run of this verify.")
+        return [c for c in found if c not in other]
 
     def _with_recorded(self, found: list[Checkpoint]) -> list[Checkpoint]:
         """``found`` and, where it trained further, the newest checkpoint the record holds (after Ray
