@@ -88,9 +88,9 @@ def reference_weights(kind: str = "llama", steps: int = 5, batch_size: int = 8, 
 
 
 def cp_weights(strategy, kind: str = "llama", steps: int = 5, batch_size: int = 8, lr: float = LR,
-               accumulate: int = 1, clip: float | None = None) -> dict:
+               accumulate: int = 1, clip: float | None = None, precision: str = "32-true") -> dict:
     """The same run through the runtime API on ``strategy``: the model's own loss, with num_items."""
-    rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, precision=precision, **layout(strategy))
     model = tiny_model(kind)
     model, optimizer = rt.setup(model, optimizer_for(model, lr))
     loader = rt.loader(Rows(), batch_size=batch_size // accumulate, num_workers=0)
