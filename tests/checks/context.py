@@ -10,6 +10,7 @@ from torch import nn
 import lockstep
 from checks import hf as hc
 from checks.dist import layout
+from checks.mesh import train_steps
 
 VOCAB = 64
 LENGTH = 24  # every row padded at its end to this length: a multiple of 2 × cp for cp 2 and 4
@@ -48,10 +49,6 @@ class Rows(torch.utils.data.Dataset):
         labels = torch.full((LENGTH,), IGNORE, dtype=torch.long)
         labels[: len(row)] = row
         return {"input_ids": ids, "labels": labels, "index": torch.tensor(index)}
-
-
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in batch.items() if k != "index"}
 
 
 def valid_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -94,20 +91,8 @@ def cp_weights(strategy, kind: str = "llama", steps: int = 5, batch_size: int = 
     model = tiny_model(kind)
     model, optimizer = rt.setup(model, optimizer_for(model, lr))
     loader = rt.loader(Rows(), batch_size=batch_size // accumulate, num_workers=0)
-    seen = []
-    for i, batch in enumerate(loader):
-        seen.append(batch["index"].tolist())
-        last = (i + 1) % accumulate == 0
-        with rt.no_sync(model, enabled=not last):
-            rt.backward(model(**model_inputs(batch)).loss, num_items=valid_tokens(batch))
-        if last:
-            if clip is not None:
-                rt.clip_grad_norm_(model, optimizer, clip)
-            optimizer.step()
-            optimizer.zero_grad()
-        if i + 1 == steps * accumulate:
-            break
-    return {"weights": hc.flat(model), "seen": seen, "length": int(batch["input_ids"].size(1))}
+    seen, last = train_steps(rt, model, optimizer, loader, valid_tokens, steps, accumulate, clip)
+    return {"weights": hc.flat(model), "seen": seen, "length": int(last["input_ids"].size(1))}
 
 
 class OwnAttention(nn.Module):

@@ -76,12 +76,22 @@ def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, check
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = rt.setup(model, optimizer, activation_checkpointing=checkpointing)
     loader = rt.loader(Rows(rows), batch_size=batch_size // accumulate, collate_fn=collate, num_workers=0)
+    seen, _ = train_steps(rt, model, optimizer, loader, hc.valid_tokens, steps, accumulate, clip)
+    return {"weights": hc.flat(model), "seen": seen, "data_rank": rt.data_parallel_rank,
+            "data_size": rt.data_parallel_size, "tp_size": rt.tensor_parallel_size}
+
+
+def train_steps(rt, model, optimizer, loader, count, steps: int, accumulate: int = 1,
+                clip: float | None = None) -> tuple[list[list[int]], dict]:
+    """``steps`` optimizer steps of ``accumulate`` micro-batches each: the model's own loss with
+    ``num_items=count(batch)``, clipped at ``clip``. Returns each micro-batch's dataset indices, and the last
+    micro-batch."""
     seen = []
     for i, batch in enumerate(loader):
         seen.append(batch["index"].tolist())
         last = (i + 1) % accumulate == 0
         with rt.no_sync(model, enabled=not last):
-            rt.backward(model(**model_inputs(batch)).loss, num_items=hc.valid_tokens(batch))
+            rt.backward(model(**model_inputs(batch)).loss, num_items=count(batch))
         if last:
             if clip is not None:
                 rt.clip_grad_norm_(model, optimizer, clip)
@@ -89,8 +99,7 @@ def mesh_weights(strategy, accumulate: int = 1, clip: float | None = None, check
             optimizer.zero_grad()
         if i + 1 == steps * accumulate:
             break
-    return {"weights": hc.flat(model), "seen": seen, "data_rank": rt.data_parallel_rank,
-            "data_size": rt.data_parallel_size, "tp_size": rt.tensor_parallel_size}
+    return seen, batch
 
 
 def gathered_logits(strategy) -> dict:

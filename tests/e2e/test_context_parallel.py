@@ -15,6 +15,7 @@ import torch
 
 import lockstep
 from checks import context as cc
+from checks import mesh as mc
 from lockstep.testing import RanksFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
@@ -125,7 +126,7 @@ def _first_batch(dataset_name: str) -> None:
     model = rt.setup(cc.tiny_model(attention="eager" if dataset_name == "eager" else "sdpa"))
     data = {"masked": _Masked, "odd": _Odd}.get(dataset_name, cc.Rows)()
     for batch in rt.loader(data, batch_size=4, num_workers=0):
-        model(**cc.model_inputs(batch))
+        model(**mc.model_inputs(batch))
 
 
 @pytest.mark.parametrize("dataset_name, message", [

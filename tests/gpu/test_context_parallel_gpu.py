@@ -9,6 +9,7 @@ import torch
 
 import lockstep
 from checks import context as cc
+from checks import mesh as mc
 from lockstep.testing import RanksFailed, run_ranks
 
 pytestmark = [pytest.mark.timeout(300),
@@ -20,7 +21,7 @@ def _weights(parallel, precision: str, steps: int = 3) -> torch.Tensor:
     model = cc.tiny_model()
     model, optimizer = rt.setup(model, cc.optimizer_for(model, cc.LR))
     for step, batch in enumerate(rt.loader(cc.Rows(), batch_size=8, num_workers=0)):
-        rt.backward(model(**cc.model_inputs(batch)).loss, num_items=cc.valid_tokens(batch))
+        rt.backward(model(**mc.model_inputs(batch)).loss, num_items=cc.valid_tokens(batch))
         optimizer.step()
         optimizer.zero_grad()
         if step + 1 == steps:

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 import lockstep  # noqa: E402
 from checks import context as cc  # noqa: E402
+from checks import mesh as mc  # noqa: E402
 from checks import trainer as tc  # noqa: E402
 
 checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -31,13 +32,13 @@ class Llama(lockstep.Module):
         self.llama = cc.tiny_model("llama")
 
     def training_step(self, batch, batch_idx):
-        return {"loss": self.llama(**cc.model_inputs(batch)).loss, "num_items": cc.valid_tokens(batch)}
+        return {"loss": self.llama(**mc.model_inputs(batch)).loss, "num_items": cc.valid_tokens(batch)}
 
     def configure_optimizers(self):
         return cc.optimizer_for(self, cc.LR)
 
     def predict_step(self, batch, batch_idx):
-        return self.llama(**cc.model_inputs(batch)).logits
+        return self.llama(**mc.model_inputs(batch)).logits
 
 
 module = Llama()
