@@ -30,17 +30,29 @@ def record_uncaught_exceptions() -> None:
             data = {"message": {"message": f"{kind.__name__}: {error}", "extraInfo": {
                 "py_callstack": text, "timestamp": str(int(time.time())),
             }}}
-            try:
-                with open(path, "w") as handle:
-                    json.dump(data, handle)
-            except OSError:
-                pass  # the launcher still reports the exit code
+            _write_whole(path, json.dumps(data))
         if lost_a_peer(str(error)) and _fold(kind, error, text):
             return
         previous(kind, error, trace)
 
     hook._lockstep_records = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: the agent reads the file of every worker it
+    stopped, and a worker stopped while writing would leave it empty, which the agent cannot parse."""
+    try:
+        handle, partial = tempfile.mkstemp(prefix=".error-", dir=os.path.dirname(path) or ".")
+        try:
+            with os.fdopen(handle, "w") as file:
+                file.write(text)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    except OSError:
+        pass  # the launcher still reports the exit code
 
 
 _TRACEBACKS_KEPT = 100
