@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -152,6 +153,33 @@ def test_the_trainer_counts_the_first_batch_and_logs_mfu_against_the_given_peak(
     assert windows and all("mfu" in m for m in windows)
     for m in windows:
         assert m["mfu"] == pytest.approx(monitor.flops_per_sample * m["samples_per_s"] / 1e12)
+
+
+def test_the_count_runs_on_the_first_batch_of_each_fit_then_no_hook_of_it_is_called(tmp_path, monkeypatch):
+    """The first batch's count is a callback of its own that leaves the Trainer's callbacks once done: a
+    second fit counts again (not with the first fit's counter), and the steps after it call none of its hooks."""
+    from lockstep.train import progress
+
+    monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", "1e12")
+    calls: list[str] = []
+    for hook in ("on_train_batch_start", "on_before_backward", "on_train_batch_end"):
+        original = getattr(progress._FirstForwardFlops, hook)
+        monkeypatch.setattr(progress._FirstForwardFlops, hook,
+                            lambda self, *a, _hook=hook, _original=original: (calls.append(_hook), _original(self, *a)))
+    starts: list[int] = []
+    original_start = FlopCount.start
+    monkeypatch.setattr(FlopCount, "start", lambda self: (starts.append(1), original_start(self))[1])
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=6, enable_progress_bar=False, loggers=(),
+                               num_workers=0, log_dir=tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    for fit in (1, 2):
+        trainer.config = dataclasses.replace(trainer.config, max_steps=6 * fit)  # the second fit trains 6 more
+        trainer.fit(tc.Regressor(), data, batch_size=16)
+        monitor = next(c for c in trainer.callbacks if isinstance(c, progress.ThroughputMonitor))
+        assert monitor.flops_per_sample == 3 * (2 * (8 * 64 + 64 * 4))
+        assert not any(isinstance(c, progress._FirstForwardFlops) for c in trainer.callbacks)
+        assert len(starts) == fit  # counted once per fit
+    assert calls == ["on_train_batch_start", "on_before_backward"] * 2  # the first batch of each fit only
 
 
 def test_an_mfu_above_one_is_refused_and_said_once(tmp_path, monkeypatch, capsys):

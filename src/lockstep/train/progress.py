@@ -33,7 +33,6 @@ class ThroughputMonitor(Callback):
         self._mark: tuple[float, int, float, float] | None = None
         self._items_then = 0.0
         self.flops_per_sample: float | None = None
-        self._counting: Any = None
         self._peak: float | None = None
         self._refused_mfu = False
 
@@ -42,23 +41,11 @@ class ThroughputMonitor(Callback):
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
-
-    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
-        if self.flops_per_sample is None and self._peak is not None and self._counting is None:
-            rt = trainer.runtime
-            self._counting = FlopCount(tp=rt.tensor_parallel_size, cp=rt.context_parallel_size)
-            self._counting.start()
-
-    def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:
-        self._forward_counted(trainer)
-
-    def _forward_counted(self, trainer: Trainer) -> None:
-        if self._counting is not None:
-            flops, rows, self._counting = self._counting.stop(), trainer.local_batch_samples, None
-            self.flops_per_sample = 3 * flops / rows if rows else None
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _FirstForwardFlops)]  # a failed fit's
+        if self.flops_per_sample is None and self._peak is not None:
+            trainer.callbacks.append(_FirstForwardFlops(self))
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._forward_counted(trainer)  # the counted batch ends: stop counting, whatever it found
         if not (trainer.at_step_boundary and trainer.is_logging_step):
             return
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
@@ -113,6 +100,32 @@ class ThroughputMonitor(Callback):
                 f"more than the devices' peak ({self._peak:.3g} FLOP/s each): the FLOP count or the peak is wrong, "
                 "so no MFU is reported. Set LOCKSTEP_PEAK_FLOPS, or give the module a flops_per_sample.")
         return {"mfu": value} if value is not None else {}
+
+
+class _FirstForwardFlops(Callback):
+    """Counts the FLOPs of the first training batch's forward for the monitor, then leaves the Trainer's
+    callbacks: the steps after it call no hook of its (a per-step cost of the monitor otherwise)."""
+
+    def __init__(self, monitor: ThroughputMonitor) -> None:
+        self.monitor = monitor
+        self._counting: FlopCount | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+        rt = trainer.runtime
+        self._counting = FlopCount(tp=rt.tensor_parallel_size, cp=rt.context_parallel_size)
+        self._counting.start()
+
+    def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:
+        self._counted(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._counted(trainer)  # pipeline stages have no on_before_backward: the batch's end stops the count
+
+    def _counted(self, trainer: Trainer) -> None:
+        if self._counting is not None:
+            flops, rows, self._counting = self._counting.stop(), trainer.local_batch_samples, None
+            self.monitor.flops_per_sample = 3 * flops / rows if rows else None
+            trainer.callbacks.remove(self)
 
 
 class ProgressBar(Callback):

@@ -118,7 +118,7 @@ class Trainer:
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
-        self._defining: dict[tuple[str, int, int], list[tuple[str, Callable[..., None]]]] = {}  # see fire
+        self._defining: dict[tuple[Any, ...], list[tuple[str, Callable[..., None]]]] = {}  # see fire
         self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
@@ -278,7 +278,8 @@ class Trainer:
         weight = batch_size if batch_size is not None else self.loop.batch_samples
         if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
-        device = self.runtime.device  # where the sums live: a value elsewhere (a CPU number on a GPU run) moves
+        # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
+        device = self._runtime.device  # type: ignore[union-attr]
         if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device == device:
             value = value.detach() if value.requires_grad else value  # the per-step case: kept as it is
             for store in stores:
@@ -468,9 +469,11 @@ class Trainer:
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
-        key = (hook, id(self.callbacks), len(self.callbacks))
+        # The callbacks by identity: a list changed in place (a one-shot callback leaves it) is another key; the
+        # cached bound methods keep their callbacks alive, so no later object reuses a cached id.
+        key = (hook, *map(id, self.callbacks))
         defined = self._defining.get(key)
-        if defined is None:  # once per hook (again if callbacks were added)
+        if defined is None:  # once per hook (again if the callbacks changed)
             defined = self._defining[key] = [
                 (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
                 if getattr(type(c), hook) is not getattr(Callback, hook)]

@@ -14,6 +14,7 @@ error that names the ranks and their source lines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -42,9 +43,15 @@ _ENDED = "ended the script (Runtime.close)"  # what a rank that closed its Runti
 
 def _outside(frame: FrameType | None, skipped: tuple[str, ...]) -> FrameType | None:
     """The first frame from ``frame`` outward whose file is not under one of ``skipped``."""
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
+    while frame is not None and _absolute(frame.f_code.co_filename).startswith(skipped):
         frame = frame.f_back
     return frame
+
+
+@functools.lru_cache(maxsize=4096)
+def _absolute(filename: str) -> str:
+    """A code object's file name made absolute, once per file (every collective walks a dozen frames)."""
+    return os.path.abspath(filename)
 
 
 def _where(frame: FrameType) -> str:
