@@ -328,3 +328,19 @@ def test_the_launcher_s_parallel_text_becomes_the_runtime_s_parallel_and_bad_tex
     with contextlib.redirect_stderr(stderr):
         assert main(["run", "--parallel", "tp=x", "--accelerator", "cpu", "t.py"]) == 2
     assert "--parallel 'tp=x': tp='x' is not a whole number" in stderr.getvalue()
+
+
+def test_degrees_that_do_not_divide_the_launched_world_are_refused_before_any_worker_starts(tmp_path):
+    """`lockstep run --devices 3 --parallel cp=2`: refused by the launcher (exit code 2, the fix named), where
+    each worker would have refused it after its start."""
+    from lockstep.cli.main import main
+
+    script = tmp_path / "t.py"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    for parallel, says in (("cp=2", "divisible by tp × pp × cp = 2, but the job has 3"),
+                           ("tp=2,pp=2", "divisible by tp × pp × cp = 4, but the job has 3")):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            assert main(["run", "--devices", "3", "--accelerator", "cpu", "--parallel", parallel, str(script)]) == 2
+        assert says in stderr.getvalue() and "launch a multiple of" in stderr.getvalue()
+    assert not (tmp_path / "started").exists()

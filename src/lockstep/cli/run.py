@@ -174,6 +174,17 @@ class _Checks:
         return 1 if wanted == "auto" else int(wanted)
 
     @staticmethod
+    def layout(parallel: str, world_size: int) -> None:
+        """--parallel's tp × pp × cp (and replicate) divide the job's world size: else no worker starts."""
+        from lockstep.errors import ConfigError
+        from lockstep.runtime.parallel.mesh import parallel_from_text
+
+        try:
+            parallel_from_text(parallel).layout(world_size, shards=True)
+        except ConfigError as error:
+            raise PreflightError(f"--parallel {parallel}: {error}") from None
+
+    @staticmethod
     def gpus(accelerator: str) -> bool:
         import torch
 

@@ -40,6 +40,7 @@ class TrainingChecks(Protocol):
     def devices(self, devices: str, accelerator: str) -> tuple[int, str | None]: ...  # processes, CUDA_VISIBLE_DEVICES
     def workers_per_node(self, devices: str | None) -> int: ...
     def gpus(self, accelerator: str) -> bool: ...
+    def layout(self, parallel: str, world_size: int) -> None: ...  # --parallel's degrees fit the world size
 
 
 class Engine(Protocol):
@@ -85,8 +86,11 @@ class TorchElastic:
         _refuse_ray_options(request)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         devices = request.devices
-        return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
-                             lambda: self.checks.devices(devices, request.accelerator))
+        planned = plan(request, lambda: self.checks.names(request.strategy, request.precision),
+                       lambda: self.checks.devices(devices, request.accelerator))
+        if request.parallel and not planned.elastic:  # a fixed world: degrees that cannot fit start no worker
+            self.checks.layout(request.parallel, planned.nproc * planned.nodes[0])
+        return request, planned
 
     def run(self, job: tuple[RunRequest, Plan]) -> int:
         request, planned = job
