@@ -41,7 +41,9 @@ class ThroughputMonitor(Callback):
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
-        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _FirstForwardFlops)]  # a failed fit's
+        # A failed fit's counter of this monitor leaves (another monitor's stays: it counts for that one).
+        trainer.callbacks[:] = [c for c in trainer.callbacks
+                                if not (isinstance(c, _FirstForwardFlops) and c.monitor is self)]
         if self.flops_per_sample is None and self._peak is not None:
             trainer.callbacks.append(_FirstForwardFlops(self))
 
