@@ -182,6 +182,38 @@ def test_the_count_runs_on_the_first_batch_of_each_fit_then_no_hook_of_it_is_cal
     assert calls == ["on_train_batch_start", "on_before_backward"] * 2  # the first batch of each fit only
 
 
+def test_a_fit_whose_first_batch_raises_leaves_no_count_running(tmp_path, monkeypatch):
+    """The count runs around the first batch's forward (torch's counting mode, compiled regions eager): a
+    fit that raises there stops it, so what runs after (another fit) is neither counted nor eager."""
+    import torch._dynamo.eval_frame as eval_frame
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from lockstep.train import progress
+
+    class RaisesOnce(tc.Regressor):
+        raised = False
+
+        def training_step(self, batch, batch_idx):
+            if not RaisesOnce.raised:
+                RaisesOnce.raised = True
+                self.net(batch[0])  # counted, then the batch fails
+                raise RuntimeError("out of memory (planted)")
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setenv("LOCKSTEP_PEAK_FLOPS", "1e12")
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=4, enable_progress_bar=False, loggers=(),
+                               num_workers=0, log_dir=tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.fit(RaisesOnce(), data, batch_size=16)
+    assert _get_current_dispatch_mode_stack() == [] and eval_frame._stance.stance == "default"
+    trainer.fit(RaisesOnce(), data, batch_size=16)  # counts its own first batch
+    monitor = next(c for c in trainer.callbacks if isinstance(c, progress.ThroughputMonitor))
+    assert monitor.flops_per_sample == 3 * (2 * (8 * 64 + 64 * 4))
+    assert _get_current_dispatch_mode_stack() == [] and eval_frame._stance.stance == "default"
+    assert not any(isinstance(c, progress._FirstForwardFlops) for c in trainer.callbacks)
+
+
 def test_an_mfu_above_one_is_refused_and_said_once(tmp_path, monkeypatch, capsys):
     _, windows, _ = _fit(tmp_path, "1", monkeypatch)  # a peak of 1 FLOP/s: any real rate exceeds it
     assert windows and not any("mfu" in m for m in windows)

@@ -332,15 +332,21 @@ def test_the_launcher_s_parallel_text_becomes_the_runtime_s_parallel_and_bad_tex
 
 def test_degrees_that_do_not_divide_the_launched_world_are_refused_before_any_worker_starts(tmp_path):
     """`lockstep run --devices 3 --parallel cp=2`: refused by the launcher (exit code 2, the fix named), where
-    each worker would have refused it after its start."""
+    each worker would have refused it after its start; under --fault-tolerant, each replica group's world.
+    One process is a reference run (the model unsplit): never refused."""
     from lockstep.cli.main import main
+    from lockstep.cli.run import _Checks
 
     script = tmp_path / "t.py"
     script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
-    for parallel, says in (("cp=2", "divisible by tp × pp × cp = 2, but the job has 3"),
-                           ("tp=2,pp=2", "divisible by tp × pp × cp = 4, but the job has 3")):
+    for options, says in ((["--devices", "3", "--parallel", "cp=2"], "tp × pp × cp = 2, but the job has 3"),
+                          (["--devices", "3", "--parallel", "tp=2,pp=2"], "tp × pp × cp = 4, but the job has 3"),
+                          (["--devices", "4", "--fault-tolerant", "--replicas", "2", "--parallel", "cp=4"],
+                           "tp × pp × cp = 4, but the job has 2")):
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
-            assert main(["run", "--devices", "3", "--accelerator", "cpu", "--parallel", parallel, str(script)]) == 2
+            assert main(["run", "--accelerator", "cpu", *options, str(script)]) == 2
         assert says in stderr.getvalue() and "launch a multiple of" in stderr.getvalue()
     assert not (tmp_path / "started").exists()
+    _Checks.layout("tp=2,cp=2", 1)  # one process: no error
+    _Checks.layout("tp=2,cp=2", 8)

@@ -239,3 +239,34 @@ def test_evaluation_from_a_checkpoint_loads_its_weights_best_last_or_a_folder(tm
     assert trainer.validate(module, data, batch_size=8, ckpt_path="last") == best
     with pytest.raises(lockstep.CheckpointError):
         trainer.validate(module, data, batch_size=8, ckpt_path=tmp_path / "nothing-here")
+
+
+def test_callbacks_changed_between_fits_are_the_ones_called(tmp_path):
+    """The Trainer finds each hook's callbacks once, and again when the list changes, also in place (the same
+    list, the same length): a callback put where one without hooks was gets its hooks called."""
+    import gc
+
+    class Stateful(lockstep.Callback):  # no hooks: nothing of it is kept for calling
+        def state_dict(self):
+            return {}
+
+    class Counts(lockstep.Callback):
+        def __init__(self) -> None:
+            self.ends = 0
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.ends += 1
+
+    trainer = lockstep.Trainer(accelerator="cpu", max_steps=3, enable_progress_bar=False, loggers=(),
+                               enable_throughput_monitor=False, num_workers=0, log_dir=tmp_path,
+                               callbacks=[Stateful()])
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    trainer.fit(tc.Regressor(), data, batch_size=16)
+    for round_ in range(1, 4):
+        del trainer.callbacks[0]
+        gc.collect()
+        counts = Counts()
+        trainer.callbacks.insert(0, counts)
+        trainer.config = dataclasses.replace(trainer.config, max_steps=3 + 3 * round_)
+        trainer.fit(tc.Regressor(), data, batch_size=16)
+        assert counts.ends == 3

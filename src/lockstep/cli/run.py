@@ -175,10 +175,13 @@ class _Checks:
 
     @staticmethod
     def layout(parallel: str, world_size: int) -> None:
-        """--parallel's tp × pp × cp (and replicate) divide the job's world size: else no worker starts."""
+        """--parallel's tp × pp × cp (and replicate) divide the job's world size: else no worker starts. One
+        process runs the model unsplit, whatever the degrees (a reference run)."""
         from lockstep.errors import ConfigError
         from lockstep.runtime.parallel.mesh import parallel_from_text
 
+        if world_size == 1:
+            return
         try:
             parallel_from_text(parallel).layout(world_size, shards=True)
         except ConfigError as error:

@@ -41,9 +41,10 @@ class ThroughputMonitor(Callback):
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
-        # A failed fit's counter of this monitor leaves (another monitor's stays: it counts for that one).
-        trainer.callbacks[:] = [c for c in trainer.callbacks
-                                if not (isinstance(c, _FirstForwardFlops) and c.monitor is self)]
+        # A failed fit's counter of this monitor stops and leaves (another monitor's stays: it counts for that one).
+        for stale in [c for c in trainer.callbacks if isinstance(c, _FirstForwardFlops) and c.monitor is self]:
+            stale.stop()
+            trainer.callbacks.remove(stale)
         if self.flops_per_sample is None and self._peak is not None:
             trainer.callbacks.append(_FirstForwardFlops(self))
 
@@ -113,9 +114,10 @@ class _FirstForwardFlops(Callback):
         self._counting: FlopCount | None = None
 
     def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
-        rt = trainer.runtime
-        self._counting = FlopCount(tp=rt.tensor_parallel_size, cp=rt.context_parallel_size)
-        self._counting.start()
+        if self._counting is None:  # a pipeline batch of a step not taken (fault tolerance) ends without its end
+            rt = trainer.runtime
+            self._counting = FlopCount(tp=rt.tensor_parallel_size, cp=rt.context_parallel_size)
+            self._counting.start()
 
     def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None:
         self._counted(trainer)
@@ -123,9 +125,18 @@ class _FirstForwardFlops(Callback):
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._counted(trainer)  # pipeline stages have no on_before_backward: the batch's end stops the count
 
+    def on_exception(self, trainer: Trainer, module: Module, error: BaseException) -> None:
+        self.stop()  # a batch that raised: what ran after it (another fit) is neither counted nor eager
+
+    def stop(self) -> int | None:
+        """End the count (torch's counting mode, eager compiled regions), if it runs: the FLOPs counted."""
+        counting, self._counting = self._counting, None
+        return counting.stop() if counting is not None else None
+
     def _counted(self, trainer: Trainer) -> None:
-        if self._counting is not None:
-            flops, rows, self._counting = self._counting.stop(), trainer.local_batch_samples, None
+        flops = self.stop()
+        if flops is not None:
+            rows = trainer.local_batch_samples
             self.monitor.flops_per_sample = 3 * flops / rows if rows else None
             trainer.callbacks.remove(self)
 

@@ -118,7 +118,8 @@ class Trainer:
         self._stores: list[MetricStore] = []  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
-        self._defining: dict[tuple[Any, ...], list[tuple[str, Callable[..., None]]]] = {}  # see fire
+        self._defining: dict[str, list[tuple[str, Callable[..., None]]]] = {}  # see fire
+        self._hooked: tuple[tuple[int, ...], tuple[Callback, ...]] = ((), ())  # the callbacks _defining is for
         self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
@@ -469,12 +470,13 @@ class Trainer:
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
-        # The callbacks by identity: a list changed in place (a one-shot callback leaves it) is another key; the
-        # cached bound methods keep their callbacks alive, so no later object reuses a cached id.
-        key = (hook, *map(id, self.callbacks))
-        defined = self._defining.get(key)
-        if defined is None:  # once per hook (again if the callbacks changed)
-            defined = self._defining[key] = [
+        ids = tuple(map(id, self.callbacks))
+        if ids != self._hooked[0]:  # the callbacks changed (a list replaced or changed in place): hooks found again
+            # The callbacks are kept while cached: no new callback can take the id of one that left.
+            self._hooked, self._defining = (ids, tuple(self.callbacks)), {}
+        defined = self._defining.get(hook)
+        if defined is None:  # once per hook
+            defined = self._defining[hook] = [
                 (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
                 if getattr(type(c), hook) is not getattr(Callback, hook)]
         module = self._module

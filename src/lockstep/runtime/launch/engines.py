@@ -86,11 +86,10 @@ class TorchElastic:
         _refuse_ray_options(request)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         devices = request.devices
-        planned = plan(request, lambda: self.checks.names(request.strategy, request.precision),
-                       lambda: self.checks.devices(devices, request.accelerator))
-        if request.parallel and not planned.elastic:  # a fixed world: degrees that cannot fit start no worker
-            self.checks.layout(request.parallel, planned.nproc * planned.nodes[0])
-        return request, planned
+        parallel = request.parallel
+        return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
+                             lambda: self.checks.devices(devices, request.accelerator),
+                             lambda world: self.checks.layout(parallel, world) if parallel else None)
 
     def run(self, job: tuple[RunRequest, Plan]) -> int:
         request, planned = job
@@ -159,7 +158,10 @@ class ReplicaGroups:
         self.checks.names(request.strategy, request.precision)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         nproc, visible = self.checks.devices(request.devices, request.accelerator)
-        return request, plan_replica_groups(request, nproc, visible, self.checks.gpus(request.accelerator)), nproc
+        planned = plan_replica_groups(request, nproc, visible, self.checks.gpus(request.accelerator))
+        if request.parallel:  # each group is a job of its own: its degrees fit its processes, or none starts
+            self.checks.layout(request.parallel, nproc // len(planned.devices))
+        return request, planned, nproc
 
     def run(self, job: tuple[RunRequest, ReplicaPlan, int]) -> int:
         from lockstep.env.fault_tolerance import FaultTolerance

@@ -118,11 +118,12 @@ def _static_rendezvous(request: RunRequest, nodes: int) -> tuple[str, int, objec
 
 
 def plan(request: RunRequest, check_names: Callable[[], None],
-         resolve_devices: Callable[[], tuple[int, str | None]]) -> Plan:
+         resolve_devices: Callable[[], tuple[int, str | None]], check_layout: Callable[[int], None]) -> Plan:
     """Every check that can fail before a process starts, in the order a user fixes them; raises
     PreflightError. ``request``: what ``lockstep run`` was asked. The checks that need the training side
-    (the names of strategies and precisions, the devices) are the caller's: ``check_names`` and
-    ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set)."""
+    (the names of strategies and precisions, the devices, the degrees) are the caller's: ``check_names``,
+    ``resolve_devices`` (processes per node, and the ``CUDA_VISIBLE_DEVICES`` to set) and ``check_layout``
+    (given the world size of a fixed number of nodes, before the rendezvous store is opened)."""
     check_script(request)
     check_names()
     nodes = parse_nodes(str(request.nodes))
@@ -133,6 +134,8 @@ def plan(request: RunRequest, check_names: Callable[[], None],
     if restarts < 0:
         raise PreflightError("--max-restarts must be 0 or more.")
     nproc, visible = resolve_devices()
+    if not elastic:
+        check_layout(nproc * nodes[0])
     options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
                "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
