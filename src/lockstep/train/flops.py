@@ -26,6 +26,7 @@ import torch
 
 from lockstep.env import cache_dir_from_environ
 from lockstep.errors import ConfigError
+from lockstep.runtime import write_atomic
 
 # Dense peak FLOP/s per device by matmul dtype (vendor data sheets, no sparsity).
 _PEAKS: dict[str, dict[str, float]] = {
@@ -159,10 +160,7 @@ def record_measured_peaks(device: torch.device, rates: dict[str, float]) -> Path
     path = cache_file()
     peaks = measured_peaks()
     peaks.setdefault(device_name(device), {}).update(rates)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(peaks, indent=1, sort_keys=True))
-    os.replace(partial, path)
+    write_atomic(path, lambda handle: handle.write(json.dumps(peaks, indent=1, sort_keys=True).encode()))
     return path
 
 

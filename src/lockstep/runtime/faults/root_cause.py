@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from types import TracebackType
 
 from lockstep.env import cache_dir_from_environ
+from lockstep.runtime.files import write_atomic
 
 
 def record_uncaught_exceptions() -> None:
@@ -42,17 +45,8 @@ def record_uncaught_exceptions() -> None:
 def _write_whole(path: str, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: the agent reads the file of every worker it
     stopped, and a worker stopped while writing would leave it empty, which the agent cannot parse."""
-    try:
-        handle, partial = tempfile.mkstemp(prefix=".error-", dir=os.path.dirname(path) or ".")
-        try:
-            with os.fdopen(handle, "w") as file:
-                file.write(text)
-            os.replace(partial, path)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    except OSError:
-        pass  # the launcher still reports the exit code
+    with contextlib.suppress(OSError):  # the launcher still reports the exit code
+        write_atomic(Path(path), lambda handle: handle.write(text.encode()))
 
 
 _TRACEBACKS_KEPT = 100

@@ -18,8 +18,8 @@ the whole report off (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import socket
 import statistics
 import sys
@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lockstep.env.settings import straggler_factor_from_environ, straggler_summary_from_environ
+from lockstep.runtime.files import write_atomic
 
 PATIENCE = 4  # consecutive slow steps before a rank is named
 KEPT = 32  # the newest steps each rank publishes, and the judge compares
@@ -386,12 +387,8 @@ def _ms(seconds: float) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    try:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(text + "\n")
-        os.replace(partial, path)
-    except OSError:  # the summary is a courtesy: the line was said already
-        pass
+    with contextlib.suppress(OSError):  # the summary is a courtesy: the line was said already
+        write_atomic(path, lambda handle: handle.write((text + "\n").encode()))
 
 
 class Stragglers:
