@@ -88,8 +88,15 @@ def _record(step: int, loss: float, norm: float, weight: float) -> dict:
 def test_compare_names_the_first_step_and_what_diverged():
     reference = [_record(1, 2.0, 1.0, 0.5), _record(2, 1.5, 0.8, 0.4)]
     assert compare(reference, [_record(1, 2.0, 1.0, 0.5), _record(2, 1.5, 0.8, 0.4 + 1e-7)], 1e-4, 1e-6)[1] is None
-    assert "step 2: the weights differ, most in w" in compare(
-        reference, [_record(1, 2.0, 1.0, 0.5), _record(2, 1.5, 0.8, 0.41)], 1e-4, 1e-6)[1]
+    weights = compare(reference, [_record(1, 2.0, 1.0, 0.5), _record(2, 1.5, 0.8, 0.41)], 1e-4, 1e-6, "ref run")[1]
+    assert "step 2: the weights differ, most in w (by 0.01 from the weights on ref run)" in weights, weights
+    # a large weight within the tolerance (1e-4 of 1000) is not the one named: the small one beyond it is
+    def step(big: float, small: float) -> list[dict]:
+        return [{"step": 1, "loss": 2.0, "grad_norm": 1.0,
+                 "weights": {"big": torch.tensor([big]), "w": torch.tensor([small])}}]
+
+    big, off = step(1000.0, 0.5), step(1000.05, 0.51)
+    assert "most in w (by 0.01 " in compare(big, off, 1e-4, 1e-6)[1]
     assert "step 1: the gradient norm differs" in compare(reference, [_record(1, 2.0, 1.1, 0.5)], 1e-4, 1e-6)[1]
     assert "the run stopped after 1 steps" in compare(reference, [_record(1, 2.0, 1.0, 0.5)], 1e-4, 1e-6)[1]
 
@@ -171,6 +178,6 @@ def test_one_layout_against_itself_is_compared_exactly_by_fingerprints():
     assert "tracing every module's fingerprints (torch.hash_tensor, per row)" in done.stdout, done.stdout
     assert "first difference: forward blocks.1.mlp (Mlp) at step 1 on rank 0" in done.stderr, done.stderr
     assert "compared exactly by fingerprints" in done.stderr and "not deterministic" in done.stderr
-    # the reference is named as what it was (the loss or, when the noise left the loss within the tolerance,
-    # the gradient norm differs first)
+    # the reference is named as what it was, whichever differs first: the loss, the gradient norm or (when the
+    # noise left both within the tolerance) the weights
     assert "on lockstep run --devices 2)" in done.stderr, done.stderr

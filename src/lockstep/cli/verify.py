@@ -124,7 +124,8 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
 
 def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rtol: float, atol: float
                  ) -> tuple[float, str, bool]:
-    """The largest weight difference, its parameter, and whether some parameter is beyond the tolerance."""
+    """The largest weight difference among the parameters beyond the tolerance (among all if none is), its
+    parameter, and whether some parameter is beyond the tolerance."""
     if set(reference) != set(other):
         missing = sorted(set(reference) ^ set(other))[:3]
         raise ConfigError(f"the two runs' models have different parameters ({', '.join(missing)} ...)")
@@ -133,11 +134,10 @@ def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tens
         if not value.is_floating_point():
             continue
         gap = float((other[name].double() - value.double()).abs().max()) if value.numel() else 0.0
-        if gap > largest:
-            largest, where = gap, name
-        if gap > atol + rtol * float(value.double().abs().max()) and not beyond:
-            beyond, first = True, name
-    return largest, (first if beyond else where), beyond
+        over = gap > atol + rtol * float(value.double().abs().max())
+        if (over and not beyond) or (over == beyond and gap > largest):
+            largest, where, beyond = gap, name, beyond or over
+    return largest, where, beyond
 
 
 def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: float, atol: float,
@@ -161,7 +161,8 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
                            f"{ref['grad_norm']:.7g} on {against}) while the loss agrees: the gradients are normalised "
                            "per rank")
         if beyond:
-            return lines, f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g})"
+            return lines, (f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g} from the weights "
+                           f"on {against}) while the loss and the gradient norm agree")
     if len(other) < len(reference):
         return lines, f"the run stopped after {len(other)} steps, {against} made {len(reference)}"
     if all(step["grad_norm"] == 0 for step in [*reference, *other]):
