@@ -16,7 +16,8 @@ hand (a running sum, all-reduced every 50 steps), the fair reference for a Train
 lockstep's loader fetches a ``TensorDataset``'s batch by one index of each tensor, where a plain
 DataLoader fetches 32 items one by one and stacks them. "hand-written, batched" is the plain loop
 given the same fetch (``DataLoader(data, sampler=BatchSampler(...), batch_size=None)``): the
-reference that leaves only lockstep's own per-step cost in the ratio.
+reference that leaves only lockstep's own per-step cost in the ratio; "hand-written, batched+log" is
+that loop with the Trainer's default logging added by hand: the same work as the Trainer's defaults.
 
     python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2] [--variants]
 
@@ -91,6 +92,10 @@ def hand_written_batched(data: TensorDataset, steps: int) -> float:
     return hand_written(data, steps, batched=True)
 
 
+def hand_written_batched_logging(data: TensorDataset, steps: int) -> float:
+    return hand_written(data, steps, log_every=50, batched=True)
+
+
 def runtime_api(data: TensorDataset, steps: int) -> float:
     rt = lockstep.Runtime(accelerator="cpu")
     model = make_model()
@@ -150,7 +155,7 @@ def trainer_without_monitor_or_logging(data: TensorDataset, steps: int) -> float
 
 LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api,
          "hand-written, logging": hand_written_logging, "lockstep Trainer": trainer_loop,
-         "hand-written, batched": hand_written_batched}
+         "hand-written, batched": hand_written_batched, "hand-written, batched+log": hand_written_batched_logging}
 VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
             "Trainer, no monitor/log": trainer_without_monitor_or_logging}
 
@@ -193,6 +198,8 @@ def main() -> None:
     print(f"{'Trainer / hand-written, logging':<38}{_paired(rates['lockstep Trainer'], logging)}")
     print(f"{'runtime / hand-written, batched':<38}{_paired(rates['lockstep runtime'], batched)}")
     print(f"{'Trainer / hand-written, batched':<38}{_paired(rates['lockstep Trainer'], batched)}")
+    print(f"{'Trainer / hand-written, batched+log':<38}"
+          f"{_paired(rates['lockstep Trainer'], rates['hand-written, batched+log'])}")
 
 
 def _paired(values: list[float], reference: list[float]) -> str:

@@ -87,6 +87,29 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
+class CallbackList(list):  # type: ignore[type-arg]
+    """The Trainer's callbacks: a list that counts its changes, so that the Trainer looks up which
+    callbacks define a hook again only after one (``changes``), not on every call."""
+
+    changes = 0
+
+
+def _counted(name: str) -> Any:
+    change = getattr(list, name)
+
+    def counted(self: CallbackList, *args: Any, **kwargs: Any) -> Any:
+        self.changes += 1
+        return change(self, *args, **kwargs)
+
+    counted.__name__ = name
+    return counted
+
+
+for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse", "__setitem__",
+              "__delitem__", "__iadd__", "__imul__"):
+    setattr(CallbackList, _name, _counted(_name))
+
+
 class ModelCheckpoint(Callback):
     """Save checkpoints every ``every_n_steps`` steps and/or ``every_n_epochs`` epochs.
 

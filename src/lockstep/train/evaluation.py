@@ -47,29 +47,28 @@ class Evaluation:
         """Validation inside a fit: the training stage's metric sums are kept for after it."""
         t = self.trainer
         assert t._val_loader is not None
-        stores = t._stores
+        sink = t._sink
         self.run(t._val_loader, "validation_step")
         t.loop.validated_at = t.global_step
         t.fire("on_validation_epoch_end")
-        t._stores = stores
+        t._sink = sink
         t._wrapped.train()
 
     def run(self, loader: DistributedLoader, step: str) -> dict[str, float]:
         """One pass of ``step``; its metrics, reduced over the ranks and logged."""
         t = self.trainer
         store = MetricStore()
-        t._stores = [store]
+        t._sink = store
         t.runtime.sync_buffers(t._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
         t._wrapped.eval()
         batch_idx = -1
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 t.loop.batch_samples = loader.local_batch_size(batch_idx)
-                with t._hook(step):
-                    self.step(step, batch, batch_idx)
+                t._call(step, self.step, step, batch, batch_idx)
         check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
         metrics = store.reduce(t.runtime)  # once, after the loop: ranks may hold different batch counts
-        t._stores = []
+        t._sink = None
         t.log_metrics(metrics)
         return metrics
 
@@ -80,7 +79,7 @@ class Evaluation:
         rt = t._start(module, with_optimizers=False)
         self._load_weights(ckpt_path)
         loader = self.loader(data, batch_size, t._loader_options(loader_options), "predict")
-        t._stores = []
+        t._sink = None
         rt.sync_buffers(t._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
         t._wrapped.eval()
         with torch.no_grad():

@@ -30,9 +30,9 @@ class MetricStore:
         if name in self._sums:
             self._sums[name] += weighted
             self._counts[name] += weight
-        else:
+        else:  # copies: later adds are in place, and the caller may hand the same tensors to another store
             self._sums[name] = weighted.clone()
-            tensor = weight.detach().to(torch.float64) if isinstance(weight, torch.Tensor) else None
+            tensor = weight.detach().to(torch.float64, copy=True) if isinstance(weight, torch.Tensor) else None
             self._counts[name] = tensor if tensor is not None else float(weight)
 
     def add_scalar(self, name: str, value: torch.Tensor, weight: float) -> None:
@@ -56,6 +56,13 @@ class MetricStore:
     def _fold_all(self) -> None:
         for name in list(self._kept):
             self._fold(name)
+
+    def drain(self) -> dict[str, tuple[torch.Tensor, float | torch.Tensor]]:
+        """Each name's weighted sum and count, the store then empty."""
+        self._fold_all()
+        drained = {name: (total, self._counts[name]) for name, total in self._sums.items()}
+        self.reset()
+        return drained
 
     def reduce(self, runtime: Any) -> dict[str, float]:
         """Every rank's sums and counts added up, in one all-reduce.
@@ -90,15 +97,6 @@ class MetricStore:
         total_sums, total_counts = totals[:len(names)], totals[len(names):]
         return {n: s / c for n, s, c in zip(names, total_sums, total_counts, strict=True) if c > 0}
 
-    def absorb(self, other: MetricStore) -> None:
-        """Add ``other``'s values to this store's."""
-        for name, by_weight in other._kept.items():
-            for weight, values in by_weight.items():
-                for value in values:
-                    self.add_scalar(name, value, weight)
-        for name, total in other._sums.items():
-            self.add(name, total, other._counts[name])
-
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
@@ -119,32 +117,44 @@ class MetricStore:
 class TrainingMetrics:
     """The sums behind logged training metrics: the current logging ``window`` and the current ``epoch``.
 
-    In a fault-tolerant fit a step logs into ``step`` first: its values join the window's and the
-    epoch's when it commits (``end_step``), and are dropped when it does not (its batches come again).
+    A step's values land in ``recent`` alone (one list append per value); ``settle`` sums them once
+    and adds that to the window and the epoch: at a logging step, at the epoch's end and before a
+    checkpoint. In a fault-tolerant fit a step's values settle when the step commits (``end_step``) and
+    are dropped when it does not (its batches come again).
     """
 
     def __init__(self) -> None:
-        self.window, self.epoch, self.step = MetricStore(), MetricStore(), MetricStore()
+        self.recent, self.window, self.epoch = MetricStore(), MetricStore(), MetricStore()
+        self._left_out: dict[str, tuple[bool, bool]] = {}  # name -> (not in the window, not in the epoch)
 
     def reset(self) -> None:
+        self.recent.reset()
         self.window.reset()
         self.epoch.reset()
-        self.step.reset()
 
-    def without(self, stores: list[MetricStore], on_step: bool | None, on_epoch: bool | None) -> list[MetricStore]:
-        """``stores`` less the logged steps' window (``on_step=False``) and the epoch's (``on_epoch=False``):
-        where ``self.log(..., on_step=, on_epoch=)`` adds a value."""
-        left_out = [self.window] * (on_step is False) + [self.epoch] * (on_epoch is False)
-        return [store for store in stores if all(store is not other for other in left_out)]
+    def route(self, name: str, on_step: bool | None, on_epoch: bool | None) -> None:
+        """``self.log(name, on_step=False)`` / ``on_epoch=False``: the name's values stay out of the logged
+        steps' window / the epoch's value (a name keeps the last choice, as Lightning asks one per name)."""
+        self._left_out[name] = (on_step is False, on_epoch is False)
+
+    def settle(self) -> None:
+        """The recent values into the window and the epoch."""
+        for name, (total, count) in self.recent.drain().items():
+            no_window, no_epoch = self._left_out.get(name, (False, False))
+            if not no_window:
+                self.window.add(name, total, count)
+            if not no_epoch:
+                self.epoch.add(name, total, count)
 
     def end_step(self, committed: bool) -> None:
         if committed:
-            self.window.absorb(self.step)
-            self.epoch.absorb(self.step)
-        self.step.reset()
+            self.settle()
+        else:
+            self.recent.reset()
 
     def state_dict(self, runtime: Any) -> dict[str, Any]:
         """Every rank's sums (a collective: every rank must call it)."""
+        self.settle()
         return {"epoch_metrics": runtime.all_gather(self.epoch.state_dict()),
                 "window_metrics": runtime.all_gather(self.window.state_dict())}
 

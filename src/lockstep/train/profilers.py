@@ -6,7 +6,7 @@ import contextlib
 import io
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,11 @@ class SimpleProfiler:
             yield
         finally:
             self.durations[hook].append(time.perf_counter() - start)
+
+    def run(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, timed as ``hook``."""
+        with self.profile(hook):
+            return fn(*args)
 
     def start(self, folder: Path, rank: int) -> None:
         """Called when training starts; the wall time of the report counts from here."""
@@ -144,6 +149,9 @@ class NoProfiler(SimpleProfiler):
 
     def profile(self, hook: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
         return self._nothing
+
+    def run(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)  # the hot path: no context to enter per hook
 
     def report(self, folder: Path, rank: int) -> str:
         return ""

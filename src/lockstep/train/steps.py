@@ -5,6 +5,7 @@ the chosen one for every batch and asks nothing about the layout."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import UsageError
@@ -23,17 +24,16 @@ class WholeModelStep:
 
     def __call__(self, batch: Any, batch_idx: int) -> Any:
         t = self.trainer
-        rt, k = t.runtime, t.config.accumulate_grad_batches
-        with t._hook("training_step"):
-            outputs = t._wrapped("training_step", batch, batch_idx)
+        k = t.config.accumulate_grad_batches
+        outputs = t._call("training_step", t._wrapped, "training_step", batch, batch_idx)
         loss, items = loss_of(outputs)
         t._record_loss(loss, items)
         t.fire("on_before_backward", loss)
-        with t._hook("backward"):
-            if items is not None:
-                rt.backward(loss, num_items=items)
-            else:
-                rt.backward(loss / k if k > 1 else loss)
+        backward = t._runtime.backward  # type: ignore[union-attr]  # set up: the Runtime exists
+        if items is not None:
+            t._call("backward", backward, loss, items)
+        else:
+            t._call("backward", backward, loss / k if k > 1 else loss)
         return outputs
 
 
@@ -53,9 +53,9 @@ class PipelineStep:
                              "model for training_step: define loss_fn(self, output, batch), the loss of the rows of "
                              "batch from the model's output (and forward(self, inputs), the model).")
         scaled = loss_fn if count is not None or k == 1 else (lambda output, rows: loss_fn(output, rows) / k)
-        with t._hook("training_step"):
-            loss = t.runtime.forward_backward(t._wrapped, batch, scaled, num_items=count,
-                                              inputs=getattr(module, "inputs", None))
+        loss = t._call("training_step", functools.partial(t.runtime.forward_backward, num_items=count,
+                                                           inputs=getattr(module, "inputs", None)),
+                       t._wrapped, batch, scaled)
         outputs = {"loss": loss * k if k > 1 else loss} if count is None else {"loss": loss, "num_items": count(batch)}
         t._record_loss(outputs["loss"], outputs.get("num_items"))
         return outputs

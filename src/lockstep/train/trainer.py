@@ -1,13 +1,12 @@
 """``lockstep.Trainer``: fit / validate / test / predict, built only on the runtime's public API.
 
 Reading order of one training run: ``fit`` → ``_train_epoch`` → ``_train_batch`` (one forward
-and backward, ``train/steps.py``) → ``_step_taken`` → ``_optimizer_step``; then ``_after_step``
+and backward, ``train/steps.py``) → ``_step_taken`` → ``_step_optimizers``; then ``_after_step``
 (preemption, mid-epoch validation, the stop check) and ``_end_epoch``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from lockstep.runtime import (
     unwrap,
 )
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.callbacks import Callback, ModelCheckpoint
+from lockstep.train.callbacks import Callback, CallbackList, ModelCheckpoint
 from lockstep.train.config import TrainerConfig
 from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
@@ -115,14 +114,23 @@ class Trainer:
         self.train_loader: DistributedLoader | None = None
         self._val_loader: DistributedLoader | None = None
         self.evaluation = Evaluation(self)
-        self._stores: list[MetricStore] = []  # where self.log goes in the current stage
+        self._sink: MetricStore | None = None  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
         self._defining: dict[str, list[tuple[str, Callable[..., None]]]] = {}  # see fire
-        self._hooked: tuple[tuple[int, ...], tuple[Callback, ...]] = ((), ())  # the callbacks _defining is for
         self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
+    @property
+    def callbacks(self) -> CallbackList:
+        """The callbacks, in the order their hooks run (lockstep's defaults last); change them in place or
+        assign a new list."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: Sequence[Callback]) -> None:
+        self._callbacks, self._hooked_at, self._defining = CallbackList(callbacks), -1, {}
+
     @property
     def runtime(self) -> Runtime:
         """The Runtime that ``fit``/``validate``/``test``/``predict`` created."""
@@ -222,7 +230,7 @@ class Trainer:
                 callback.on_exception(self, module, error)
             raise
         finally:
-            self._stores = []
+            self._sink = None
             self._finish_reports()
         return self
 
@@ -270,25 +278,23 @@ class Trainer:
         """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
         loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums
         (``on_step=False``/``on_epoch=False``: not to the logged steps' / the epoch's)."""
-        if not self._stores:  # between stages the sums are already reduced: the value would vanish
+        sink = self._sink
+        if sink is None:  # between stages the sums are already reduced: the value would vanish
             raise StateError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
                              "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
                              "would ever reduce it: log from a step, or pass reduced values to "
                              "trainer.log_metrics({...}).")
-        stores = self._stores if on_step is None is on_epoch else self.metrics.without(self._stores, on_step, on_epoch)
+        if (on_step is not None or on_epoch is not None) and sink is self.metrics.recent:  # training's two sums
+            self.metrics.route(name, on_step, on_epoch)
         weight = batch_size if batch_size is not None else self.loop.batch_samples
-        if isinstance(weight, int) and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
+        if type(weight) is int and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
         # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
         device = self._runtime.device  # type: ignore[union-attr]
-        if isinstance(weight, int) and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device == device:
-            value = value.detach() if value.requires_grad else value  # the per-step case: kept as it is
-            for store in stores:
-                store.add_scalar(name, value, weight)
+        if type(weight) is int and isinstance(value, torch.Tensor) and value.ndim == 0 and value.device == device:
+            sink.add_scalar(name, value.detach() if value.requires_grad else value, weight)  # the per-step case
         else:
-            weighted = weighted_value(name, value, weight, device)
-            for store in stores:
-                store.add(name, weighted, weight)
+            sink.add(name, weighted_value(name, value, weight, device), weight)
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
@@ -368,8 +374,7 @@ class Trainer:
         loader.load_state_dict(position)
         if start == 0:
             self.metrics.reset()
-        fault_tolerant = self.runtime.replication.fault_tolerant  # a step's values count once it commits
-        self._stores = [self.metrics.step] if fault_tolerant else [self.metrics.window, self.metrics.epoch]
+        self._sink = self.metrics.recent
         self.fire("on_train_epoch_start")
         self._wrapped.train()
         return start
@@ -397,12 +402,12 @@ class Trainer:
         if items is not None:
             count = torch.as_tensor(items).detach().double()
             self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
-        self.record_metric("train_loss", loss, prog_bar=True, batch_size=items)  # detached there
+        self.record_metric("train_loss", loss, batch_size=items)  # detached there; on the progress bar from the start
 
     def _step_taken(self, samples: int) -> bool:
         """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
         False when it was not committed (fault tolerance)."""
-        committed = self._optimizer_step()
+        committed = self._call("optimizer_step", self._step_optimizers)
         if self._runtime.replication.fault_tolerant:  # type: ignore[union-attr]  # counts once it commits
             self.metrics.end_step(committed)
         if not committed:
@@ -410,30 +415,32 @@ class Trainer:
         self.loop.stepped(samples)
         self.profiler.step()
         if self.is_logging_step:
+            self.metrics.settle()
             self.log_metrics(self.metrics.window.reduce(self._runtime))
             self.metrics.window.reset()
         return True
 
-    def _optimizer_step(self) -> bool:
+    def _step_optimizers(self) -> bool:
         """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:
         taken nowhere, its batches come again)."""
-        rt, clip = self.runtime, self.config.gradient_clip_val
-        with self._hook("optimizer_step"):
-            for optimizer in self.optimizers:
-                if clip is not None:
-                    rt.clip_grad_norm_(self._wrapped, optimizer, clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if not rt.step_committed:
-                return False
-            for scheduler, interval in self.lr_schedulers:
-                if interval == "step":
-                    scheduler.step()
+        rt, clip = self._runtime, self.config.gradient_clip_val
+        assert rt is not None
+        for optimizer in self.optimizers:
+            if clip is not None:
+                rt.clip_grad_norm_(self._wrapped, optimizer, clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not rt.step_committed:
+            return False
+        for scheduler, interval in self.lr_schedulers:
+            if interval == "step":
+                scheduler.step()
         return True
 
     def _after_step(self) -> bool:
         """After an optimizer step: preemption, mid-epoch validation; True when training is over."""
-        rt = self.runtime
+        rt = self._runtime
+        assert rt is not None
         if rt.should_stop():
             ckpt.stop_preempted(self)
         if rt.should_checkpoint():  # a node of the job will be reclaimed: the engine restarts from here
@@ -450,30 +457,31 @@ class Trainer:
         for scheduler, interval in self.lr_schedulers:
             if interval == "epoch":
                 scheduler.step()
+        self.metrics.settle()
         epoch_values = self.metrics.epoch.reduce(self.runtime)
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
         # The names logged in training_step hold the epoch's value once it ends (as in Lightning), also
         # when the epoch was shorter than log_every_n_steps and no step value was logged.
         self.callback_metrics.update(epoch_values)
         self.metrics.epoch.reset()
-        self._stores = []  # reduced: until the next epoch starts, nothing could record a value
+        self._sink = None  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
             self.evaluation.during_fit()
         self.fire("on_train_epoch_end")
         self.loop.end_epoch()
 
     # -- callbacks and reports ---------------------------------------------------------------------
-    def _hook(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Around a hook: tell the runtime where this rank is (for hang reports), and profile it."""
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a hook (or a step of the loop) ``fn``: the runtime told where this rank is (for hang
+        reports), the profiler timing it."""
         self._runtime.mark(name)  # type: ignore[union-attr]  # hooks run once the Runtime exists
-        return self.profiler.profile(name)
+        return self.profiler.run(name, fn, *args)
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
-        ids = tuple(map(id, self.callbacks))
-        if ids != self._hooked[0]:  # the callbacks changed (a list replaced or changed in place): hooks found again
-            # The callbacks are kept while cached: no new callback can take the id of one that left.
-            self._hooked, self._defining = (ids, tuple(self.callbacks)), {}
+        callbacks = self._callbacks
+        if callbacks.changes != self._hooked_at:  # changed in place: the hooks are found again
+            self._hooked_at, self._defining = callbacks.changes, {}
         defined = self._defining.get(hook)
         if defined is None:  # once per hook
             defined = self._defining[hook] = [
@@ -481,8 +489,7 @@ class Trainer:
                 if getattr(type(c), hook) is not getattr(Callback, hook)]
         module = self._module
         for name, method in defined:
-            with self._hook(name):
-                method(self, module, *args)
+            self._call(name, method, self, module, *args)
 
     def _report_final_checkpoint(self) -> None:
         """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
