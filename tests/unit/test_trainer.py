@@ -165,6 +165,29 @@ def test_a_store_keeps_step_values_and_sums_them_exactly_in_float64():
     rt.close()
 
 
+def test_settled_values_reach_the_window_and_the_epoch_as_routed_and_leave_a_given_count_alone():
+    """A step's values settle once into the window and the epoch (on_step=False / on_epoch=False leave one
+    out); a float64 count tensor given as batch_size is copied, not summed into in place: against hand sums."""
+    from lockstep.train.metrics import TrainingMetrics
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    metrics, count = TrainingMetrics(), torch.tensor(3.0, dtype=torch.float64)
+    metrics.route("epoch_only", on_step=False, on_epoch=None)
+    for step, value in enumerate([1.0, 2.0, 4.0], 1):
+        metrics.recent.add_scalar("loss", torch.tensor(value), 32)
+        metrics.recent.add("tokens", torch.tensor(value * 3.0, dtype=torch.float64), count)
+        metrics.recent.add_scalar("epoch_only", torch.tensor(10.0 * value), 32)
+        if step == 2:  # a logging step: the window is read and starts again
+            metrics.settle()
+            assert metrics.window.reduce(rt) == {"loss": 1.5, "tokens": 1.5}
+            metrics.window.reset()
+    metrics.settle()
+    assert metrics.window.reduce(rt) == {"loss": 4.0, "tokens": 4.0}
+    assert metrics.epoch.reduce(rt) == pytest.approx({"loss": 7 / 3, "tokens": 7 / 3, "epoch_only": 70 / 3})
+    assert float(count) == 3.0, "the caller's count tensor was changed in place"
+    rt.close()
+
+
 def test_the_log_dir_is_known_before_fit_also_for_a_replica_group(tmp_path, monkeypatch):
     """``trainer.log_dir`` is where the fit will log, before the fit creates the Runtime."""
     assert lockstep.Trainer(accelerator="cpu", log_dir=tmp_path / "logs").log_dir == tmp_path / "logs"
