@@ -65,7 +65,7 @@ def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: b
         loader = DataLoader(data, batch_size=PER_PROCESS_BATCH, sampler=sampler)
     window = torch.zeros((), dtype=torch.float64)
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for step, (x, y) in enumerate(loader, 1):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -78,10 +78,17 @@ def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: b
                 LOGGED.append(window.item() / (log_every * dist.get_world_size()))
                 window.zero_()
     dist.barrier()
-    return steps / (time.perf_counter() - start)
+    return _timed(steps, time.perf_counter() - start, time.thread_time() - cpu)
 
 
 LOGGED: list[float] = []  # what the logging hand-written loop "logs"
+CPU_US: list[float] = []  # the main thread's CPU time per step of the last loop run, in µs
+
+
+def _timed(steps: int, seconds: float, cpu_seconds: float) -> float:
+    """Steps per second; the main thread's CPU µs per step kept in CPU_US."""
+    CPU_US[:] = [1e6 * cpu_seconds / steps]
+    return steps / seconds
 
 
 def hand_written_logging(data: TensorDataset, steps: int) -> float:
@@ -103,13 +110,13 @@ def runtime_api(data: TensorDataset, steps: int) -> float:
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(data, batch_size=PER_PROCESS_BATCH * rt.world_size, shuffle=True, num_workers=0)
     rt.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for x, y in loader:
         rt.backward(F.cross_entropy(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
     rt.barrier()
-    return steps / (time.perf_counter() - start)
+    return _timed(steps, time.perf_counter() - start, time.thread_time() - cpu)
 
 
 class Classifier(lockstep.Module):
@@ -130,11 +137,11 @@ class Clock(lockstep.Callback):
 
     def on_train_epoch_start(self, trainer, module):
         trainer.runtime.barrier()
-        self.start = time.perf_counter()
+        self.start, self.cpu = time.perf_counter(), time.thread_time()
 
     def on_train_end(self, trainer, module):
         trainer.runtime.barrier()
-        self.seconds = time.perf_counter() - self.start
+        self.seconds, self.cpu = time.perf_counter() - self.start, time.thread_time() - self.cpu
 
 
 def trainer_loop(data: TensorDataset, steps: int, **options: object) -> float:
@@ -142,7 +149,7 @@ def trainer_loop(data: TensorDataset, steps: int, **options: object) -> float:
     trainer = lockstep.Trainer(max_steps=steps, accelerator="cpu", loggers=(), enable_progress_bar=False,
                                num_workers=0, callbacks=[clock], **options)
     trainer.fit(Classifier(), data, batch_size=PER_PROCESS_BATCH * dist.get_world_size())
-    return steps / clock.seconds
+    return _timed(steps, clock.seconds, clock.cpu)
 
 
 def trainer_without_monitor(data: TensorDataset, steps: int) -> float:
@@ -160,7 +167,8 @@ VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
             "Trainer, no monitor/log": trainer_without_monitor_or_logging}
 
 
-def measure(rounds: int, steps: int, variants: bool = False) -> dict[str, list[float]]:
+def measure(rounds: int, steps: int, variants: bool = False) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each loop's steps/s and main-thread CPU µs per step, round by round (this rank's)."""
     torch.set_num_threads(1)
     if dist.get_world_size() <= len(os.sched_getaffinity(0)):  # a core each: no migrations between cores
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[dist.get_rank()]})
@@ -168,13 +176,15 @@ def measure(rounds: int, steps: int, variants: bool = False) -> dict[str, list[f
     loops = {**LOOPS, **(VARIANTS if variants else {})}
     names = list(loops)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted
         order = names[round_index % len(names):] + names[: round_index % len(names)]
         for name in order:
             rate = loops[name](data, steps)
             if round_index:
                 rates[name].append(rate)
-    return rates
+                cpu[name].append(CPU_US[0])
+    return rates, cpu
 
 
 def main() -> None:
@@ -184,7 +194,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--variants", action="store_true", help="also the Trainer without monitor, without logging")
     args = parser.parse_args()
-    rates = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps, args.variants))
+    rates, cpu = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps, args.variants))
     base = rates["hand-written DDP"]
     print(f"{args.processes} CPU processes, 1 thread each, batch {PER_PROCESS_BATCH} per process, "
           f"{args.steps} steps, {args.rounds} rounds")
@@ -200,6 +210,10 @@ def main() -> None:
     print(f"{'Trainer / hand-written, batched':<38}{_paired(rates['lockstep Trainer'], batched)}")
     print(f"{'Trainer / hand-written, batched+log':<38}"
           f"{_paired(rates['lockstep Trainer'], rates['hand-written, batched+log'])}")
+    print("main thread's CPU per step (rank 0; steadier than steps/s, which also waits for the peer):")
+    print(f"{'loop':<26}{'µs/step':>9}   minus hand-written, batched (paired): median [quartiles]  95% CI")
+    for name, values in cpu.items():
+        print(f"{name:<26}{statistics.median(values):>9.1f}   {_paired_difference(values, cpu['hand-written, batched'])}")
 
 
 def _paired(values: list[float], reference: list[float]) -> str:
@@ -211,6 +225,17 @@ def _paired(values: list[float], reference: list[float]) -> str:
     interval = median_interval(ratios)
     shown = f"  95% CI [{interval[0]:.3f}, {interval[1]:.3f}]" if interval is not None else ""
     return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]{shown}"
+
+
+def _paired_difference(values: list[float], reference: list[float]) -> str:
+    """The median of the per-round differences, with their quartiles and a 95 % confidence interval."""
+    differences = [v - r for v, r in zip(values, reference, strict=True)]
+    if len(differences) < 2:
+        return f"{differences[0]:+.1f}"
+    low, _, high = statistics.quantiles(differences, n=4)
+    interval = median_interval(differences)
+    shown = f"  95% CI [{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval is not None else ""
+    return f"{statistics.median(differences):+.1f} [{low:+.1f}, {high:+.1f}]{shown}"
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:

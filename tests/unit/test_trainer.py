@@ -264,6 +264,34 @@ def test_evaluation_from_a_checkpoint_loads_its_weights_best_last_or_a_folder(tm
         trainer.validate(module, data, batch_size=8, ckpt_path=tmp_path / "nothing-here")
 
 
+def test_on_train_log_runs_once_per_logging_step_with_its_reduced_values(tmp_path):
+    """With accumulation over 2 batches and a logging step every 2 optimizer steps, on_train_log runs at
+    steps 2, 4, 6 only, after the step, and sees that window's mean loss (the mean of its 4 batches'
+    losses, by hand) in callback_metrics; a callback replaced by an assigned list is no longer called."""
+    class Seen(lockstep.Callback):
+        def __init__(self) -> None:
+            self.logged, self.losses = [], []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs))
+
+        def on_train_log(self, trainer, module):
+            self.logged.append((trainer.global_step, trainer.callback_metrics["train_loss"]))
+
+    seen = Seen()
+    trainer = tc.quiet_trainer(max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2, log_dir=tmp_path,
+                               callbacks=[seen])
+    data = torch.utils.data.TensorDataset(torch.randn(192, 8), torch.randint(0, 4, (192,)))
+    trainer.fit(tc.Regressor(), data, batch_size=16)
+    assert [step for step, _ in seen.logged] == [2, 4, 6]
+    for window, (_, logged) in enumerate(seen.logged):
+        assert logged == pytest.approx(sum(seen.losses[4 * window: 4 * window + 4]) / 4, rel=1e-6)
+    trainer.callbacks = []  # assigned: the hooks are found again
+    trainer.config = dataclasses.replace(trainer.config, max_steps=8)
+    trainer.fit(tc.Regressor(), data, batch_size=16)
+    assert len(seen.logged) == 3
+
+
 def test_callbacks_changed_between_fits_are_the_ones_called(tmp_path):
     """The Trainer finds each hook's callbacks once, and again when the list changes, also in place (the same
     list, the same length): a callback put where one without hooks was gets its hooks called."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import types
 
 import pytest
 import torch
@@ -80,6 +81,38 @@ def test_each_profiler_writes_its_report(kind, tmp_path, capsys):
     if kind == "pytorch":
         assert list((tmp_path / "pytorch-profiler").glob("rank0*.json"))
         assert "Self CPU" in (tmp_path / "profile-pytorch-ops-rank0.txt").read_text()
+
+
+def test_a_profiler_object_of_its_own_times_every_hook_and_one_without_the_methods_is_refused(tmp_path):
+    """An object with the four methods (no lockstep base class) sees each hook inside its profile();
+    one without them is refused by name before any training."""
+    import contextlib
+
+    class Counting:
+        def __init__(self):
+            self.entered, self.steps = [], 0
+
+        def start(self, folder, rank):
+            pass
+
+        @contextlib.contextmanager
+        def profile(self, hook):
+            self.entered.append(hook)
+            yield
+
+        def step(self):
+            self.steps += 1
+
+        def report(self, folder, rank):
+            return ""
+
+    counting = Counting()
+    tc.quiet_trainer(max_steps=3, profiler=counting, log_dir=tmp_path).fit(
+        tc.Classifier(), tc.checks.make_data(64), batch_size=16)
+    assert [counting.entered.count(h) for h in ("training_step", "backward", "optimizer_step")] == [3, 3, 3]
+    assert counting.steps == 3
+    with pytest.raises(lockstep.ConfigError, match="has no start, step, report"):
+        tc.quiet_trainer(max_steps=1, profiler=types.SimpleNamespace(profile=contextlib.nullcontext))
 
 
 def test_model_checkpoint_keeps_the_best_by_monitor_and_last(tmp_path):

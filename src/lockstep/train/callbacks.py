@@ -36,6 +36,9 @@ class Callback:
     def on_before_backward(self, trainer: Trainer, module: Module, loss: Any) -> None: ...
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         ...
+    def on_train_log(self, trainer: Trainer, module: Module) -> None:
+        """After the optimizer step of a logging step (every ``log_every_n_steps``): the steps' logged
+        values are reduced and in ``trainer.callback_metrics``; log more with ``trainer.log_metrics``."""
     def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
     def on_save_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
@@ -272,8 +275,8 @@ class LearningRateMonitor(Callback):
         return {f"lr-{i}-{j}": float(group["lr"]) for i, optimizer in enumerate(trainer.optimizers)
                 for j, group in enumerate(optimizer.param_groups)}
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.logging_interval == "step" and trainer.at_step_boundary and trainer.is_logging_step:
+    def on_train_log(self, trainer: Trainer, module: Module) -> None:
+        if self.logging_interval == "step":
             trainer.log_metrics(self._rates(trainer))
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -172,4 +173,10 @@ def make_profiler(spec: Any) -> SimpleProfiler:
         if spec not in PROFILERS:
             raise ConfigError(f"unknown profiler {spec!r}: use one of {', '.join(PROFILERS)} or None.")
         return PROFILERS[spec]()
+    missing = [name for name in ("start", "profile", "step", "report") if not callable(getattr(spec, name, None))]
+    if missing:
+        raise ConfigError(f"profiler={spec!r} has no {', '.join(missing)}: give one of {', '.join(PROFILERS)}, None, "
+                          "or a profiler object (subclass lockstep.SimpleProfiler).")
+    if not callable(getattr(spec, "run", None)):  # a profiler of its own with the four methods: hooks run in profile()
+        spec.run = types.MethodType(SimpleProfiler.run, spec)
     return spec  # type: ignore[no-any-return]

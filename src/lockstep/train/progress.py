@@ -48,9 +48,7 @@ class ThroughputMonitor(Callback):
         if self.flops_per_sample is None and self._peak is not None:
             trainer.callbacks.append(_FirstForwardFlops(self))
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not (trainer.at_step_boundary and trainer.is_logging_step):
-            return
+    def on_train_log(self, trainer: Trainer, module: Module) -> None:
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
         items = self._items_per_s(trainer, now - self._mark[0] if self._mark is not None else 0.0)  # every rank
         if self._mark is not None:

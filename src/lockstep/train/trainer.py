@@ -418,6 +418,7 @@ class Trainer:
             self.metrics.settle()
             self.log_metrics(self.metrics.window.reduce(self._runtime))
             self.metrics.window.reset()
+            self.fire("on_train_log")
         return True
 
     def _step_optimizers(self) -> bool:
