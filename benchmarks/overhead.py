@@ -213,29 +213,21 @@ def main() -> None:
     print("main thread's CPU per step (rank 0; steadier than steps/s, which also waits for the peer):")
     print(f"{'loop':<26}{'µs/step':>9}   minus hand-written, batched (paired): median [quartiles]  95% CI")
     for name, values in cpu.items():
-        print(f"{name:<26}{statistics.median(values):>9.1f}   {_paired_difference(values, cpu['hand-written, batched'])}")
+        difference = _paired(values, cpu["hand-written, batched"], difference=True)
+        print(f"{name:<26}{statistics.median(values):>9.1f}   {difference}")
 
 
-def _paired(values: list[float], reference: list[float]) -> str:
-    """The median of the per-round ratios, with their quartiles, and a 95 % confidence interval of the median."""
-    ratios = [v / r for v, r in zip(values, reference, strict=True)]
-    if len(ratios) < 2:
-        return f"{ratios[0]:.3f}"
-    low, _, high = statistics.quantiles(ratios, n=4)
-    interval = median_interval(ratios)
-    shown = f"  95% CI [{interval[0]:.3f}, {interval[1]:.3f}]" if interval is not None else ""
-    return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]{shown}"
-
-
-def _paired_difference(values: list[float], reference: list[float]) -> str:
-    """The median of the per-round differences, with their quartiles and a 95 % confidence interval."""
-    differences = [v - r for v, r in zip(values, reference, strict=True)]
-    if len(differences) < 2:
-        return f"{differences[0]:+.1f}"
-    low, _, high = statistics.quantiles(differences, n=4)
-    interval = median_interval(differences)
-    shown = f"  95% CI [{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval is not None else ""
-    return f"{statistics.median(differences):+.1f} [{low:+.1f}, {high:+.1f}]{shown}"
+def _paired(values: list[float], reference: list[float], difference: bool = False) -> str:
+    """The median of the per-round ratios (``difference``: differences), with their quartiles, and a 95 %
+    confidence interval of the median."""
+    paired = [v - r if difference else v / r for v, r in zip(values, reference, strict=True)]
+    shape = "{:+.1f}" if difference else "{:.3f}"
+    if len(paired) < 2:
+        return shape.format(paired[0])
+    low, _, high = statistics.quantiles(paired, n=4)
+    interval = median_interval(paired)
+    shown = f"  95% CI [{shape.format(interval[0])}, {shape.format(interval[1])}]" if interval is not None else ""
+    return f"{shape.format(statistics.median(paired))} [{shape.format(low)}, {shape.format(high)}]{shown}"
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
