@@ -185,6 +185,21 @@ def test_settled_values_reach_the_window_and_the_epoch_as_routed_and_leave_a_giv
     assert metrics.window.reduce(rt) == {"loss": 4.0, "tokens": 4.0}
     assert metrics.epoch.reduce(rt) == pytest.approx({"loss": 7 / 3, "tokens": 7 / 3, "epoch_only": 70 / 3})
     assert float(count) == 3.0, "the caller's count tensor was changed in place"
+    # the flags belong to each value: a name logged on_step=False, then with the defaults, is in the window once
+    metrics.reset()
+    metrics.route("x", on_step=False, on_epoch=None)
+    metrics.recent.add_scalar("x", torch.tensor(8.0), 1)
+    metrics.route("x", on_step=None, on_epoch=None)
+    metrics.recent.add_scalar("x", torch.tensor(2.0), 1)
+    metrics.settle()
+    assert metrics.window.reduce(rt) == {"x": 2.0} and metrics.epoch.reduce(rt) == {"x": 5.0}
+    # fault tolerance: a checkpoint taken while a step is under way holds none of its values (not committed)
+    metrics.reset()
+    metrics.commits = True
+    metrics.recent.add_scalar("loss", torch.tensor(1.0), 1)
+    assert metrics.state_dict(rt)["window_metrics"] == [{"sums": {}, "counts": {}}]
+    metrics.end_step(committed=False)
+    assert metrics.state_dict(rt)["epoch_metrics"] == [{"sums": {}, "counts": {}}]
     rt.close()
 
 
@@ -286,6 +301,9 @@ def test_on_train_log_runs_once_per_logging_step_with_its_reduced_values(tmp_pat
     assert [step for step, _ in seen.logged] == [2, 4, 6]
     for window, (_, logged) in enumerate(seen.logged):
         assert logged == pytest.approx(sum(seen.losses[4 * window: 4 * window + 4]) / 4, rel=1e-6)
+    held = trainer.callbacks
+    trainer.callbacks += []  # changed in place: still the list held
+    assert trainer.callbacks is held
     trainer.callbacks = []  # assigned: the hooks are found again
     trainer.config = dataclasses.replace(trainer.config, max_steps=8)
     trainer.fit(tc.Regressor(), data, batch_size=16)

@@ -90,7 +90,7 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-class CallbackList(list):  # type: ignore[type-arg]
+class CallbackList(list[Callback]):
     """The Trainer's callbacks: a list that counts its changes, so that the Trainer looks up which
     callbacks define a hook again only after one (``changes``), not on every call."""
 

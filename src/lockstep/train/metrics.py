@@ -125,22 +125,29 @@ class TrainingMetrics:
 
     def __init__(self) -> None:
         self.recent, self.window, self.epoch = MetricStore(), MetricStore(), MetricStore()
-        self._left_out: dict[str, tuple[bool, bool]] = {}  # name -> (not in the window, not in the epoch)
+        self.routes: dict[str, tuple[bool, bool]] = {}  # name -> (not in the window, not in the epoch)
+        self.commits = False  # fault tolerance: ``recent`` holds the step under way until it commits
 
     def reset(self) -> None:
         self.recent.reset()
         self.window.reset()
         self.epoch.reset()
+        self.routes.clear()
 
     def route(self, name: str, on_step: bool | None, on_epoch: bool | None) -> None:
-        """``self.log(name, on_step=False)`` / ``on_epoch=False``: the name's values stay out of the logged
-        steps' window / the epoch's value (a name keeps the last choice, as Lightning asks one per name)."""
-        self._left_out[name] = (on_step is False, on_epoch is False)
+        """Where ``self.log(name, on_step=, on_epoch=)`` sends the value: ``on_step=False`` keeps it out of
+        the logged steps' window, ``on_epoch=False`` out of the epoch's value. Values logged before a
+        change of the flags keep the flags they were logged with (they settle first)."""
+        flags = (on_step is False, on_epoch is False)
+        if self.routes.get(name, (False, False)) != flags:
+            if not self.commits:  # in a fault-tolerant fit ``recent`` holds this step's values alone
+                self.settle()
+            self.routes[name] = flags
 
     def settle(self) -> None:
         """The recent values into the window and the epoch."""
         for name, (total, count) in self.recent.drain().items():
-            no_window, no_epoch = self._left_out.get(name, (False, False))
+            no_window, no_epoch = self.routes.get(name, (False, False))
             if not no_window:
                 self.window.add(name, total, count)
             if not no_epoch:
@@ -153,8 +160,10 @@ class TrainingMetrics:
             self.recent.reset()
 
     def state_dict(self, runtime: Any) -> dict[str, Any]:
-        """Every rank's sums (a collective: every rank must call it)."""
-        self.settle()
+        """Every rank's sums (a collective: every rank must call it); in a fault-tolerant fit without the
+        step under way, whose values count once it commits."""
+        if not self.commits:
+            self.settle()
         return {"epoch_metrics": runtime.all_gather(self.epoch.state_dict()),
                 "window_metrics": runtime.all_gather(self.window.state_dict())}
 

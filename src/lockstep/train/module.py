@@ -108,8 +108,8 @@ class Module(nn.Module):
 
         Lightning's spellings keep their meaning where lockstep has one: in ``training_step``,
         ``on_step=False`` leaves the value out of the logged steps and ``on_epoch=False`` out of the
-        epoch's value (``NAME_epoch``; in a fault-tolerant fit both flags are ignored: a step's values join
-        both when it commits); ``reduce_fx`` is the mean only (``"mean"``, ``"avg"``, ``torch.mean``). ``sync_dist``,
+        epoch's value (``NAME_epoch``; also in a fault-tolerant fit, where a step's values count once it
+        commits); ``reduce_fx`` is the mean only (``"mean"``, ``"avg"``, ``torch.mean``). ``sync_dist``,
         ``sync_dist_group``, ``rank_zero_only``, ``logger``, ``enable_graph`` and
         ``add_dataloader_idx`` are taken and change nothing: every value is reduced over all ranks,
         exactly, detached, and goes to every logger (docs/migrating-from-lightning.md).

@@ -8,6 +8,7 @@ and backward, ``train/steps.py``) → ``_step_taken`` → ``_step_optimizers``; 
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,7 @@ class Trainer:
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
         self.callbacks = _with_default_callbacks(callbacks, checkpoint_dir is not None, enable_throughput_monitor,
                                                  enable_progress_bar)
-        self._logger_specs, self.profiler = list(loggers), make_profiler(profiler)
+        self._logger_specs, self.profiler = list(loggers), profiler
         self._runtime: Runtime | None = None
         self.compiled: list[str] = []  # what compile= compiled: block names, "" for the module's forward
         self.loggers: list[Logger] = []
@@ -123,13 +124,26 @@ class Trainer:
     # -- where this rank sits ----------------------------------------------------------------------
     @property
     def callbacks(self) -> CallbackList:
-        """The callbacks, in the order their hooks run (lockstep's defaults last); change them in place or
-        assign a new list."""
+        """The callbacks, in the order their hooks run (lockstep's defaults last). Change them in place, or
+        assign new ones: an assigned plain list is copied, so change ``trainer.callbacks`` after that."""
         return self._callbacks
 
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
-        self._callbacks, self._hooked_at, self._defining = CallbackList(callbacks), -1, {}
+        kept = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self._callbacks, self._hooked_at, self._defining = kept, -1, {}
+
+    @property
+    def profiler(self) -> Any:
+        """The profiler that times each hook (``profiler=`` of the Trainer); assign another to change it."""
+        return self._profiler
+
+    @profiler.setter
+    def profiler(self, spec: Any) -> None:
+        self._profiler = make_profiler(spec)
+        # the profiler's own run() when it is lockstep's (a subclass may override it), else profile()'s
+        self._run_hook = (self._profiler.run if isinstance(self._profiler, SimpleProfiler)
+                          else types.MethodType(SimpleProfiler.run, self._profiler))
 
     @property
     def runtime(self) -> Runtime:
@@ -284,8 +298,8 @@ class Trainer:
                              "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
                              "would ever reduce it: log from a step, or pass reduced values to "
                              "trainer.log_metrics({...}).")
-        if (on_step is not None or on_epoch is not None) and sink is self.metrics.recent:  # training's two sums
-            self.metrics.route(name, on_step, on_epoch)
+        if (on_step is not None or on_epoch is not None or self.metrics.routes) and sink is self.metrics.recent:
+            self.metrics.route(name, on_step, on_epoch)  # training's two sums: the flags of this value
         weight = batch_size if batch_size is not None else self.loop.batch_samples
         if type(weight) is int and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
             return
@@ -374,6 +388,7 @@ class Trainer:
         loader.load_state_dict(position)
         if start == 0:
             self.metrics.reset()
+        self.metrics.commits = self.runtime.replication.fault_tolerant  # a step's values count once it commits
         self._sink = self.metrics.recent
         self.fire("on_train_epoch_start")
         self._wrapped.train()
@@ -476,7 +491,7 @@ class Trainer:
         """Run a hook (or a step of the loop) ``fn``: the runtime told where this rank is (for hang
         reports), the profiler timing it."""
         self._runtime.mark(name)  # type: ignore[union-attr]  # hooks run once the Runtime exists
-        return self.profiler.run(name, fn, *args)
+        return self._run_hook(name, fn, *args)
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
@@ -503,7 +518,8 @@ class Trainer:
     def _finish_reports(self) -> None:
         text = self.profiler.report(self.log_dir, self.runtime.rank)
         if text:
-            self.runtime.print(f"profiler report ({self.profiler.name}), rank 0:\n{text}")
+            self.runtime.print(f"profiler report ({getattr(self.profiler, 'name', type(self.profiler).__name__)}), "
+                              f"rank 0:\n{text}")
         for logger in self.loggers:
             logger.finalize()
 
