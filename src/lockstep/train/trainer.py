@@ -118,7 +118,6 @@ class Trainer:
         self._sink: MetricStore | None = None  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
         self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
-        self._defining: dict[str, list[tuple[str, Callable[..., None]]]] = {}  # see fire
         self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
@@ -131,7 +130,8 @@ class Trainer:
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
         kept = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
-        self._callbacks, self._hooked_at, self._defining = kept, -1, {}
+        self._callbacks, self._hooked_at = kept, -1
+        self._defining: dict[str, list[tuple[str, Callable[..., None]]]] = {}  # per hook, its callbacks: see fire
 
     @property
     def profiler(self) -> Any:
@@ -423,7 +423,7 @@ class Trainer:
         """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
         False when it was not committed (fault tolerance)."""
         committed = self._call("optimizer_step", self._step_optimizers)
-        if self._runtime.replication.fault_tolerant:  # type: ignore[union-attr]  # counts once it commits
+        if self.metrics.commits:  # fault tolerance: the step's values count once it commits
             self.metrics.end_step(committed)
         if not committed:
             return False
