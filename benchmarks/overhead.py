@@ -22,7 +22,9 @@ that loop with the Trainer's default logging added by hand: the same work as the
     python benchmarks/overhead.py [--rounds 7] [--steps 500] [--processes 2] [--variants]
 
 ``--variants`` adds two Trainer loops that show where its time goes: without the throughput
-monitor, and without it and without logging (``log_every_n_steps`` beyond the run).
+monitor, and without it and without logging (``log_every_n_steps`` beyond the run); and a
+calibration: the batched loop with 40 µs of main-thread CPU added after each step (a busy wait),
+whose paired wall-time difference says what a µs of CPU per step costs in steps/s on this machine.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def make_data(samples: int) -> TensorDataset:
                                                                                        generator=generator))
 
 
-def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: bool = False) -> float:
+def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: bool = False,
+                 busy_us: float = 0.0) -> float:
     model = nn.parallel.DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     sampler = DistributedSampler(data, shuffle=True)
@@ -77,6 +80,10 @@ def hand_written(data: TensorDataset, steps: int, log_every: int = 0, batched: b
                 dist.all_reduce(window)
                 LOGGED.append(window.item() / (log_every * dist.get_world_size()))
                 window.zero_()
+        if busy_us:  # a known amount of main-thread CPU per step, after it, where the Trainer's own work is
+            until = time.thread_time() + busy_us / 1e6
+            while time.thread_time() < until:
+                pass
     dist.barrier()
     return _timed(steps, time.perf_counter() - start, time.thread_time() - cpu)
 
@@ -101,6 +108,13 @@ def hand_written_batched(data: TensorDataset, steps: int) -> float:
 
 def hand_written_batched_logging(data: TensorDataset, steps: int) -> float:
     return hand_written(data, steps, log_every=50, batched=True)
+
+
+def hand_written_batched_busy(data: TensorDataset, steps: int) -> float:
+    return hand_written(data, steps, batched=True, busy_us=BUSY_US)
+
+
+BUSY_US = 40.0  # the calibration loop's added CPU per step
 
 
 def runtime_api(data: TensorDataset, steps: int) -> float:
@@ -164,7 +178,8 @@ LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api,
          "hand-written, logging": hand_written_logging, "lockstep Trainer": trainer_loop,
          "hand-written, batched": hand_written_batched, "hand-written, batched+log": hand_written_batched_logging}
 VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
-            "Trainer, no monitor/log": trainer_without_monitor_or_logging}
+            "Trainer, no monitor/log": trainer_without_monitor_or_logging,
+            f"batched +{BUSY_US:.0f} µs CPU": hand_written_batched_busy}
 
 
 def measure(rounds: int, steps: int, variants: bool = False) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -192,7 +207,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--variants", action="store_true", help="also the Trainer without monitor, without logging")
+    parser.add_argument("--variants", action="store_true",
+                        help="also the Trainer without monitor, without logging; the calibration loop")
     args = parser.parse_args()
     rates, cpu = lockstep.launch(measure, nprocs=args.processes, args=(args.rounds, args.steps, args.variants))
     base = rates["hand-written DDP"]
@@ -210,6 +226,10 @@ def main() -> None:
     print(f"{'Trainer / hand-written, batched':<38}{_paired(rates['lockstep Trainer'], batched)}")
     print(f"{'Trainer / hand-written, batched+log':<38}"
           f"{_paired(rates['lockstep Trainer'], rates['hand-written, batched+log'])}")
+    busy = rates.get(f"batched +{BUSY_US:.0f} µs CPU")
+    if busy is not None:
+        wall = _paired([1e6 / r for r in busy], [1e6 / r for r in batched], difference=True)
+        print(f"{BUSY_US:.0f} µs of CPU per step costs in wall time (µs/step, paired): {wall}")
     print("main thread's CPU per step (rank 0; steadier than steps/s, which also waits for the peer):")
     print(f"{'loop':<26}{'µs/step':>9}   minus hand-written, batched (paired): median [quartiles]  95% CI")
     for name, values in cpu.items():

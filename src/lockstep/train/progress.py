@@ -73,7 +73,7 @@ class ThroughputMonitor(Callback):
     def _log_stragglers(trainer: Trainer) -> None:
         """Rank 0's straggler view (``rt.step_times()``), to its loggers only: known on rank 0 alone, so
         never a callback metric that the ranks could disagree on."""
-        report = trainer.runtime.step_times() if trainer.is_global_zero else {}
+        report = trainer.runtime.step_times() if trainer.is_global_zero and trainer.loggers else {}
         values = {k: float(v) for k, v in report.items() if k.startswith("step_time/")}
         if values:
             for logger in trainer.loggers:
