@@ -486,8 +486,7 @@ class Runtime:
         return self._loaders.evaluation(data, batch_size, options)
 
     def step_times(self) -> dict[str, Any]:
-        """This rank's newest timed training steps (one in up to 16 when steps are under 10 ms), timed without a
-        sync (``steps``: each step's number ``step``, ``step_s``,
+        """This rank's newest training steps, timed without a sync (``steps``: each step's ``step_s``,
         ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``, ``wait_s`` for the other ranks);
         on rank 0 also the straggler report's view of every rank (``step_time/max_over_median``,
         ``step_time/slowest_rank`` over the newest steps judged, ``stragglers``: rank -> cause of each rank

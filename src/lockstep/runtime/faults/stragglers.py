@@ -41,8 +41,6 @@ KEPT = 32  # the newest steps each rank publishes, and the judge compares
 TICK_S = 0.5  # how often the heartbeat publishes steps (and rank 0 judges) while steps are timed
 JUDGE_SHARE_INVERSE = 100  # rank 0 judges again only after 100 times the CPU its last judgement took (1 %)
 MIN_EXCESS = 0.05  # a slow step's excess must also be this share of the median step (and 1 ms): not noise
-TIMED_APART_S = 0.01  # short steps: the clock times one step in ``every``, at least this far apart
-MAX_EVERY = 16
 
 
 def run_queue_s(thread_id: int | None) -> float | None:
@@ -59,24 +57,15 @@ def run_queue_s(thread_id: int | None) -> float | None:
 class StepClock:
     """This rank's step times: written by the training thread, read by the heartbeat thread.
 
-    A record is ``(n, step_s, data_s, forward_s, backward_s, wait_s)`` for the n-th step, timed. ``wait_s``
+    A record is ``(n, step_s, data_s, forward_s, backward_s, wait_s)`` for the n-th step timed. ``wait_s``
     is the part of the backward after the model's last gradient was computed: the wait for the other
     ranks' gradients (the whole backward where that moment is not seen: no gradient hook, as under FSDP).
     A pass's end (an epoch, validation in between) is not a step: the next pass starts the clock again.
-
-    Timing a step costs the training thread about 10 µs (its clock readings, the hook on the last
-    gradient): nothing beside a step of 10 ms or more, 1 % of a step of 1 ms. So the clock times the
-    steps whose number is a multiple of ``every``, a power of two that keeps the timed steps at least
-    ``TIMED_APART_S`` apart (1 for steps of 10 ms or more, at most ``MAX_EVERY``). Every rank of a job
-    steps at the same pace, and where two ranks' ``every`` differ, one divides the other: the judge
-    always finds the steps that both timed.
     """
 
     def __init__(self, cuda: bool) -> None:
         self.records: deque[tuple[int, float, float, float, float, float]] = deque(maxlen=KEPT)
         self.count = 0
-        self.every = 1
-        self.timing = False  # the step under way is timed
         self.thread = threading.get_native_id()  # the training thread, whose run-queue time is read
         self._cuda = cuda
         self._pending: deque[tuple[int, float, list[Any]]] = deque()  # CUDA: steps whose events are not done
@@ -88,18 +77,14 @@ class StepClock:
         self._opened = 0.0
         self._open = -1  # the span being timed: 0 forward, 1 backward, -1 none
         self._gradient: Any = None  # when the newest gradient was computed (host time; a CUDA event)
-        self._hooks: list[Any] = []  # until the first timed backward ends: a hook on each parameter's gradient
+        self._hooks: list[Any] = []  # until the first backward ends: a hook on each parameter's gradient
         self._last_hooked = -1  # the index of the parameter whose gradient came last
-        self._parameters: list[torch.nn.Parameter] = []
-        self._last: torch.nn.Parameter | None = None  # that parameter, hooked during each timed backward
-        self._hook: Any = None
         self._watched = False
         self.first_queued: float | None = None
 
     def watch_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Hook the parameters' gradients: the first timed backward finds whose comes last, which is hooked
-        in each timed backward after it. Only the first model set up is watched (a later one's backward is
-        timed whole)."""
+        """Hook the parameters' gradients: the first backward finds whose comes last, which stays hooked.
+        Only the first model set up is watched (a later one's backward is timed whole)."""
         if self._watched:
             return
         self._watched = True
@@ -110,42 +95,30 @@ class StepClock:
                 self._last_hooked = index
             return ready
 
-        self._parameters = parameters
         self._hooks = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(parameters)]
 
-    def _ready(self, _: Any) -> None:
-        self._gradient = _event() if self._cuda else time.perf_counter()
-
     def batch(self, loader: Any) -> None:
-        """A training batch was handed out: the previous one's step ends here, the next one starts."""
-        waited = loader.wait_s
+        """A training batch was handed out: the previous one's step ends here."""
+        now, waited = time.perf_counter(), loader.wait_s
         if loader is self._loader:
             self.count += 1
-            if self.timing:
-                now = time.perf_counter()
-                if self._cuda:
-                    self._step_on_device(waited - self._waited)
-                else:
-                    self.records.append((self.count, now - self._handed, waited - self._waited, *self._spans))
-                self.every = _every(now - self._handed)
+            if self._cuda:
+                self._step_on_device(waited - self._waited)
+            else:
+                self.records.append((self.count, now - self._handed, waited - self._waited, *self._spans))
         else:  # a pass starts: what was timed before it is no step's
-            self._loader = loader
+            self._events = [_event()] if self._cuda else []
             if self.first_queued is None:  # the run-queue time when steps start: the first reading
                 self.first_queued = run_queue_s(self.thread)
-        self.timing = (self.count + 1) % self.every == 0  # the step that starts now ends as number count + 1
-        if self.timing:
-            self._handed, self._waited, self._spans = time.perf_counter(), waited, [0.0, 0.0, 0.0]
-            self._events = [_event()] if self._cuda else []
+        self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0, 0.0, 0.0]
 
     def pass_ended(self) -> None:
-        self._loader, self._events, self.timing = None, [], False
+        self._loader, self._events = None, []
 
     def enter(self, op: str) -> None:
         span = 0 if op == "forward" else 1 if op == "backward" else -1
-        if not self.timing or span < 0 or self._open >= 0 or not torch.is_grad_enabled():
-            return  # an untimed step, another scope, inside one, evaluation
-        if span == 1 and self._last is not None:
-            self._hook = self._last.register_post_accumulate_grad_hook(self._ready)
+        if span < 0 or self._open >= 0 or not torch.is_grad_enabled():  # another scope, inside one, evaluation
+            return
         self._open, self._opened, self._gradient = span, time.perf_counter(), None
         if self._cuda:
             self._events.append(_event())
@@ -158,27 +131,21 @@ class StepClock:
         if span == 1:
             gradient = self._gradient
             self._spans[2] += now - (gradient if isinstance(gradient, float) else self._opened)
-            self._unhook()
+            if self._hooks:  # the first backward: keep the hook whose gradient came last
+                for index, handle in enumerate(self._hooks):
+                    if index != self._last_hooked:
+                        handle.remove()
+                self._hooks = []
         if self._cuda:
             self._events.append((span, _event(), self._gradient if span == 1 else None))
         self._open = -1
 
-    def _unhook(self) -> None:
-        """After a timed backward: its hook goes (the first one's: every hook but the last gradient's, kept)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._hooks:
-            if self._last_hooked >= 0:
-                self._last = self._parameters[self._last_hooked]
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks, self._parameters = [], []
-
     def _step_on_device(self, data_s: float) -> None:
         """CUDA: the step's spans are device times, taken from its events once they are done."""
+        handout = _event()
         if self._events:
-            self._pending.append((self.count, data_s, [*self._events, _event()]))
+            self._pending.append((self.count, data_s, [*self._events, handout]))
+        self._events = [handout]
         while self._pending and self._pending[0][2][-1].query():
             n, data, events = self._pending.popleft()
             spans = [0.0, 0.0, 0.0]
@@ -203,14 +170,6 @@ class StepClock:
         """The newest steps, as ``rt.step_times()`` gives them."""
         names = ("step", "step_s", "data_s", "forward_s", "backward_s", "wait_s")
         return [dict(zip(names, record, strict=True)) for record in list(self.records)]
-
-
-def _every(step_s: float) -> int:
-    """The power of two ``every`` that puts timed steps of ``step_s`` at least ``TIMED_APART_S`` apart."""
-    every = 1
-    while every < MAX_EVERY and every * step_s < TIMED_APART_S:
-        every *= 2
-    return every
 
 
 def _event() -> Any:

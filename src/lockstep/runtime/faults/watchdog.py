@@ -83,12 +83,12 @@ class _StepCollectives:
 
     def __enter__(self) -> None:
         clock = self.watchdog.clock
-        if clock is not None and clock.timing:
+        if clock is not None:
             clock.enter(self.watchdog.op)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
         clock = self.watchdog.clock
-        if clock is not None and clock.timing:
+        if clock is not None:
             clock.leave()
         report = self.watchdog.explain_step(error) if isinstance(error, RuntimeError) else None
         if report is not None:
