@@ -31,7 +31,7 @@ class Lighthouse:
 
     def __init__(self, config: FaultTolerance, host: str = "127.0.0.1", port: int = 0) -> None:
         import_torchft()
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer  # torchft's public name for it
 
         timeouts = config.timeouts()
         try:
