@@ -30,7 +30,7 @@ class SlowData(torch.utils.data.Dataset):
     def __getitem__(self, index):
         import time
 
-        time.sleep(0.004)
+        time.sleep(0.012)  # 0.1 s a batch of 8: the data wait stays above a fifth of a step on a busy machine
         return torch.randn(8), index % 4
 
 
