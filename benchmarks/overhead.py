@@ -110,11 +110,12 @@ def hand_written_batched_logging(data: TensorDataset, steps: int) -> float:
     return hand_written(data, steps, log_every=50, batched=True)
 
 
+BUSY_US = 40.0  # the calibration loop's added CPU per step
+BUSY_LOOP = f"batched +{BUSY_US:.0f} µs CPU"
+
+
 def hand_written_batched_busy(data: TensorDataset, steps: int) -> float:
     return hand_written(data, steps, batched=True, busy_us=BUSY_US)
-
-
-BUSY_US = 40.0  # the calibration loop's added CPU per step
 
 
 def runtime_api(data: TensorDataset, steps: int) -> float:
@@ -179,7 +180,7 @@ LOOPS = {"hand-written DDP": hand_written, "lockstep runtime": runtime_api,
          "hand-written, batched": hand_written_batched, "hand-written, batched+log": hand_written_batched_logging}
 VARIANTS = {"Trainer, no monitor": trainer_without_monitor,
             "Trainer, no monitor/log": trainer_without_monitor_or_logging,
-            f"batched +{BUSY_US:.0f} µs CPU": hand_written_batched_busy}
+            BUSY_LOOP: hand_written_batched_busy}
 
 
 def measure(rounds: int, steps: int, variants: bool = False) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -226,7 +227,7 @@ def main() -> None:
     print(f"{'Trainer / hand-written, batched':<38}{_paired(rates['lockstep Trainer'], batched)}")
     print(f"{'Trainer / hand-written, batched+log':<38}"
           f"{_paired(rates['lockstep Trainer'], rates['hand-written, batched+log'])}")
-    busy = rates.get(f"batched +{BUSY_US:.0f} µs CPU")
+    busy = rates.get(BUSY_LOOP)
     if busy is not None:
         wall = _paired([1e6 / r for r in busy], [1e6 / r for r in batched], difference=True)
         print(f"{BUSY_US:.0f} µs of CPU per step costs in wall time (µs/step, paired): {wall}")
