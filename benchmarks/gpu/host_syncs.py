@@ -23,6 +23,7 @@ import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import BATCH, LitGPT, Timer, make_data  # noqa: E402
+from rounds import record  # noqa: E402
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "aten::_local_scalar_dense")
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--results", help="a JSON file to put the counts into (benchmarks/gpu/results.json)")
     args = parser.parse_args()
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     trainer = lockstep.Trainer(max_epochs=1, accelerator="cuda", precision="bf16-mixed", loggers=(),
@@ -82,6 +84,9 @@ def main() -> None:
         said = ", ".join(f"{name} {n}" for name, n in sorted(counts[step].items())) or "none"
         print(f"step {step:>3}{' (logs)' if step in logging else '       '}: {said}")
     quiet = sum(sum(counts[s].values()) for s in counts if s not in logging)
+    record(args.results, lambda results: results.update(
+        host_syncs_non_logging_steps=quiet, host_syncs_logging_steps=sum(sum(counts[s].values()) for s in logging),
+        host_syncs_steps=f"{len(counts) - len(logging)} non-logging and {len(logging)} logging steps, GPT-2 small"))
     print(f"host syncs in the {len(counts) - len(logging)} steps that do not log: {quiet}; in the "
           f"{len(logging)} that log: {sum(sum(counts[s].values()) for s in logging)}")
 

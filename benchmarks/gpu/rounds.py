@@ -4,7 +4,9 @@ as one ``RESULT {json}`` line on standard output, and a median with the range of
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,3 +45,42 @@ def spread(values: list[float], form: str) -> str:
         return "-"
     middle = format(statistics.median(values), form)
     return middle if len(values) == 1 else f"{middle} [{format(min(values), form)}, {format(max(values), form)}]"
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def commit() -> str:
+    """The commit measured: ``LOCKSTEP_COMMIT`` (the GPU machine gets the tree without its ``.git``), else git's."""
+    if os.environ.get("LOCKSTEP_COMMIT"):
+        return os.environ["LOCKSTEP_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def record(path: str | None, update: Callable[[dict[str, Any]], None]) -> None:
+    """Put a benchmark's results into the results file ``path`` (``benchmarks/gpu/results.json``), beside what
+    the other benchmarks of the same stay wrote there, with the date, card, torch and commit they ran on. A file
+    that does not parse as a JSON object is started anew. Written whole to a temporary file, then renamed, so
+    that a run cut short leaves the last complete file."""
+    if not path:
+        return
+    import torch
+
+    try:
+        with open(path) as old:
+            results = json.load(old)
+    except (OSError, ValueError):
+        results = {}
+    if not isinstance(results, dict):
+        results = {}
+    results.update(date=datetime.date.today().isoformat(),
+                   card=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+                   torch=torch.__version__, commit=commit())
+    update(results)
+    with open(path + ".tmp", "w") as out:
+        json.dump(results, out, indent=1)
+        out.write("\n")
+    os.replace(path + ".tmp", path)

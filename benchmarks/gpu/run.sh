@@ -16,11 +16,15 @@
 #                                             # vision (hand-written and Trainer), host syncs; each part
 #                                             # bounded by the time left, the most needed first
 #
-# Logs and tables go to $OUT (default: ./gpu-results).
+# Logs and tables go to $OUT (default: ./gpu-results); the torchtitan, vision and host-sync results also go into
+# the JSON file $RESULTS (default: $OUT/results.json; benchmarks/gpu/results.json is the committed one), each
+# part adding its own beside what is there, with the date, card, torch and commit ($LOCKSTEP_COMMIT where the
+# tree has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
+RESULTS=${RESULTS:-$OUT/results.json}
 export PYTHONUNBUFFERED=1
 part=${1:-all}
 
@@ -48,13 +52,13 @@ case "$part" in
     python3 benchmarks/gpu/gpt.py --compile 2>&1 | tee "$OUT/gpt_compiled.txt" ;;
   titan)
     mode=${2:?give a mode: compile, compile+ac or compile+ac+float8}
-    python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 2 2>&1 | tee "$OUT/titan_$mode.txt" ;;
+    python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 2 --results "$RESULTS" 2>&1 | tee "$OUT/titan_$mode.txt" ;;
   vision)
-    python3 benchmarks/gpu/vision.py --rounds 2 --steps 40 --warmup 10 2>&1 | tee "$OUT/vision.txt" ;;
+    python3 benchmarks/gpu/vision.py --rounds 2 --steps 40 --warmup 10 --results "$RESULTS" 2>&1 | tee "$OUT/vision.txt" ;;
   llama)
     python3 benchmarks/gpu/llama.py --modes hand-written,compile,compile+ac 2>&1 | tee "$OUT/llama.txt" ;;
   syncs)
-    python3 benchmarks/gpu/host_syncs.py 2>&1 | tee "$OUT/host_syncs.txt" ;;
+    python3 benchmarks/gpu/host_syncs.py --results "$RESULTS" 2>&1 | tee "$OUT/host_syncs.txt" ;;
   brief)
     start=$SECONDS
     budget=${BUDGET:-540}
@@ -71,11 +75,11 @@ case "$part" in
     # (ResNet-50's compile), the GPU tests 40-50 s with -n 4, the host-sync trace 30 s, gpt.py 70 s.
     setup >"$OUT/setup.txt" 2>&1
     bounded 250 titan.txt python3 benchmarks/gpu/torchtitan_side_by_side.py --modes compile,compile+ac+float8 \
-      --rounds 2 --steps 15 --warmup 6
+      --rounds 2 --steps 15 --warmup 6 --results "$RESULTS"
     bounded 80 tests.txt python3 -m pytest tests/gpu -v -rA -p no:cacheprovider -n 6
     bounded 170 vision.txt python3 benchmarks/gpu/vision.py --loops hand-written,trainer --rounds 1 --steps 20 \
-      --warmup 8
-    bounded 40 syncs.txt python3 benchmarks/gpu/host_syncs.py
+      --warmup 8 --results "$RESULTS"
+    bounded 40 syncs.txt python3 benchmarks/gpu/host_syncs.py --results "$RESULTS"
     tail -n 30 "$OUT"/*.txt ;;
   all)
     setup

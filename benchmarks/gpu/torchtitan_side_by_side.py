@@ -54,7 +54,7 @@ import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Clock, Watch, data  # noqa: E402  (benchmarks/gpu/llama.py: the same clock and data)
-from rounds import measured, report, spread  # noqa: E402
+from rounds import measured, median, record, report, spread  # noqa: E402
 
 MODES = ("eager", "compile", "compile+ac", "compile+ac+float8")
 SIDES = ("torchtitan", "lockstep")
@@ -203,6 +203,42 @@ def child(args: argparse.Namespace, side: str, mode: str) -> dict[str, Any] | No
     return measured(command, f"{side} {mode}")
 
 
+def summary(rounds: list[dict[tuple[str, str], dict[str, Any]]], mode: str) -> dict[str, Any]:
+    """One mode over the rounds: each side's median tokens/s and peak memory, lockstep's MFU by torchtitan's
+    formula and as the Trainer logged it, and every round's pair."""
+    got = {side: [r[(side, mode)] for r in rounds if (side, mode) in r] for side in SIDES}
+
+    def values(side: str, key: str) -> list[float]:
+        return [x[key] for x in got[side] if x[key] is not None]
+
+    pairs = [{"torchtitan_tokens_s": r[("torchtitan", mode)]["tokens_per_s"],
+              "lockstep_tokens_s": r[("lockstep", mode)]["tokens_per_s"],
+              "ratio": r[("lockstep", mode)]["tokens_per_s"] / r[("torchtitan", mode)]["tokens_per_s"]}
+             for r in rounds if ("lockstep", mode) in r and ("torchtitan", mode) in r]
+    return {"mode": mode, "torchtitan_tokens_s": median(values("torchtitan", "tokens_per_s")),
+            "lockstep_tokens_s": median(values("lockstep", "tokens_per_s")),
+            "lockstep_over_torchtitan": median([p["ratio"] for p in pairs]),
+            "torchtitan_peak_gib": median(values("torchtitan", "peak_gib")),
+            "lockstep_peak_gib": median(values("lockstep", "peak_gib")),
+            "torchtitan_formula_mfu": median(values("torchtitan", "formula_mfu")),
+            "formula_mfu": median(values("lockstep", "formula_mfu")),
+            "trainer_mfu": median(values("lockstep", "trainer_mfu")), "rounds": pairs,
+            "trainer_mfu_over_formula": median([x["trainer_mfu"] / x["formula_mfu"] for x in got["lockstep"]
+                                                if x["trainer_mfu"] and x["formula_mfu"]])}
+
+
+def record_rounds(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
+    """The modes measured so far into ``--results``, each replacing an earlier entry of its mode."""
+    measured_modes = [m for m in args.modes.split(",") if any(k[1] == m for r in rounds for k in r)]
+
+    def update(results: dict[str, Any]) -> None:
+        kept = [e for e in results.get("torchtitan", []) if isinstance(e, dict) and e.get("mode") not in measured_modes]
+        setup = f"batch {args.batch} x {args.seq}, {args.steps} timed steps after {args.warmup}"
+        results["torchtitan"] = kept + [{**summary(rounds, mode), "setup": setup} for mode in measured_modes]
+
+    record(args.results, update)
+
+
 def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     first = next(iter(rounds[0].values()), None) if rounds else None
@@ -215,8 +251,7 @@ def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dic
           f"{'MFU ls':>9}{'Trainer MFU/formula':>22}{'GiB tt':>9}{'GiB ls':>9}")
     for mode in args.modes.split(","):
         got = {side: [r[(side, mode)] for r in rounds if (side, mode) in r] for side in SIDES}
-        paired = [r[("lockstep", mode)]["tokens_per_s"] / r[("torchtitan", mode)]["tokens_per_s"]
-                  for r in rounds if ("lockstep", mode) in r and ("torchtitan", mode) in r]
+        paired = [p["ratio"] for p in summary(rounds, mode)["rounds"]]
 
         def values(side: str, key: str) -> list[float]:
             return [x[key] for x in got[side] if x[key] is not None]  # noqa: B023 - used at once
@@ -243,6 +278,7 @@ def main() -> None:
     parser.add_argument("--side", help=argparse.SUPPRESS)  # one side and mode, in a child process
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp") + "/lockstep-torchtitan-bench")
+    parser.add_argument("--results", help="a JSON file to put the table into (benchmarks/gpu/results.json)")
     args = parser.parse_args()
     args.size = "tiny" if args.tiny else "1b"
     if args.tiny:
@@ -250,15 +286,15 @@ def main() -> None:
     if args.side:
         report(lambda: run_one(args))
         return
-    rounds = []
+    rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
     for index in range(args.rounds):
-        measured = {}
+        rounds.append({})
         for mode in args.modes.split(","):
             for side in SIDES if index % 2 == 0 else SIDES[::-1]:
                 result = child(args, side, mode)
                 if result is not None:
-                    measured[(side, mode)] = result
-        rounds.append(measured)
+                    rounds[-1][(side, mode)] = result
+                    record_rounds(args, rounds)  # after each child: a run cut short keeps what it measured
     print_table(args, rounds)
 
 

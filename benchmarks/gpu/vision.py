@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rounds import measured, report, spread  # noqa: E402
+from rounds import measured, median, record, report, spread  # noqa: E402
 
 LOOPS = ("hand-written", "runtime", "trainer", "lightning")
 
@@ -232,6 +232,21 @@ def child(args: argparse.Namespace, loop: str, folder: str) -> dict[str, Any] | 
     return measured(command, loop)
 
 
+def summary(args: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Each loop's median images/s and data wait over the rounds, its ratio to the hand-written loop paired by
+    round, and every round."""
+    out: dict[str, Any] = {"setup": f"{'ResNet-18' if args.tiny else 'ResNet-50'}, batch {args.batch}, "
+                                    f"{args.workers} workers, {args.steps} timed steps after {args.warmup}"}
+    for loop in LOOPS:
+        key = loop.replace("-", "_")
+        out[f"{key}_images_s"] = median([r[loop]["images_per_s"] for r in rounds if loop in r])
+        out[f"{key}_data_wait"] = median([r[loop]["data_wait"] for r in rounds if loop in r])
+        out[f"{key}_over_hand_written"] = median([r[loop]["images_per_s"] / r["hand-written"]["images_per_s"]
+                                                  for r in rounds if loop in r and "hand-written" in r])
+    out["rounds"] = [{loop: r[loop]["images_per_s"] for loop in r} for r in rounds]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", default=",".join(LOOPS))
@@ -245,6 +260,7 @@ def main() -> None:
     parser.add_argument("--loop", help=argparse.SUPPRESS)  # one loop, in a child process
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp") + "/lockstep-vision-bench")
+    parser.add_argument("--results", help="a JSON file to put the table into (benchmarks/gpu/results.json)")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.steps, args.warmup, args.workers = 8, min(args.steps, 6), min(args.warmup, 2), 2
@@ -262,7 +278,11 @@ def main() -> None:
         rounds = []
         for index in range(args.rounds):
             order = loops[index % len(loops):] + loops[:index % len(loops)]
-            rounds.append({loop: r for loop in order if (r := child(args, loop, folder)) is not None})
+            rounds.append({})
+            for loop in order:
+                if (result := child(args, loop, folder)) is not None:
+                    rounds[-1][loop] = result
+                    record(args.results, lambda results: results.update(vision=summary(args, rounds)))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}, torch {torch.__version__}; {'ResNet-18' if args.tiny else 'ResNet-50'}, batch {args.batch}, "
           f"{args.workers} workers, {args.steps} timed steps after {args.warmup}, {len(rounds)} round(s) "
