@@ -42,9 +42,11 @@ def test_the_cuda_clock_times_forward_and_backward_on_the_device_without_a_synch
         clock.leave()
     monkeypatch.undo()
     torch.cuda.synchronize()
-    clock.batch(loader)  # every earlier step's events are done now: read
+    clock.batch(loader)  # the 11 earlier steps' events are done now: read
     steps = clock.mine()
-    assert len(steps) == 11, steps
+    # the 12th step ends at an event recorded in that last call: it is read there only if the idle device has
+    # already passed it (on an H200 it had), else at the next step
+    assert [s["step"] for s in steps] in (list(range(1, 12)), list(range(1, 13))), steps
     for step in steps[1:]:
         assert 0 < step["forward_s"] < step["step_s"] and 0 < step["backward_s"] < step["step_s"]
         # one process: no wait for other ranks after the last gradient, only DDP-free bookkeeping

@@ -28,8 +28,63 @@ def test_repeated_blocks_are_found_in_a_module_dict_too():
     model = pc.dict_net()
     assert [name for name, _ in repeated_blocks(model)] == [f"layers.{i}" for i in range(4)]
     assert FSDP().blocks(model) == list(model.layers.values())
-    assert split_model(model, 2) == [["tok_embeddings", "layers.0", "layers.1"],
-                                     ["layers.2", "layers.3", "norm", "output"]]
+    assert split_model(model, 2) == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
+
+
+class Bottleneck(torch.nn.Module):
+    """A ResNet block: the first of a stage changes the width and downsamples the shortcut."""
+
+    def __init__(self, width_in: int, width: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(width_in, width, 3, padding=1)
+        self.shortcut = torch.nn.Conv2d(width_in, width, 1) if width_in != width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)) + (x if self.shortcut is None else self.shortcut(x))
+
+
+class ResNetLike(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.stages = torch.nn.ModuleList(
+            torch.nn.Sequential(Bottleneck(w_in, w), Bottleneck(w, w), Bottleneck(w, w))
+            for w_in, w in ((4, 4), (4, 8), (8, 16))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return x.mean()
+
+
+def test_blocks_that_differ_in_layout_are_compiled_with_the_model_whole_and_alike_blocks_by_region():
+    """Compiled by region, a ResNet's blocks (five layouts here: widths, a shortcut) compile the block's code once
+    per layout (torch stops at 8) with the code between them eager; so such a model is compiled whole, in one
+    graph. A transformer's alike layers are still compiled by region."""
+    from torch._dynamo.utils import counters
+
+    from lockstep.runtime.parallel.compiling import compile_in_place
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = ResNetLike()
+    assert len(repeated_blocks(model)) == 9  # still the blocks of activation checkpointing and the pipeline's cut
+    expected = model(torch.ones(1, 3, 6, 6))
+    assert compile_in_place(model, {"backend": "eager"}) == [""]
+    assert torch.equal(model(torch.ones(1, 3, 6, 6)), expected)
+    assert counters["stats"]["unique_graphs"] == 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    net = compile_checks.Net()
+    assert compile_in_place(net, {"backend": "eager"}) == ["blocks.0", "blocks.1", "blocks.2"]
+    net(torch.ones(2, 8))
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, the block's, serves its three layers
 
 
 def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(tmp_path):
@@ -48,7 +103,6 @@ def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(
     assert any(".net.0.weight" in key for key in keys) and not any("_orig_mod" in key for key in keys), keys
     with pytest.raises(TypeError, match="compile= takes True, False or a dict"):
         tc.quiet_trainer(max_epochs=1, compile="yes").fit(tc.Classifier(), tc.checks.make_data(16), batch_size=16)
-
 
 
 def test_fsdp_shards_a_plain_sequential_layer_by_layer_and_a_model_with_layers_by_its_layers():

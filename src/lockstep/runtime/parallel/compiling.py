@@ -6,12 +6,14 @@ transformer: children of one ``ModuleList``, ``Sequential`` or ``ModuleDict`` sh
 compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP's gradient hooks
 and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
 once and reused by every layer (regional compilation: compile time of one block, not of the model).
-A model without repeated blocks is compiled whole, in place.
+A model without repeated blocks is compiled whole, in place; so is one whose blocks of a class differ in
+their layout (a ResNet's stages: other widths, a downsampling first block), as each layout would compile
+the block's code again, up to torch's limit of 8, with the code between the blocks left eager.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 from torch import nn
@@ -60,13 +62,29 @@ def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def layout(block: nn.Module) -> tuple[Any, ...]:
+    """What a block's compiled graph depends on besides its input: its submodules' classes and its
+    parameters' and buffers' shapes and dtypes."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return (tuple((name, type(sub)) for name, sub in block.named_modules()),
+            tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in tensors))
+
+
+def alike(blocks: list[tuple[str, nn.Module]]) -> bool:
+    """Whether the blocks of each class share one layout, so that one compiled graph serves them all."""
+    layouts: defaultdict[type, set[tuple[Any, ...]]] = defaultdict(set)
+    for _, block in blocks:
+        layouts[type(block)].add(layout(block))
+    return all(len(found) == 1 for found in layouts.values())
+
+
 def compile_in_place(module: nn.Module, options: dict[str, Any]) -> list[str]:
-    """Compile ``module``'s repeated blocks (or, with none or ``regional=False``, the whole module) in
-    place; returns what was compiled ("" for the whole module)."""
+    """Compile ``module``'s repeated blocks, where they are alike (or, with none, blocks that differ, or
+    ``regional=False``, the whole module) in place; returns what was compiled ("" for the whole module)."""
     options = dict(options)
     regional = options.pop("regional", True)
     blocks = repeated_blocks(module) if regional else []
-    if not blocks:
+    if not blocks or not alike(blocks):
         module.compile(**options)
         return [""]
     for _, block in blocks:
