@@ -85,6 +85,7 @@ class Clock:
     def __init__(self, device: str, warmup: int) -> None:
         self.device, self.warmup, self.count, self.steps = device, warmup, 0, []
         self.last = 0.0
+        self.profiler: Any = None  # torchtitan_side_by_side.py --trace: a torch.profiler stepped at each tick
 
     def tick(self) -> None:
         if self.device == "cuda":

@@ -7,14 +7,16 @@
 #     bash benchmarks/gpu/run.sh tests        # lockstep doctor, the GPU tests, the CPU/Gloo tests on this torch
 #     bash benchmarks/gpu/run.sh gpt          # GPT-2 small: lockstep, hand-written, Lightning, Accelerate
 #     bash benchmarks/gpu/run.sh titan MODE   # lockstep against torchtitan, MODE: compile, compile+ac, compile+ac+float8
+#     bash benchmarks/gpu/run.sh trace MODE   # one round of MODE with a torch.profiler trace of 3 steps of each side
+#                                             # ($OUT/traces.tgz: the op tables, and the Chrome traces if small)
 #     bash benchmarks/gpu/run.sh vision       # ResNet-50 images/s: Trainer, runtime API, hand-written, Lightning
 #     bash benchmarks/gpu/run.sh llama        # the ~1B transformers Llama's modes against a hand-written loop
 #     bash benchmarks/gpu/run.sh all          # every part in turn (about 25 minutes)
 #     bash benchmarks/gpu/run.sh syncs        # host syncs in 20 Trainer steps (a torch.profiler trace)
 #     bash benchmarks/gpu/run.sh brief        # one command of under 10 minutes (BUDGET seconds, default 575):
-#                                             # setup, torchtitan (compile, compile+ac+float8), the GPU tests,
-#                                             # vision (hand-written and Trainer), host syncs; each part
-#                                             # bounded by the time left, the most needed first
+#                                             # setup, the GPU tests, vision (all four loops, one round),
+#                                             # torchtitan (compile, compile+ac+float8); each part bounded by
+#                                             # the time left, the most needed first (docs/gpu.md says why)
 #
 # Logs and tables go to $OUT (default: ./gpu-results); the torchtitan, vision and host-sync results also go into
 # the JSON file $RESULTS (default: $OUT/results.json; benchmarks/gpu/results.json is the committed one), each
@@ -53,6 +55,16 @@ case "$part" in
   titan)
     mode=${2:?give a mode: compile, compile+ac or compile+ac+float8}
     python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 2 --results "$RESULTS" 2>&1 | tee "$OUT/titan_$mode.txt" ;;
+  trace)
+    mode=${2:?give a mode: compile, compile+ac or compile+ac+float8}
+    rm -rf "$OUT/traces"
+    python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 1 --trace "$OUT/traces" 2>&1 \
+      | tee "$OUT/trace_$mode.txt"
+    tar czf "$OUT/traces.tgz" -C "$OUT" traces
+    if (($(stat -c %s "$OUT/traces.tgz") > 15000000)); then  # what comes back from the GPU machine: 16 MiB a file
+      tar czf "$OUT/traces.tgz" -C "$OUT" --exclude='*.json' traces
+    fi
+    rm -rf "$OUT/traces" ;;
   vision)
     python3 benchmarks/gpu/vision.py --rounds 2 --steps 40 --warmup 10 --results "$RESULTS" 2>&1 | tee "$OUT/vision.txt" ;;
   llama)
@@ -74,12 +86,11 @@ case "$part" in
     # Seen on an H200 (docs/gpu.md): each torchtitan or lockstep child takes 24-40 s, a vision child 67-80 s
     # (ResNet-50's compile), the GPU tests 40-52 s, the host-sync trace 30 s, gpt.py 70 s, setup 14 s.
     setup >"$OUT/setup.txt" 2>&1
-    bounded 290 titan.txt python3 benchmarks/gpu/torchtitan_side_by_side.py --modes compile,compile+ac+float8 \
-      --rounds 2 --steps 15 --warmup 6 --results "$RESULTS"
     bounded 65 tests.txt python3 -m pytest tests/gpu -v -rA -p no:cacheprovider -n 6
-    bounded 170 vision.txt python3 benchmarks/gpu/vision.py --loops hand-written,trainer --rounds 1 --steps 20 \
-      --warmup 8 --results "$RESULTS"
-    bounded 40 syncs.txt python3 benchmarks/gpu/host_syncs.py --results "$RESULTS"
+    bounded 340 vision.txt python3 benchmarks/gpu/vision.py --loops hand-written,trainer,runtime,lightning \
+      --rounds 1 --steps 20 --warmup 8 --results "$RESULTS"
+    bounded 300 titan.txt python3 benchmarks/gpu/torchtitan_side_by_side.py --modes compile,compile+ac+float8 \
+      --rounds 2 --steps 15 --warmup 6 --results "$RESULTS"
     tail -n 30 "$OUT"/*.txt ;;
   all)
     setup
@@ -87,5 +98,6 @@ case "$part" in
       # shellcheck disable=SC2086  # the part and its mode are two words
       bash "$0" $next
     done ;;
-  *) echo "unknown part $part: setup, tests, gpt, titan MODE, vision, llama, syncs, all or brief" >&2; exit 2 ;;
+  *) echo "unknown part $part: setup, tests, gpt, titan MODE, trace MODE, vision, llama, syncs, all or brief" >&2
+     exit 2 ;;
 esac

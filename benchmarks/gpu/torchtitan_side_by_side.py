@@ -34,6 +34,10 @@ MoE kernels import it).
 
     python benchmarks/gpu/torchtitan_side_by_side.py [--modes compile,compile+ac] [--rounds 2] [--steps 20]
     python benchmarks/gpu/torchtitan_side_by_side.py --tiny   # a 2-layer model on the CPU: checks it runs
+    python benchmarks/gpu/torchtitan_side_by_side.py --modes compile --rounds 1 --trace FOLDER
+        # each child also traces its first 3 timed steps with torch.profiler (left out of its tokens/s): the
+        # op tables by device and CPU time, the device's busy fraction, the Chrome trace, in FOLDER
+    ... --results benchmarks/gpu/results.json   # the table into the results file, beside the other benchmarks
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import time
 import types
 from typing import Any
 
@@ -129,7 +134,7 @@ def run_torchtitan(args: argparse.Namespace, device: str) -> tuple[Clock, list[f
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     loss_fn = torch.compile(cross_entropy) if job.compile.enable else cross_entropy
-    clock = Clock(device, args.warmup)
+    clock = traced_clock(args, device)
     clock.tick()
     loader = torch.utils.data.DataLoader(data(args.warmup + args.steps, args.batch, args.seq, SIZES[args.size][4]),
                                          batch_size=args.batch, pin_memory=device == "cuda", num_workers=2)
@@ -168,7 +173,7 @@ def run_lockstep(args: argparse.Namespace, device: str) -> tuple[Clock, list[flo
         model = tt.Transformer(model_args(tt, args.size, args.seq))
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    clock = Clock(device, args.warmup)
+    clock = traced_clock(args, device)
     watch = Watch(clock)
     trainer = lockstep.Trainer(accelerator=device, precision="float8" if "float8" in args.mode else "bf16-mixed",
                                compile="compile" in args.mode,
@@ -181,15 +186,60 @@ def run_lockstep(args: argparse.Namespace, device: str) -> tuple[Clock, list[flo
     return clock, watch.mfu, model
 
 
+TRACED_STEPS = 3
+
+
+def traced_clock(args: argparse.Namespace, device: str) -> Clock:
+    """The step clock; with ``--trace FOLDER``, a ``torch.profiler`` trace of the first 3 timed steps too,
+    written there by ``write_trace``. The profiler runs over those steps alone: started and stopped between
+    steps, outside the clock's time."""
+    clock = Clock(device, args.warmup)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        clock.profiler = profile(activities=activities)
+        tick = clock.tick
+
+        def tick_and_trace() -> None:
+            tick()
+            if clock.count in (args.warmup, args.warmup + TRACED_STEPS):
+                (clock.profiler.start if clock.count == args.warmup else clock.profiler.stop)()
+                clock.last = time.perf_counter()
+
+        clock.tick = tick_and_trace  # type: ignore[method-assign]
+    return clock
+
+
+def write_trace(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """The trace's table (ops by their own device time, then CPU time) and its Chrome trace, in ``--trace``;
+    returns the device's busy fraction over the traced steps (kernel time over the steps' wall time)."""
+    profiler = clock.profiler
+    os.makedirs(args.trace, exist_ok=True)
+    stem = os.path.join(args.trace, f"{args.side}_{args.mode}")
+    averages = profiler.key_averages()
+    device_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
+    traced_s = sum(clock.steps[:TRACED_STEPS])
+    with open(stem + ".txt", "w") as out:
+        out.write(f"{args.side} {args.mode}: {TRACED_STEPS} steps traced, {traced_s * 1e3:.1f} ms of wall time, "
+                  f"{device_s * 1e3:.1f} ms of device time in ops (busy {device_s / traced_s:.3f})\n\n")
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            out.write(averages.table(sort_by=key, row_limit=30) + "\n")
+    profiler.export_chrome_trace(stem + ".json")
+    return {"device_busy": device_s / traced_s if traced_s else None}
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One side and mode in this process: its measurements."""
     from lockstep.train.flops import peak_flops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     clock, trainer_mfu, model = (run_torchtitan if args.side == "torchtitan" else run_lockstep)(args, device)
-    tokens_per_s = args.batch * args.seq / statistics.median(clock.steps)
+    timed = clock.steps[TRACED_STEPS:] if args.trace else clock.steps  # the traced steps ran slower
+    tokens_per_s = args.batch * args.seq / statistics.median(timed)
     peak = peak_flops(torch.device(device), "bf16-mixed")
-    return {"side": args.side, "mode": args.mode, "tokens_per_s": tokens_per_s,
+    traced = write_trace(args, clock) if args.trace else {}
+    return {"side": args.side, "mode": args.mode, "tokens_per_s": tokens_per_s, **traced,
             "formula_mfu": tokens_per_s * formula_flops_per_token(model, args.seq) / peak if peak else None,
             "trainer_mfu": statistics.median(trainer_mfu) if trainer_mfu else None,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
@@ -199,7 +249,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 def child(args: argparse.Namespace, side: str, mode: str) -> dict[str, Any] | None:
     command = [sys.executable, __file__, "--side", side, "--mode", mode, "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch), "--log-dir", args.log_dir,
-               *(["--tiny"] if args.tiny else []), *(["--torchtitan", args.torchtitan] if args.torchtitan else [])]
+               *(["--tiny"] if args.tiny else []), *(["--torchtitan", args.torchtitan] if args.torchtitan else []),
+               *(["--trace", args.trace] if args.trace else [])]
     return measured(command, f"{side} {mode}")
 
 
@@ -279,6 +330,7 @@ def main() -> None:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp") + "/lockstep-torchtitan-bench")
     parser.add_argument("--results", help="a JSON file to put the table into (benchmarks/gpu/results.json)")
+    parser.add_argument("--trace", help="a folder for a torch.profiler trace of each child's first 3 timed steps")
     args = parser.parse_args()
     args.size = "tiny" if args.tiny else "1b"
     if args.tiny:
