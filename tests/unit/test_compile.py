@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lockstep
 from checks import compile as compile_checks
 from checks import trainer as tc
 from lockstep.runtime.parallel.compiling import repeated_blocks
@@ -85,6 +86,30 @@ def test_blocks_that_differ_in_layout_are_compiled_with_the_model_whole_and_alik
     assert compile_in_place(net, {"backend": "eager"}) == ["blocks.0", "blocks.1", "blocks.2"]
     net(torch.ones(2, 8))
     assert counters["stats"]["unique_graphs"] == 1  # one graph, the block's, serves its three layers
+
+
+def test_a_trainer_module_without_a_forward_has_its_model_compiled_whole_where_the_steps_call_it():
+    """A Trainer's module whose training_step calls ``self.net`` (no forward of its own): compiling the module
+    whole would compile a forward that nothing calls, and the model would run eagerly; its child is compiled."""
+    from torch._dynamo.utils import counters
+
+    class Vision(lockstep.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ResNetLike()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = tc.quiet_trainer(max_epochs=1, compile={"backend": "eager"})
+    trainer.fit(Vision(), torch.utils.data.TensorDataset(torch.ones(8, 3, 6, 6)), batch_size=4)
+    assert trainer.compiled == ["net"]
+    assert counters["stats"]["unique_graphs"] >= 1  # the model ran compiled
 
 
 def test_trainer_compiles_the_module_forward_and_accepts_a_user_compiled_module(tmp_path):

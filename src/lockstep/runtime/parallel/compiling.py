@@ -6,9 +6,10 @@ transformer: children of one ``ModuleList``, ``Sequential`` or ``ModuleDict`` sh
 compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP's gradient hooks
 and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
 once and reused by every layer (regional compilation: compile time of one block, not of the model).
-A model without repeated blocks is compiled whole, in place; so is one whose blocks of a class differ in
-their layout (a ResNet's stages: other widths, a downsampling first block), as each layout would compile
-the block's code again, up to torch's limit of 8, with the code between the blocks left eager.
+A model without repeated blocks is compiled whole, in place (a module without a ``forward`` of its
+own, as a Trainer's often is, by its children); so is one whose blocks of a class differ in their
+layout (a ResNet's stages: other widths, a downsampling first block), as each layout would compile the
+block's code again, up to torch's limit of 8, with the code between the blocks left eager.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def alike(blocks: list[tuple[str, nn.Module]]) -> bool:
     return all(len(found) == 1 for found in layouts.values())
 
 
+def whole(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What compiling ``module`` whole compiles: the module, where its class has a ``forward``; else (a
+    Trainer's module whose steps call its submodules, a ModuleList) each child with parameters, so."""
+    if type(module).forward is not nn.Module.forward:
+        return [("", module)]
+    found = [(f"{name}.{inner}" if inner else name, part)
+             for name, child in module.named_children() if any(True for _ in child.parameters())
+             for inner, part in whole(child)]
+    return found or [("", module)]
+
+
 def compile_in_place(module: nn.Module, options: dict[str, Any]) -> list[str]:
     """Compile ``module``'s repeated blocks, where they are alike (or, with none, blocks that differ, or
     ``regional=False``, the whole module) in place; returns what was compiled ("" for the whole module)."""
@@ -85,8 +97,7 @@ def compile_in_place(module: nn.Module, options: dict[str, Any]) -> list[str]:
     regional = options.pop("regional", True)
     blocks = repeated_blocks(module) if regional else []
     if not blocks or not alike(blocks):
-        module.compile(**options)
-        return [""]
+        blocks = whole(module)
     for _, block in blocks:
         block.compile(**options)
     return [name for name, _ in blocks]
