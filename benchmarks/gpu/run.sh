@@ -58,8 +58,10 @@ case "$part" in
   trace)
     mode=${2:?give a mode: compile, compile+ac or compile+ac+float8}
     rm -rf "$OUT/traces"
-    python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 1 --trace "$OUT/traces" 2>&1 \
-      | tee "$OUT/trace_$mode.txt"
+    # warm-up 6: the traced steps 5-7 are none of the Trainer's logging steps (every 5th: 4, 9, 14)
+    python3 benchmarks/gpu/torchtitan_side_by_side.py --modes "$mode" --rounds 1 --steps 15 --warmup 6 \
+      --trace "$OUT/traces" 2>&1 | tee "$OUT/trace_$mode.txt"
+    [ -d "$OUT/traces" ] || { echo "no trace was written" >&2; exit 1; }
     tar czf "$OUT/traces.tgz" -C "$OUT" traces
     if (($(stat -c %s "$OUT/traces.tgz") > 15000000)); then  # what comes back from the GPU machine: 16 MiB a file
       tar czf "$OUT/traces.tgz" -C "$OUT" --exclude='*.json' traces

@@ -63,10 +63,11 @@ class ResNetLike(torch.nn.Module):
         return x.mean()
 
 
-def test_blocks_that_differ_in_layout_are_compiled_with_the_model_whole_and_alike_blocks_by_region():
+def test_blocks_of_many_layouts_are_compiled_with_the_model_whole_and_blocks_of_few_by_region():
     """Compiled by region, a ResNet's blocks (five layouts here: widths, a shortcut) compile the block's code once
-    per layout (torch stops at 8) with the code between them eager; so such a model is compiled whole, in one
-    graph. A transformer's alike layers are still compiled by region."""
+    per layout, for training and again for evaluation, against torch's limit of 8, with the code between them
+    eager; so such a model is compiled whole, in one graph. Blocks of one layout (a transformer's layers), or of
+    two (dense first layers, then mixtures of experts), are compiled by region: a graph per layout."""
     from torch._dynamo.utils import counters
 
     from lockstep.runtime.parallel.compiling import compile_in_place
@@ -80,12 +81,23 @@ def test_blocks_that_differ_in_layout_are_compiled_with_the_model_whole_and_alik
     assert torch.equal(model(torch.ones(1, 3, 6, 6)), expected)
     assert counters["stats"]["unique_graphs"] == 1
 
+    for dense_first, graphs in ((0, 1), (1, 2)):
+        torch._dynamo.reset()
+        counters.clear()
+        net = compile_checks.Net(depth=4)
+        for block in list(net.blocks)[:dense_first]:  # a layout of its own: another MLP width
+            block.up, block.down = torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+        assert compile_in_place(net, {"backend": "eager"}) == [f"blocks.{i}" for i in range(4)]
+        net(torch.ones(2, 8))
+        assert counters["stats"]["unique_graphs"] == graphs  # one graph per layout serves the four layers
+
     torch._dynamo.reset()
     counters.clear()
-    net = compile_checks.Net()
-    assert compile_in_place(net, {"backend": "eager"}) == ["blocks.0", "blocks.1", "blocks.2"]
-    net(torch.ones(2, 8))
-    assert counters["stats"]["unique_graphs"] == 1  # one graph, the block's, serves its three layers
+    holder = torch.nn.Module()  # no forward of its own: compiled whole is each child
+    holder.net, holder.head = ResNetLike(), torch.nn.Linear(2, 2)
+    assert compile_in_place(holder, {"backend": "eager", "regional": False}) == ["net", "head"]
+    holder.net(torch.ones(1, 3, 6, 6))
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_a_trainer_module_without_a_forward_has_its_model_compiled_whole_where_the_steps_call_it():

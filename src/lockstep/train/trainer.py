@@ -54,7 +54,8 @@ class Trainer:
     Trainer seeds every random generator with ``seed``: build the module after it.
 
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles the module's repeated blocks
-    in place, or its ``forward`` when it has none (see ``Runtime.setup``). A module passed already
+    in place, or the module whole when it has none or their layouts are too many: its ``forward``, or
+    without one its children (see ``Runtime.compile``). A module passed already
     compiled (``torch.compile(module)``) is unwrapped and compiled that way.
     ``activation_checkpointing`` (``"full"``, ``"selective"`` or a function) recomputes the repeated
     blocks' activations in the backward (see ``Runtime.setup``).
@@ -103,7 +104,7 @@ class Trainer:
                                                  enable_progress_bar)
         self._logger_specs, self.profiler = list(loggers), profiler
         self._runtime: Runtime | None = None
-        self.compiled: list[str] = []  # what compile= compiled: block names, "" for the module's forward
+        self.compiled: list[str] = []  # what compile= compiled: block or child names, "" for the module's forward
         self.loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: set[str] = {"train_loss"}

@@ -7,9 +7,10 @@ compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP
 and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
 once and reused by every layer (regional compilation: compile time of one block, not of the model).
 A model without repeated blocks is compiled whole, in place (a module without a ``forward`` of its
-own, as a Trainer's often is, by its children); so is one whose blocks of a class differ in their
-layout (a ResNet's stages: other widths, a downsampling first block), as each layout would compile the
-block's code again, up to torch's limit of 8, with the code between the blocks left eager.
+own, as a Trainer's often is, by its children); so is one whose blocks of a class come in more layouts
+(shapes of their weights, their submodules) than torch's recompile limit allows for training and
+evaluation, as a ResNet's do (8: four widths, a downsampling first block in each stage): each layout
+compiles the block's code again, and the code between the blocks would run eagerly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lockstep.errors import UsageError
 from lockstep.runtime._torch_compat import compiled_inner
@@ -65,18 +67,24 @@ def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def layout(block: nn.Module) -> tuple[Any, ...]:
     """What a block's compiled graph depends on besides its input: its submodules' classes and its
-    parameters' and buffers' shapes and dtypes."""
+    parameters' and buffers' shapes and dtypes (a lazy module's, not yet known: None)."""
     tensors = [*block.named_parameters(), *block.named_buffers()]
     return (tuple((name, type(sub)) for name, sub in block.named_modules()),
-            tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in tensors))
+            tuple((name, None if is_lazy(tensor) else tuple(tensor.shape), tensor.dtype) for name, tensor in tensors))
 
 
-def alike(blocks: list[tuple[str, nn.Module]]) -> bool:
-    """Whether the blocks of each class share one layout, so that one compiled graph serves them all."""
+def few_layouts(blocks: list[tuple[str, nn.Module]]) -> bool:
+    """Whether the blocks of each class come in few enough layouts that compiling the class's code once per
+    layout, for training and again for evaluation, stays within torch's recompile limit (8: at most 4
+    layouts). One layout is the usual case (a transformer's layers); two, a model whose first layers are
+    dense and the others mixtures of experts; a ResNet-50's 16 blocks come in 8."""
+    import torch._dynamo.config
+
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
     layouts: defaultdict[type, set[tuple[Any, ...]]] = defaultdict(set)
     for _, block in blocks:
         layouts[type(block)].add(layout(block))
-    return all(len(found) == 1 for found in layouts.values())
+    return all(len(found) <= limit // 2 for found in layouts.values())
 
 
 def whole(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -91,12 +99,13 @@ def whole(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def compile_in_place(module: nn.Module, options: dict[str, Any]) -> list[str]:
-    """Compile ``module``'s repeated blocks, where they are alike (or, with none, blocks that differ, or
-    ``regional=False``, the whole module) in place; returns what was compiled ("" for the whole module)."""
+    """Compile ``module``'s repeated blocks, where they come in few layouts (or, with none, blocks of too many
+    layouts, or ``regional=False``, the whole module) in place; returns what was compiled ("" for the whole
+    module)."""
     options = dict(options)
     regional = options.pop("regional", True)
     blocks = repeated_blocks(module) if regional else []
-    if not blocks or not alike(blocks):
+    if not blocks or not few_layouts(blocks):
         blocks = whole(module)
     for _, block in blocks:
         block.compile(**options)
