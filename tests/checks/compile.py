@@ -36,6 +36,33 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Stage(nn.Module):
+    def __init__(self, width_in: int, width: int) -> None:
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(width_in), nn.Linear(width_in, width)
+
+    def forward(self, x):
+        return F.gelu(self.linear(self.norm(x)))
+
+
+class Widening(nn.Module):
+    """Repeated blocks of one class in 5 layouts (each wider than the last): more than compile=True takes as
+    regions (4), so it compiles the model whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Stage(8 + 4 * i, 12 + 4 * i) for i in range(5))
+        self.head = nn.Linear(28, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def train(rt: lockstep.Runtime, model: nn.Module, compile, steps: int = 4) -> torch.Tensor:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = rt.setup(model, optimizer, compile=compile)
@@ -50,16 +77,24 @@ def train(rt: lockstep.Runtime, model: nn.Module, compile, steps: int = 4) -> to
     return fsdp_checks.full_weights(model), model
 
 
-def compiled_against_eager(strategy: str = "ddp", user_compiled: bool = False) -> dict:
-    """Eager, then compiled through lockstep, on this rank; what dynamo counted in between."""
+def compiled_against_eager(strategy: str = "ddp", user_compiled: bool = False, model: str = "Net") -> dict:
+    """Eager, then compiled through lockstep, on this rank; what dynamo counted in between. ``model``: ``Net``
+    (alike blocks: regions) or ``Widening`` (blocks of 5 layouts: compiled whole)."""
     from torch._dynamo.utils import counters
 
+    build = {"Net": Net, "Widening": Widening}[model]
     if strategy == "fsdp":
-        strategy = lockstep.FSDP(shard_modules=(Block,))
+        strategy = lockstep.FSDP(shard_modules=(Block, Stage))
     rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy))
-    eager, _ = train(rt, Net(), compile=None)
+    eager, _ = train(rt, build(), compile=None)
     counters.clear()
-    net = Net()
-    compiled, model = train(rt, torch.compile(net) if user_compiled else net, compile=None if user_compiled else True)
-    return {"eager": eager, "compiled": compiled, "names": rt.compiled, "keys": sorted(model.state_dict()),
-            "graph_breaks": dict(counters["graph_break"]), "frames": counters["stats"]["unique_graphs"]}
+    net = build()
+    compiled, wrapped = train(rt, torch.compile(net) if user_compiled else net, compile=None if user_compiled else True)
+    return {
+        "eager": eager,
+        "compiled": compiled,
+        "names": rt.compiled,
+        "keys": sorted(wrapped.state_dict()),
+        "graph_breaks": dict(counters["graph_break"]),
+        "frames": counters["stats"]["unique_graphs"],
+    }

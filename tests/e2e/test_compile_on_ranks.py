@@ -18,3 +18,13 @@ def test_compiled_on_2_processes_matches_eager_without_graph_breaks_and_with_cle
         assert result["graph_breaks"] == {} and result["frames"] >= 1, result
         assert result["keys"] == sorted(compile_checks.Net().state_dict())  # no _orig_mod.
 
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_whose_blocks_come_in_many_layouts_is_compiled_whole_on_2_processes_and_matches_eager(strategy):
+    """Blocks of 5 layouts: compile=True compiles the model whole before DDP or FSDP (its blocks still FSDP's
+    shard groups) wrap it; the weights after 4 steps are eager's."""
+    for result in run_ranks(compile_checks.compiled_against_eager, 2, strategy, False, "Widening", timeout=280):
+        assert result["names"] == [""]
+        assert (result["compiled"] - result["eager"]).abs().max() <= 1e-4
+        assert result["frames"] >= 1, result
+        assert result["keys"] == sorted(compile_checks.Widening().state_dict())
