@@ -66,8 +66,9 @@ class ResNetLike(torch.nn.Module):
 def test_blocks_of_many_layouts_are_compiled_with_the_model_whole_and_blocks_of_few_by_region():
     """Compiled by region, a ResNet's blocks (five layouts here: widths, a shortcut) compile the block's code once
     per layout, for training and again for evaluation, against torch's limit of 8, with the code between them
-    eager; so such a model is compiled whole, in one graph. Blocks of one layout (a transformer's layers), or of
-    two (dense first layers, then mixtures of experts), are compiled by region: a graph per layout."""
+    eager; so such a model is compiled whole, in one graph, as is one whose blocks each have a layout of their
+    own. Blocks of one layout (a transformer's layers), or of two (dense first layers, then mixtures of
+    experts), are compiled by region: a graph per layout."""
     from torch._dynamo.utils import counters
 
     from lockstep.runtime.parallel.compiling import compile_in_place
@@ -90,6 +91,12 @@ def test_blocks_of_many_layouts_are_compiled_with_the_model_whole_and_blocks_of_
         assert compile_in_place(net, {"backend": "eager"}) == [f"blocks.{i}" for i in range(4)]
         net(torch.ones(2, 8))
         assert counters["stats"]["unique_graphs"] == graphs  # one graph per layout serves the four layers
+
+    net = compile_checks.Net(depth=4)  # 4 blocks in 4 layouts: a graph each would reuse nothing
+    for index, block in enumerate(list(net.blocks)[:3]):
+        width = 24 + 8 * index
+        block.up, block.down = torch.nn.Linear(16, width), torch.nn.Linear(width, 16)
+    assert compile_in_place(net, {"backend": "eager"}) == [""]
 
     torch._dynamo.reset()
     counters.clear()

@@ -7,10 +7,11 @@ compiled in place with ``nn.Module.compile``, so its keys stay as they were, DDP
 and FSDP's per-block all-gathers sit between compiled regions, and the block's code is compiled
 once and reused by every layer (regional compilation: compile time of one block, not of the model).
 A model without repeated blocks is compiled whole, in place (a module without a ``forward`` of its
-own, as a Trainer's often is, by its children); so is one whose blocks of a class come in more layouts
-(shapes of their weights, their submodules) than torch's recompile limit allows for training and
-evaluation, as a ResNet's do (8: four widths, a downsampling first block in each stage): each layout
-compiles the block's code again, and the code between the blocks would run eagerly.
+own, as a Trainer's often is, by its children); so is one whose blocks of a class come in too many
+layouts (shapes of their weights, their submodules): more than torch's recompile limit allows for
+training and evaluation, as a ResNet's blocks do (8: four widths, a downsampling first block in each
+stage), or more than half as many as the blocks (a graph per block reuses nothing): each layout compiles
+the block's code again, and the code between the blocks would run eagerly.
 """
 
 from __future__ import annotations
@@ -74,17 +75,20 @@ def layout(block: nn.Module) -> tuple[Any, ...]:
 
 
 def few_layouts(blocks: list[tuple[str, nn.Module]]) -> bool:
-    """Whether the blocks of each class come in few enough layouts that compiling the class's code once per
-    layout, for training and again for evaluation, stays within torch's recompile limit (8: at most 4
-    layouts). One layout is the usual case (a transformer's layers); two, a model whose first layers are
-    dense and the others mixtures of experts; a ResNet-50's 16 blocks come in 8."""
+    """Whether the blocks of each class come in few enough layouts that regions pay: each layout's graph
+    serves two blocks or more on average, and compiling the class's code once per layout, for training and
+    again for evaluation, stays within torch's recompile limit (8: at most 4 layouts). One layout is the
+    usual case (a transformer's layers); two, a model whose first layers are dense and the others mixtures
+    of experts. A ResNet-50's 16 blocks come in 8 layouts, and 4 stages that each differ serve one each."""
     import torch._dynamo.config
 
     limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
     layouts: defaultdict[type, set[tuple[Any, ...]]] = defaultdict(set)
+    counts: Counter[type] = Counter()
     for _, block in blocks:
         layouts[type(block)].add(layout(block))
-    return all(len(found) <= limit // 2 for found in layouts.values())
+        counts[type(block)] += 1
+    return all(len(found) <= min(limit // 2, counts[cls] // 2) for cls, found in layouts.items())
 
 
 def whole(module: nn.Module) -> list[tuple[str, nn.Module]]:
