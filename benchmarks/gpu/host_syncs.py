@@ -84,11 +84,12 @@ def main() -> None:
         said = ", ".join(f"{name} {n}" for name, n in sorted(counts[step].items())) or "none"
         print(f"step {step:>3}{' (logs)' if step in logging else '       '}: {said}")
     quiet = sum(sum(counts[s].values()) for s in counts if s not in logging)
+    loud = sum(sum(counts[s].values()) for s in logging)
     record(args.results, lambda results: results.update(
-        host_syncs_non_logging_steps=quiet, host_syncs_logging_steps=sum(sum(counts[s].values()) for s in logging),
+        host_syncs_non_logging_steps=quiet, host_syncs_logging_steps=loud,
         host_syncs_steps=f"{len(counts) - len(logging)} non-logging and {len(logging)} logging steps, GPT-2 small"))
     print(f"host syncs in the {len(counts) - len(logging)} steps that do not log: {quiet}; in the "
-          f"{len(logging)} that log: {sum(sum(counts[s].values()) for s in logging)}")
+          f"{len(logging)} that log: {loud}")
 
 
 if __name__ == "__main__":

@@ -80,12 +80,14 @@ def data(steps: int, batch: int, seq: int, vocab: int) -> torch.utils.data.Tenso
 
 
 class Clock:
-    """Per-step seconds after ``warmup`` steps, the device synchronised at each tick."""
+    """Per-step seconds after ``warmup`` steps, the device synchronised at each tick. With a ``profiler``
+    (a ``torch.profiler.profile``), it runs over the first ``traced`` timed steps alone: started and stopped
+    between steps, outside the clock's time."""
 
-    def __init__(self, device: str, warmup: int) -> None:
+    def __init__(self, device: str, warmup: int, profiler: Any = None, traced: int = 0) -> None:
         self.device, self.warmup, self.count, self.steps = device, warmup, 0, []
         self.last = 0.0
-        self.profiler: Any = None  # torchtitan_side_by_side.py --trace: a torch.profiler stepped at each tick
+        self.profiler, self.traced = profiler, traced
 
     def tick(self) -> None:
         if self.device == "cuda":
@@ -94,6 +96,9 @@ class Clock:
         if self.count >= self.warmup:
             self.steps.append(now - self.last)
         self.last, self.count = now, self.count + 1
+        if self.profiler is not None and self.count in (self.warmup, self.warmup + self.traced):
+            (self.profiler.start if self.count == self.warmup else self.profiler.stop)()
+            self.last = time.perf_counter()
 
 
 def hand_written(args: argparse.Namespace, device: str) -> tuple[Clock, list[float], torch.nn.Module]:

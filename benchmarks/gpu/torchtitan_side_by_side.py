@@ -48,7 +48,6 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 import types
 from typing import Any
 
@@ -190,25 +189,14 @@ TRACED_STEPS = 3
 
 
 def traced_clock(args: argparse.Namespace, device: str) -> Clock:
-    """The step clock; with ``--trace FOLDER``, a ``torch.profiler`` trace of the first 3 timed steps too,
-    written there by ``write_trace``. The profiler runs over those steps alone: started and stopped between
-    steps, outside the clock's time."""
-    clock = Clock(device, args.warmup)
-    if args.trace:
-        from torch.profiler import ProfilerActivity, profile
+    """The step clock; with ``--trace FOLDER``, with a ``torch.profiler`` over its first 3 timed steps, written
+    there by ``write_trace``."""
+    if not args.trace:
+        return Clock(device, args.warmup)
+    from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        clock.profiler = profile(activities=activities)
-        tick = clock.tick
-
-        def tick_and_trace() -> None:
-            tick()
-            if clock.count in (args.warmup, args.warmup + TRACED_STEPS):
-                (clock.profiler.start if clock.count == args.warmup else clock.profiler.stop)()
-                clock.last = time.perf_counter()
-
-        clock.tick = tick_and_trace  # type: ignore[method-assign]
-    return clock
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    return Clock(device, args.warmup, profile(activities=activities), TRACED_STEPS)
 
 
 def write_trace(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
@@ -259,31 +247,44 @@ def child(args: argparse.Namespace, side: str, mode: str) -> dict[str, Any] | No
     return measured(command, f"{side} {mode}")
 
 
-def summary(rounds: list[dict[tuple[str, str], dict[str, Any]]], mode: str) -> dict[str, Any]:
+Rounds = list[dict[tuple[str, str], dict[str, Any]]]
+
+
+def side_values(rounds: Rounds, mode: str, side: str, key: str) -> list[float]:
+    """``key`` of each round's ``side`` in ``mode``, where it was measured."""
+    return [r[(side, mode)][key] for r in rounds if (side, mode) in r and r[(side, mode)][key] is not None]
+
+
+def pairs(rounds: Rounds, mode: str) -> list[dict[str, float]]:
+    """Each round that measured both sides of ``mode``: their tokens/s and lockstep's ratio to torchtitan."""
+    return [{"torchtitan_tokens_s": r[("torchtitan", mode)]["tokens_per_s"],
+             "lockstep_tokens_s": r[("lockstep", mode)]["tokens_per_s"],
+             "ratio": r[("lockstep", mode)]["tokens_per_s"] / r[("torchtitan", mode)]["tokens_per_s"]}
+            for r in rounds if ("lockstep", mode) in r and ("torchtitan", mode) in r]
+
+
+def mfu_agreement(rounds: Rounds, mode: str) -> list[float]:
+    """Each lockstep round's MFU as the Trainer logged it over the MFU by torchtitan's formula."""
+    got = [r[("lockstep", mode)] for r in rounds if ("lockstep", mode) in r]
+    return [x["trainer_mfu"] / x["formula_mfu"] for x in got if x["trainer_mfu"] and x["formula_mfu"]]
+
+
+def summary(rounds: Rounds, mode: str) -> dict[str, Any]:
     """One mode over the rounds: each side's median tokens/s and peak memory, lockstep's MFU by torchtitan's
     formula and as the Trainer logged it, and every round's pair."""
-    got = {side: [r[(side, mode)] for r in rounds if (side, mode) in r] for side in SIDES}
-
-    def values(side: str, key: str) -> list[float]:
-        return [x[key] for x in got[side] if x[key] is not None]
-
-    pairs = [{"torchtitan_tokens_s": r[("torchtitan", mode)]["tokens_per_s"],
-              "lockstep_tokens_s": r[("lockstep", mode)]["tokens_per_s"],
-              "ratio": r[("lockstep", mode)]["tokens_per_s"] / r[("torchtitan", mode)]["tokens_per_s"]}
-             for r in rounds if ("lockstep", mode) in r and ("torchtitan", mode) in r]
-    return {"mode": mode, "torchtitan_tokens_s": median(values("torchtitan", "tokens_per_s")),
-            "lockstep_tokens_s": median(values("lockstep", "tokens_per_s")),
-            "lockstep_over_torchtitan": median([p["ratio"] for p in pairs]),
-            "torchtitan_peak_gib": median(values("torchtitan", "peak_gib")),
-            "lockstep_peak_gib": median(values("lockstep", "peak_gib")),
-            "torchtitan_formula_mfu": median(values("torchtitan", "formula_mfu")),
-            "formula_mfu": median(values("lockstep", "formula_mfu")),
-            "trainer_mfu": median(values("lockstep", "trainer_mfu")), "rounds": pairs,
-            "trainer_mfu_over_formula": median([x["trainer_mfu"] / x["formula_mfu"] for x in got["lockstep"]
-                                                if x["trainer_mfu"] and x["formula_mfu"]])}
+    paired = pairs(rounds, mode)
+    return {"mode": mode, "torchtitan_tokens_s": median(side_values(rounds, mode, "torchtitan", "tokens_per_s")),
+            "lockstep_tokens_s": median(side_values(rounds, mode, "lockstep", "tokens_per_s")),
+            "lockstep_over_torchtitan": median([p["ratio"] for p in paired]),
+            "torchtitan_peak_gib": median(side_values(rounds, mode, "torchtitan", "peak_gib")),
+            "lockstep_peak_gib": median(side_values(rounds, mode, "lockstep", "peak_gib")),
+            "torchtitan_formula_mfu": median(side_values(rounds, mode, "torchtitan", "formula_mfu")),
+            "formula_mfu": median(side_values(rounds, mode, "lockstep", "formula_mfu")),
+            "trainer_mfu": median(side_values(rounds, mode, "lockstep", "trainer_mfu")), "rounds": paired,
+            "trainer_mfu_over_formula": median(mfu_agreement(rounds, mode))}
 
 
-def record_rounds(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
+def record_rounds(args: argparse.Namespace, rounds: Rounds) -> None:
     """The modes measured so far into ``--results``, each replacing an earlier entry of its mode."""
     measured_modes = [m for m in args.modes.split(",") if any(k[1] == m for r in rounds for k in r)]
 
@@ -295,7 +296,7 @@ def record_rounds(args: argparse.Namespace, rounds: list[dict[tuple[str, str], d
     record(args.results, update)
 
 
-def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
+def print_table(args: argparse.Namespace, rounds: Rounds) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     first = next(iter(rounds[0].values()), None) if rounds else None
     if first is None:
@@ -306,19 +307,15 @@ def print_table(args: argparse.Namespace, rounds: list[dict[tuple[str, str], dic
     print(f"{'mode':<19}{'torchtitan tok/s':>27}{'lockstep tok/s':>27}{'lockstep/tt':>24}{'MFU tt':>9}"
           f"{'MFU ls':>9}{'Trainer MFU/formula':>22}{'GiB tt':>9}{'GiB ls':>9}")
     for mode in args.modes.split(","):
-        got = {side: [r[(side, mode)] for r in rounds if (side, mode) in r] for side in SIDES}
-        paired = [p["ratio"] for p in summary(rounds, mode)["rounds"]]
 
-        def values(side: str, key: str) -> list[float]:
-            return [x[key] for x in got[side] if x[key] is not None]  # noqa: B023 - used at once
+        def cell(side: str, key: str, form: str) -> str:
+            return spread(side_values(rounds, mode, side, key), form)  # noqa: B023 - used at once
 
-        agree = [x["trainer_mfu"] / x["formula_mfu"] for x in got["lockstep"] if x["trainer_mfu"] and x["formula_mfu"]]
-        print(f"{mode:<19}{spread(values('torchtitan', 'tokens_per_s'), '.0f'):>27}"
-              f"{spread(values('lockstep', 'tokens_per_s'), '.0f'):>27}{spread(paired, '.3f'):>24}"
-              f"{spread(values('torchtitan', 'formula_mfu'), '.3f'):>9}"
-              f"{spread(values('lockstep', 'formula_mfu'), '.3f'):>9}"
-              f"{spread(agree, '.3f'):>22}{spread(values('torchtitan', 'peak_gib'), '.1f'):>9}"
-              f"{spread(values('lockstep', 'peak_gib'), '.1f'):>9}")
+        print(f"{mode:<19}{cell('torchtitan', 'tokens_per_s', '.0f'):>27}{cell('lockstep', 'tokens_per_s', '.0f'):>27}"
+              f"{spread([p['ratio'] for p in pairs(rounds, mode)], '.3f'):>24}"
+              f"{cell('torchtitan', 'formula_mfu', '.3f'):>9}{cell('lockstep', 'formula_mfu', '.3f'):>9}"
+              f"{spread(mfu_agreement(rounds, mode), '.3f'):>22}{cell('torchtitan', 'peak_gib', '.1f'):>9}"
+              f"{cell('lockstep', 'peak_gib', '.1f'):>9}")
 
 
 def main() -> None:
@@ -343,7 +340,7 @@ def main() -> None:
     if args.side:
         report(lambda: run_one(args))
         return
-    rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
+    rounds: Rounds = []
     for index in range(args.rounds):
         rounds.append({})
         for mode in args.modes.split(","):

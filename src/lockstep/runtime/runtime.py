@@ -369,7 +369,7 @@ class Runtime:
 
     def compile(self, model: nn.Module, compile: bool | dict[str, Any] | None = True) -> nn.Module:  # noqa: A002
         """Compile ``model`` in place as ``setup(compile=...)`` does, and return it: its repeated blocks (or,
-        with none, blocks of more layouts than torch's recompile limit allows, or ``regional=False``, the
+        with none, blocks of too many layouts (docs/models.md), or ``regional=False``, the
         model whole: its forward, or without one its children). ``torch.compile(model)``'s wrapper is taken
         off and its module compiled so. ``compile`` is True, a dict of ``torch.compile`` options, or
         False/None (nothing is compiled). For a model that ``setup`` will see inside a wrapper of

@@ -83,12 +83,11 @@ def few_layouts(blocks: list[tuple[str, nn.Module]]) -> bool:
     import torch._dynamo.config
 
     limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
-    layouts: defaultdict[type, set[tuple[Any, ...]]] = defaultdict(set)
-    counts: Counter[type] = Counter()
+    by_class: defaultdict[type, list[nn.Module]] = defaultdict(list)
     for _, block in blocks:
-        layouts[type(block)].add(layout(block))
-        counts[type(block)] += 1
-    return all(len(found) <= min(limit // 2, counts[cls] // 2) for cls, found in layouts.items())
+        by_class[type(block)].append(block)
+    return all(len({layout(block) for block in same}) <= min(limit // 2, len(same) // 2)
+               for same in by_class.values())
 
 
 def whole(module: nn.Module) -> list[tuple[str, nn.Module]]:
