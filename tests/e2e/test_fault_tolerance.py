@@ -8,6 +8,7 @@ are its weights within 1e-6, and bitwise equal across the groups that finished.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -88,6 +89,41 @@ def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_pa
     assert "group 2 healed from group" in out2, out2[-2000:]
     assert "Traceback" not in out0 + out1 + out2
     print(f"kill ({when}) -> replacement done in {time.monotonic() - killed_at:.1f} s;", out0.strip().splitlines())
+
+
+def test_groups_started_together_wait_for_a_late_one_at_their_first_quorum(tmp_path, reference, lighthouse):
+    """What `lockstep run --fault-tolerant` sets (LOCKSTEP_REPLICA_START_WITH: every group of the job):
+    group 2 starts 4 s after the others, and step 0 is still taken by all three; no group heals."""
+    start_with = {"LOCKSTEP_REPLICA_START_WITH": "3"}
+    groups = [_group(tmp_path, lighthouse, i, "--slow", "0.2", environ=start_with) for i in range(2)]
+    time.sleep(4)
+    groups.append(_group(tmp_path, lighthouse, 2, "--slow", "0.2", environ=start_with))
+    outs = [_finish(g) for g in groups]
+    assert [code for code, _ in outs] == [0, 0, 0], [out[-2000:] for _, out in outs]
+    check_exact(tmp_path, reference, ["g0", "g1", "g2"])
+    for index in range(3):
+        first = json.loads((tmp_path / f"g{index}.log").read_text().splitlines()[0])
+        assert (first["step"], first["size"]) == (0, 3), first
+    assert not any("healed from" in out or "waited" in out for _, out in outs), [out[-2000:] for _, out in outs]
+
+
+def test_groups_waiting_for_one_that_never_starts_train_on_after_the_step_timeout(tmp_path, reference):
+    """Three groups expected, two started: they wait the step timeout (3 s) at their first quorum, give up
+    together, say so, and train to the one-process weights."""
+    house = Lighthouse(FaultTolerance(min_replicas=1, step_timeout=3))
+    environ = {"LOCKSTEP_REPLICA_START_WITH": "3", "LOCKSTEP_STEP_TIMEOUT": "3"}
+    try:
+        started = time.monotonic()
+        outs = [_finish(g, timeout=90) for g in [_group(tmp_path, house, i, environ=environ) for i in range(2)]]
+    finally:
+        house.shutdown()
+    assert [code for code, _ in outs] == [0, 0], [out[-2000:] for _, out in outs]
+    check_exact(tmp_path, reference, ["g0", "g1"])
+    for index, (_, out) in enumerate(outs):
+        said = rf"replica group {index} waited 3 s for 3 groups at its first quorum; it trains on from step 0 " \
+               r"with groups \[(0, 1|1, 0)\]"
+        assert re.search(said, out), out[-3000:]
+    assert time.monotonic() - started > 3
 
 
 def test_every_group_killed_then_started_again_resumes_from_the_newest_checkpoint(tmp_path, reference, lighthouse):

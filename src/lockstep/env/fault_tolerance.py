@@ -17,7 +17,7 @@ from lockstep.errors import ConfigError, MissingExtraError
 #: What ``lockstep run --fault-tolerant`` hands each replica group's processes.
 ENV_ON, ENV_GROUP, ENV_LIGHTHOUSE = "LOCKSTEP_FAULT_TOLERANT", "LOCKSTEP_REPLICA_GROUP", "LOCKSTEP_LIGHTHOUSE"
 ENV_MIN_REPLICAS, ENV_STEP_TIMEOUT = "LOCKSTEP_MIN_REPLICAS", "LOCKSTEP_STEP_TIMEOUT"
-ENV_REPLACEMENT = "LOCKSTEP_REPLICA_REPLACEMENT"  # "1": started for a group that died
+ENV_START_WITH = "LOCKSTEP_REPLICA_START_WITH"  # the groups a group's first quorum waits for
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,24 @@ class FaultTolerance:
         replica_group: this group's index (default ``LOCKSTEP_REPLICA_GROUP``, which ``lockstep run
             --fault-tolerant`` sets).
         lighthouse: the lighthouse's address (default ``LOCKSTEP_LIGHTHOUSE``).
-        replacement: this group replaces one that died (``LOCKSTEP_REPLICA_REPLACEMENT``, which the
-            launcher sets): alone at its first quorum, it waits up to ``step_timeout`` for a live group
-            to join rather than train alone.
+        start_with: the groups this group's first quorum waits for, up to ``step_timeout``, before it
+            trains with fewer and says so (``LOCKSTEP_REPLICA_START_WITH``). ``lockstep run
+            --fault-tolerant`` sets every group of the job for the groups it starts together, so that a
+            group slow to start is not left out of step 0 (and healed at step 1), and 2 for a replacement
+            of a group that died: a live group, rather than training alone.
     """
 
     min_replicas: int = 1
     step_timeout: float = 30.0
     replica_group: int | None = None
     lighthouse: str | None = None
-    replacement: bool = False
+    start_with: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
             raise ConfigError(f"FaultTolerance(min_replicas={self.min_replicas!r}): a whole number of at least 1.")
+        if not isinstance(self.start_with, int) or isinstance(self.start_with, bool) or self.start_with < 1:
+            raise ConfigError(f"FaultTolerance(start_with={self.start_with!r}): a whole number of at least 1.")
         if not isinstance(self.step_timeout, (int, float)) or not self.step_timeout > 0:
             raise ConfigError(f"FaultTolerance(step_timeout={self.step_timeout!r}): a positive number of seconds.")
 
@@ -68,9 +72,11 @@ class FaultTolerance:
             return None
         try:
             return cls(min_replicas=int(env.get(ENV_MIN_REPLICAS, "1")),
-                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")), replacement=env.get(ENV_REPLACEMENT) == "1")
+                       step_timeout=float(env.get(ENV_STEP_TIMEOUT, "30")),
+                       start_with=int(env.get(ENV_START_WITH, "1")))
         except ValueError as error:
-            raise ConfigError(f"{ENV_MIN_REPLICAS} or {ENV_STEP_TIMEOUT} is not a number: {error}") from None
+            raise ConfigError(f"{ENV_MIN_REPLICAS}, {ENV_STEP_TIMEOUT} or {ENV_START_WITH} is not a number: "
+                              f"{error}") from None
 
     def timeouts(self) -> Timeouts:
         """The derivation: every wait that can end a step is the step timeout itself; a dead group is
@@ -107,7 +113,7 @@ class FaultTolerance:
                 "FaultTolerance(replica_group=..., lighthouse=...).")
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
-        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse, self.replacement)
+        return FaultTolerance(self.min_replicas, self.step_timeout, group, lighthouse, self.start_with)
 
 
 def import_torchft() -> Any:

@@ -94,7 +94,7 @@ class ReplicaGroups:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        self.config, self.membership, self.say = config, membership, say
+        self.config, self.membership, self.say, self.device = config, membership, say, device
         self.index = int(config.replica_group or 0)
         self.local_rank, self.local_size = membership.rank, membership.size  # inside the group
         timeouts = config.timeouts()
@@ -184,7 +184,7 @@ class ReplicaGroups:
         """Refuse a group started with another model, seed or global batch, by name: the participants
         exchange their fingerprints (one small all-reduce, at each change of members); a group that
         differs from the most of them raises, the others say so and go on without it."""
-        table = torch.zeros(size, 3, dtype=torch.float64)
+        table = torch.zeros(size, 3, dtype=torch.float64, device=self.device)  # NCCL: on the GPU
         table[rank] = torch.tensor(self._fingerprint, dtype=torch.float64)
         self._all_reduce(table, average=False)
         if self.manager.errored() is not None:
@@ -320,21 +320,29 @@ class ReplicaGroups:
         self._fingerprint = _fingerprint(state, self._seed)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.quorum()
-        if self.config.replacement and self._members == [self.index]:
-            self._wait_for_a_live_group(step)
+        self._wait_for_groups(step)
         self._fresh = True
 
-    def _wait_for_a_live_group(self, step: int) -> None:
-        """A replacement alone at its first quorum: the live groups may be about to ask for theirs; when
-        none does within the step timeout (the job has ended, or every group died), it trains on alone,
-        from ``step``."""
+    def _wait_for_groups(self, step: int) -> None:
+        """At the first quorum, until it holds ``start_with`` groups: the groups started with this one
+        may still be starting (a group left out of step 0 would heal at step 1, its whole state sent
+        over the network), and a replacement's live peers ask for their quorum at their next step. When
+        they do not come within the step timeout (a group died before its first step, the job has ended),
+        this group trains with those it has, and says so."""
+        want = self.config.start_with
         deadline = time.monotonic() + self.config.step_timeout
-        while self._members == [self.index] and time.monotonic() < deadline:
+        while len(self._members) < want:
+            # the members of this quorum give up together (at the first one's deadline): one that trained on
+            # while another asked for a quorum again would wait for it in the step's all-reduce
+            late = torch.tensor([float(time.monotonic() >= deadline)], device=self.device)
+            self._all_reduce(late, average=False)
+            if late.item() > 0 or self.manager.errored() is not None:
+                break
             time.sleep(0.5)
             self.quorum()
-        if self._members == [self.index]:
-            self.say(f"fault tolerance: replica group {self.index} replaces a group that died, but no live group "
-                     f"joined it within {self.config.step_timeout:g} s: it trains on alone from step {step}")
+        if len(self._members) < want:
+            self.say(f"fault tolerance: replica group {self.index} waited {self.config.step_timeout:g} s for "
+                     f"{want} groups at its first quorum; it trains on from step {step} with groups {self._members}")
 
     def _state_dict(self) -> dict[str, Any]:
         """What a joining group receives from this one (asked at a step's start, in the quorum): the

@@ -169,7 +169,9 @@ class ReplicaGroups:
         from lockstep.runtime.launch.replicas import ReplicaGroupsRun
 
         request, planned, nproc = job
-        config = FaultTolerance(min_replicas=planned.min_replicas, step_timeout=planned.step_timeout)
+        # every group of the job (on every node) waits for the others at its first quorum
+        config = FaultTolerance(min_replicas=planned.min_replicas, step_timeout=planned.step_timeout,
+                                start_with=planned.job_groups)
         chosen = [item for name, value in request.runtime_choices().items() for item in (f"--{name}", value)]
 
         def command(index: int) -> list[str]:

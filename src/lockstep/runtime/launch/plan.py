@@ -173,6 +173,7 @@ class ReplicaPlan:
     notes: list[str]
     min_replicas: int = 1
     step_timeout: float = 30.0
+    job_groups: int = 1  # on every node
 
 
 def plan_replica_groups(request: RunRequest, nproc: int, visible: str | None, gpus: bool) -> ReplicaPlan:
@@ -206,11 +207,11 @@ def plan_replica_groups(request: RunRequest, nproc: int, visible: str | None, gp
     devices = [",".join(ids[g * size:(g + 1) * size]) for g in range(replicas)] if gpus else [str(size)] * replicas
     if nodes[0] == 1:
         host, port = ("127.0.0.1", 0) if not request.master else _split_host_port(request.master, "--master")
-        return ReplicaPlan(devices, 0, host, port, True, "127.0.0.1", {}, [], min_replicas, step_timeout)
+        return ReplicaPlan(devices, 0, host, port, True, "127.0.0.1", {}, [], min_replicas, step_timeout, total)
     if not request.master:
         raise PreflightError("--fault-tolerant on several nodes needs --master HOST:PORT: node 0 hosts the "
                              "lighthouse there, and the other nodes' groups reach it there.")
     host, port = _split_host_port(request.master, "--master")
     environment, notes, local_address = _network(host, nodes[0])
     return ReplicaPlan(devices, node_rank * replicas, host, port, node_rank == 0, local_address, environment, notes,
-                       min_replicas, step_timeout)
+                       min_replicas, step_timeout, total)

@@ -16,7 +16,7 @@ from lockstep.env.fault_tolerance import (
     ENV_LIGHTHOUSE,
     ENV_MIN_REPLICAS,
     ENV_ON,
-    ENV_REPLACEMENT,
+    ENV_START_WITH,
     ENV_STEP_TIMEOUT,
     FaultTolerance,
     import_torchft,
@@ -138,9 +138,12 @@ class ReplicaGroupsRun:
                  f"(--max-restarts {self.max_restarts})")
 
     def _start(self, index: int, lighthouse: str, replacement: bool = False) -> subprocess.Popen[bytes]:
+        """A group of the job: its first quorum waits for the job's every group (``config.start_with``);
+        a replacement's, for one live group to heal from."""
+        start_with = min(2, self.config.start_with) if replacement else self.config.start_with
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
                        ENV_LIGHTHOUSE: lighthouse, ENV_MIN_REPLICAS: str(self.config.min_replicas),
-                       ENV_STEP_TIMEOUT: str(self.config.step_timeout), ENV_REPLACEMENT: "1" if replacement else "0"}
+                       ENV_STEP_TIMEOUT: str(self.config.step_timeout), ENV_START_WITH: str(start_with)}
         return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_die_with_parent)
 
 
