@@ -29,7 +29,7 @@ def test_every_wait_derives_from_the_one_step_timeout():
 
 
 @pytest.mark.parametrize("kwargs", [{"min_replicas": 0}, {"min_replicas": True}, {"step_timeout": 0},
-                                    {"step_timeout": "30"}])
+                                    {"step_timeout": "30"}, {"start_with": 0}, {"start_with": 2.0}])
 def test_bad_settings_are_refused_by_name(kwargs):
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
         FaultTolerance(**kwargs)
@@ -38,8 +38,8 @@ def test_bad_settings_are_refused_by_name(kwargs):
 def test_the_launcher_settings_are_read_from_the_environment():
     assert FaultTolerance.from_environ({}) is None
     config = FaultTolerance.from_environ({"LOCKSTEP_FAULT_TOLERANT": "1", "LOCKSTEP_MIN_REPLICAS": "2",
-                                          "LOCKSTEP_STEP_TIMEOUT": "12.5"})
-    assert config == FaultTolerance(min_replicas=2, step_timeout=12.5)
+                                          "LOCKSTEP_STEP_TIMEOUT": "12.5", "LOCKSTEP_REPLICA_START_WITH": "4"})
+    assert config == FaultTolerance(min_replicas=2, step_timeout=12.5, start_with=4)
     resolved = config.resolved({"LOCKSTEP_REPLICA_GROUP": "3", "LOCKSTEP_LIGHTHOUSE": "10.0.0.1:29510"})
     assert (resolved.replica_group, resolved.lighthouse) == (3, "http://10.0.0.1:29510")
     with pytest.raises(ConfigError, match="LOCKSTEP_REPLICA_GROUP"):
@@ -69,6 +69,7 @@ def test_replica_groups_split_the_nodes_processes_and_gpus_evenly():
     second = plan_replica_groups(_args(nodes="2", node_rank=1, master="127.0.0.1:29555", min_replicas=4), 4, None,
                                  gpus=False)
     assert (second.first_index, second.hosts_lighthouse, second.lighthouse_port) == (2, False, 29555)
+    assert (one.job_groups, second.job_groups) == (4, 4)  # every group of the job, on every node
     for bad, match in (({"replicas": 3}, "must divide"), ({"min_replicas": 3}, "--min-replicas"),
                        ({"nodes": "1:2"}, "fixed number of nodes"), ({"step_timeout": 0.0}, "--step-timeout"),
                        ({"nodes": "2"}, "needs --master"), ({"nodes": "2", "node_rank": 2}, "--node-rank"),
