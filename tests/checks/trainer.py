@@ -243,3 +243,51 @@ def reduced_metrics(same_names: bool) -> list[dict[str, float]]:
     reduced.append(store.reduce(rt))
     rt.close()
     return reduced
+
+
+class MaskedRegression(lockstep.Module):
+    """Per-token errors under a mask: a token-weighted value (``batch_size=`` the token count, a tensor
+    and an int) beside a per-sample mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, mask = batch
+        err = (self.lin(x).squeeze(-1) - y) ** 2 * mask
+        self.log("val_tok", err.sum() / mask.sum(), batch_size=mask.sum())
+        self.log("val_tok_int", err.sum() / mask.sum(), batch_size=int(mask.sum()))
+        self.log("val_mse", (err.sum(1) / mask.sum(1)).mean())
+
+
+def masked_rows(samples: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    x, y = torch.randn(samples, 6, 3, generator=g), torch.randn(samples, 6, generator=g)
+    lengths = torch.randint(1, 7, (samples,), generator=g)
+    return x, y, (torch.arange(6)[None, :] < lengths[:, None]).float()
+
+
+def masked_reference(samples: int = 5) -> dict[str, float]:
+    """By hand, over the whole data at once."""
+    x, y, mask = masked_rows(samples)
+    with torch.no_grad():
+        err = (MaskedRegression().lin(x).squeeze(-1) - y) ** 2 * mask
+    tok = float(err.sum() / mask.sum())
+    return {"val_tok": tok, "val_tok_int": tok, "val_mse": float((err.sum(1) / mask.sum(1)).mean())}
+
+
+class _MaskedStream(torch.utils.data.IterableDataset):
+    def __init__(self, samples: int) -> None:
+        self.rows = masked_rows(samples)
+
+    def __iter__(self):
+        yield from zip(*self.rows, strict=True)
+
+
+def masked_validation(strategy: str, stream: bool, samples: int = 5, batch_size: int = 3) -> dict[str, float]:
+    """Validation whose last global batch leaves a rank with no row (FSDP: a zero-row stand-in batch; a
+    stream: an empty batch)."""
+    data = _MaskedStream(samples) if stream else torch.utils.data.TensorDataset(*masked_rows(samples))
+    return quiet_trainer(strategy=strategy).validate(MaskedRegression(), data, batch_size=batch_size)

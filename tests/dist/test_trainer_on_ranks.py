@@ -82,3 +82,14 @@ def test_logged_values_reduce_to_sample_weighted_means_whether_or_not_the_ranks_
     differing = [{"loss": 1.5}, {"loss": 1.5, "only_on_0": 1.0, "only_on_1": 2.0}, {"loss": 4.0}]
     assert run_ranks(tc.reduced_metrics, 2, False) == [differing] * 2
     assert run_ranks(tc.reduced_metrics, 3, True) == [[{"loss": 2.0}, {"loss": 2.0}, {"loss": 4.0}]] * 3
+
+
+@pytest.mark.parametrize("strategy, stream", [("fsdp", False), ("ddp", True)])
+def test_a_rank_without_rows_logs_nothing_whatever_batch_size_says(strategy, stream):
+    """5 samples in global batches of 3 on 3 processes: the last batch leaves a rank with no row. Under FSDP
+    its step runs on a stand-in row (the forward is a collective), on a stream on an empty batch (0 / 0);
+    token-weighted values (batch_size= the token count) equal the hand computation over the whole data."""
+    reference = tc.masked_reference()
+    for metrics in run_ranks(tc.masked_validation, 3, strategy, stream):
+        for name, value in reference.items():
+            assert metrics[name] == pytest.approx(value, abs=1e-6), (name, metrics)

@@ -301,8 +301,11 @@ class Trainer:
                              "trainer.log_metrics({...}).")
         if (on_step is not None or on_epoch is not None or self.metrics.routes) and sink is self.metrics.recent:
             self.metrics.route(name, on_step, on_epoch)  # training's two sums: the flags of this value
-        weight = batch_size if batch_size is not None else self.loop.batch_samples
-        if type(weight) is int and weight == 0:  # zero rows (FSDP evaluation pads ranks whose shard ended)
+        rows = self.loop.batch_samples
+        if rows == 0:  # a rank's zero-row batch (its shard ended, a stream's end): its step ran on a stand-in
+            return  # row (a forward that is a collective, FSDP's) or on no row (0 / 0), whatever batch_size says
+        weight = batch_size if batch_size is not None else rows
+        if type(weight) is int and weight == 0:
             return
         # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
         device = self._runtime.device  # type: ignore[union-attr]
