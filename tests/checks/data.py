@@ -270,3 +270,38 @@ def hf_batches(n: int) -> dict:
     rest.load_state_dict(position)
     return {"map": batches(rt.loader(table, batch_size=8, shuffle=True, num_workers=0)),
             "stream": batches(stream), "resumed": head + batches(rest), "position": position}
+
+
+def zipped_loaders(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torch.Tensor:
+    """Two training loaders zipped (e.g. labeled and unlabeled data), the loss the sum of both batches'
+    means: the weights after one pass (at the length of the shorter)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = [(torch.randn(n, 3, generator=g), torch.randn(n, generator=g)) for n in lengths]
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(3, 1)
+    model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    first, second = (rt.loader(torch.utils.data.TensorDataset(*data), batch_size=4, drop_last=drop_last,
+                               num_workers=0) for data in (a, b))
+    for (xa, ya), (xb, yb) in zip(first, second, strict=False):  # the shorter ends the pass
+        rt.backward(((model(xa).squeeze(-1) - ya) ** 2).mean() + ((model(xb).squeeze(-1) - yb) ** 2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
+
+
+def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torch.Tensor:
+    """The same in one plain loop: batches 4 by 4, in order."""
+    g = torch.Generator().manual_seed(1)
+    (xa, ya), (xb, yb) = [(torch.randn(n, 3, generator=g), torch.randn(n, generator=g)) for n in lengths]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = (min(lengths) // 4) if drop_last else -(-min(lengths) // 4)
+    for s in range(steps):
+        rows = slice(4 * s, 4 * s + 4)
+        loss = ((model(xa[rows]).squeeze(-1) - ya[rows]) ** 2).mean()
+        (loss + ((model(xb[rows]).squeeze(-1) - yb[rows]) ** 2).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])

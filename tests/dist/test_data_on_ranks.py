@@ -9,7 +9,7 @@ import torch
 from checks import data as checks
 from lockstep.runtime.data.order import FeistelPermutation
 from lockstep.runtime.seed import mix_seed
-from lockstep.testing import run_ranks
+from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,3 +77,14 @@ def test_data_already_split_by_rank_is_refused_by_the_training_loader_naming_eac
     for message in run_ranks(checks.loader_of_sharded_data, 2):
         assert "a different number of samples on each rank (rank 0: 10, rank 1: 9)" in message, message
         assert "give every rank the whole dataset" in message
+
+
+def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_cannot_serve_both():
+    """11 and 12 samples in global batches of 4 on 2 processes: with drop_last, the plain loop's weights; without,
+    the last step's batches (3 and 4 samples) need different loss weights, and every rank says so before it."""
+    reference = checks.zipped_by_hand(drop_last=True)
+    for weights in run_ranks(checks.zipped_loaders, 2, True):
+        assert (weights - reference).abs().max() < 1e-6
+    assert (checks.zipped_loaders(False) - checks.zipped_by_hand(False)).abs().max() < 1e-6  # one process: exact
+    outcomes = rank_outcomes(checks.zipped_loaders, 2, False)
+    assert all("two training loaders hand out the batches of one step" in str(o.error) for o in outcomes), outcomes

@@ -73,6 +73,8 @@ class CurrentBatch:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
         self.stand_in = {}
         if loader.training:
+            if self.loader is not None and self.loader is not loader:  # two training loaders in one step (a zip)
+                _one_weight_for_both(self.loader, self.step, loader, step)
             self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
             if self.watchdog.clock is not None:  # the straggler report times the steps
                 self.watchdog.clock.batch(loader)
@@ -88,6 +90,22 @@ class CurrentBatch:
             self.loader, self.loss_weight = None, 1.0
             if self.watchdog.clock is not None:
                 self.watchdog.clock.pass_ended()
+
+
+def _one_weight_for_both(first: DistributedLoader, first_step: int, second: DistributedLoader, step: int) -> None:
+    """``rt.backward`` weighs a step's loss by one loss weight, the current batch's: when the batches of
+    two training loaders are current together, both global batches must be split alike over the ranks
+    (the same number of samples, or each a multiple of the ranks). Judged from the global batch sizes
+    alone, so every rank decides alike."""
+    sizes = first.global_batch_size(first_step), second.global_batch_size(step)
+    ranks = getattr(second.sampler, "world_size", 1)
+    if sizes[0] != sizes[1] and any(size % ranks for size in sizes):
+        raise ConfigError(
+            f"two training loaders hand out the batches of one step (zipped, e.g.): {sizes[0]} and {sizes[1]} "
+            f"samples, split unevenly over the {ranks} data-parallel ranks. rt.backward weighs the step's loss "
+            "by one batch's weight, which would be wrong for the other's part of the loss. Pass drop_last=True "
+            f"to both loaders, or choose batch sizes and dataset lengths that leave every global batch a multiple "
+            f"of {ranks} samples.")
 
 
 class EpochSeededDataset(Dataset[Any]):
