@@ -162,6 +162,26 @@ def test_loader_options_that_contradict_each_other_are_refused():
         rt.loader(object(), batch_size=2)
 
 
+def test_an_evaluation_dataloader_keeps_the_samples_its_sampler_chose_or_is_refused():
+    """A validation DataLoader over a SubsetRandomSampler (a train/val split) evaluates those samples, each once,
+    in the order of its indices; a sampler that could repeat or weigh samples is refused by name, not dropped."""
+    rt = runtime()
+    data = checks.Indexed(20)
+    chosen = [17, 3, 9, 12, 5]
+    subset = torch.utils.data.SubsetRandomSampler(chosen)
+    for loader in (DataLoader(data, batch_size=2, sampler=subset),
+                   DataLoader(data, batch_size=None, sampler=torch.utils.data.BatchSampler(subset, 2, False))):
+        evaluated = rt.eval_loader(loader, batch_size=2, num_workers=0)
+        assert torch.cat([i for i, _, _ in evaluated]).tolist() == chosen
+    for chooser in (dict(sampler=torch.utils.data.WeightedRandomSampler([1.0] * 20, 20)),
+                    dict(batch_sampler=[[0, 1], [0, 1]])):
+        with pytest.raises(ValueError, match="chooses which samples to take.*Subset"):
+            rt.eval_loader(DataLoader(data, **chooser), batch_size=2)
+    everything = DataLoader(data, batch_size=4, shuffle=True)  # an order of every sample: dropped
+    assert torch.cat([i for i, _, _ in rt.eval_loader(everything, batch_size=4, num_workers=0)]).tolist() == list(
+        range(20))
+
+
 def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuffle():
     rt = runtime(seed=4)
     data = checks.Indexed(30)
@@ -172,6 +192,12 @@ def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuff
     loader = rt.loader(distributed, num_workers=0)
     assert loader.state_dict()["order"] == "randperm"
     assert sorted(i for index, _, _ in loader for i in index.tolist()) == list(range(30))
+    # batch_size=None with a sampler of batches (torch's batched-fetch idiom): the sampler gives the batches
+    of_batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 8, False)
+    batched = DataLoader(data, batch_size=None, sampler=of_batches)
+    assert [index.tolist() for index, _, _ in rt.loader(batched, num_workers=0)] == [list(b) for b in of_batches]
+    with pytest.raises(ValueError, match="hands dataset\\[indices\\] to its collate_fn"):
+        rt.loader(DataLoader(data, batch_size=None, sampler=of_batches, collate_fn=len))
 
 
 def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():

@@ -8,7 +8,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+    Subset,
+    default_convert,
+)
 
 from lockstep.errors import ConfigError
 from lockstep.runtime._torch_compat import is_plain_random_sampler
@@ -33,15 +42,24 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
 
     Its sampler becomes ``shuffle`` (RandomSampler without replacement, SequentialSampler, or a
     DistributedSampler, whose split lockstep does itself), else ``sampler``; a custom batch sampler
-    becomes ``batch_sampler``.
+    (``batch_sampler=``, or ``batch_size=None`` with a sampler of batches) becomes ``batch_sampler``.
     """
     options = {name: getattr(loader, name) for name in _KEPT_OPTIONS}
     if options["num_workers"] == 0:
         options.pop("prefetch_factor")
         options.pop("persistent_workers")
     if loader.batch_size is None and not isinstance(loader.dataset, IterableDataset):
-        options["batch_sampler"] = loader.batch_sampler
+        # batch_sampler=, or batch_size=None with a sampler that yields batches (the DataLoader then hands
+        # dataset[indices] to collate_fn, default_convert unless given; lockstep collates the items)
+        options["batch_sampler"] = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
         options.pop("drop_last")
+        if loader.batch_sampler is None:
+            if options["collate_fn"] is not default_convert:
+                raise ConfigError("a DataLoader with batch_size=None and a sampler that yields batches hands "
+                                  "dataset[indices] to its collate_fn, and lockstep fetches a batch's items one by "
+                                  "one: give DataLoader(dataset, batch_sampler=...) and a collate_fn that takes a "
+                                  "list of items.")
+            options.pop("collate_fn")
         return loader.dataset, options
     options["batch_size"] = loader.batch_size
     sampler = loader.sampler
@@ -56,6 +74,26 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
     else:
         options["sampler"] = sampler
     return loader.dataset, options
+
+
+def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
+    """The samples an evaluation DataLoader chose (its sampler, or its batch sampler's), each once, as the
+    dataset an evaluation loader takes in order: all of them for a sampler that orders them
+    (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler``: already dropped by ``options_of``);
+    ``Subset(dataset, sampler.indices)`` for a subset's sampler (``SubsetRandomSampler``); anything else,
+    which could choose, repeat or weigh samples, is refused by name rather than dropped."""
+    if isinstance(batch_sampler, BatchSampler):
+        sampler, batch_sampler = batch_sampler.sampler, None
+    chooser = batch_sampler if batch_sampler is not None else sampler
+    if chooser is None or isinstance(chooser, SequentialSampler) or is_plain_random_sampler(chooser):
+        return dataset
+    indices = getattr(chooser, "indices", None) if batch_sampler is None else None
+    if isinstance(indices, (Sequence, torch.Tensor)) and not isinstance(indices, (str, bytes)):
+        return Subset(dataset, [int(i) for i in indices])  # the subset, in the order its indices are listed
+    raise ConfigError(f"the evaluation DataLoader's {'batch sampler' if batch_sampler is not None else 'sampler'} "
+                      f"({type(chooser).__name__}) chooses which samples to take, and an evaluation loader takes "
+                      "every sample of its dataset once, in dataset order: give Subset(dataset, indices) for part "
+                      "of it, or the dataset itself.")
 
 
 def check_batch_size(batch_size: int, world_size: int) -> int:
@@ -81,15 +119,15 @@ def resolve_loader_options(
     re-created with its own options): ``options`` override, ``batch_size`` is the global batch, and
     workers, ``pin_memory`` and ``persistent_workers`` get lockstep's defaults where unset.
 
-    ``evaluation``: every sample once, in dataset order; a DataLoader's sample choice is dropped
-    and none may be given."""
+    ``evaluation``: every sample once, in dataset order; a DataLoader's choice of samples is kept
+    as a ``Subset`` or refused (``evaluated_samples``), and none may be given."""
     dataset, opts = options_of(data) if isinstance(data, DataLoader) else (data, {})
     if evaluation:
         for chooser in ("sampler", "batch_sampler"):
             if options.get(chooser) is not None:
                 raise ConfigError(f"an evaluation loader takes every sample once, in dataset order: it has no "
                                   f"{chooser}=. Give a Subset of the dataset to evaluate part of it.")
-            opts.pop(chooser, None)
+        dataset = evaluated_samples(dataset, opts.pop("sampler", None), opts.pop("batch_sampler", None))
     if "batch_sampler" in options or "sampler" in options:  # the caller's choice replaces the DataLoader's
         for chosen in ("batch_sampler", "sampler", "shuffle"):
             opts.pop(chosen, None)
