@@ -264,7 +264,8 @@ class EarlyStopping(Callback):
 
 
 class LearningRateMonitor(Callback):
-    """Log each optimizer param group's learning rate as ``lr-<optimizer>-<group>``."""
+    """Log each optimizer param group's learning rate as ``lr-<optimizer>-<group>``: the optimizer's index,
+    or the ``name`` of its scheduler's configuration."""
 
     def __init__(self, logging_interval: str = "step") -> None:
         if logging_interval not in ("step", "epoch"):
@@ -272,8 +273,9 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
 
     def _rates(self, trainer: Trainer) -> dict[str, float]:
-        return {f"lr-{i}-{j}": float(group["lr"]) for i, optimizer in enumerate(trainer.optimizers)
-                for j, group in enumerate(optimizer.param_groups)}
+        names = {id(getattr(s.scheduler, "optimizer", None)): s.name for s in trainer.lr_schedulers if s.name}
+        return {f"lr-{names.get(id(optimizer), i)}-{j}": float(group["lr"])
+                for i, optimizer in enumerate(trainer.optimizers) for j, group in enumerate(optimizer.param_groups)}
 
     def on_train_log(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "step":

@@ -54,7 +54,7 @@ def parts(trainer: Trainer) -> dict[str, Any]:
     callbacks = trainer.callbacks
     named = {
         "loop": trainer.loop,
-        "schedulers": _Each([s for s, _ in trainer.lr_schedulers]),
+        "schedulers": _Each([s.scheduler for s in trainer.lr_schedulers]),
         "precision": trainer.runtime.precision,
         "metrics": _Metrics(trainer),
         "callbacks": _Each(list(callbacks), [f"{type(c).__name__}-{i}" for i, c in enumerate(callbacks)]),

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lockstep.errors import ConfigError, StateError, UsageError
+from lockstep.errors import StateError, UsageError
+from lockstep.train.schedulers import Schedules
+from lockstep.train.schedulers import read as schedulers_read
 
 if TYPE_CHECKING:
     from lockstep.runtime import Runtime
@@ -201,31 +203,24 @@ def configure_model(module: Module, rt: Runtime) -> None:
     module.__dict__["_lockstep_configured"] = True
 
 
-def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], list[tuple[Any, str]]]:
-    """The module's optimizers, and its schedulers with their interval (``"step"`` or ``"epoch"``)."""
+def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], Schedules]:
+    """The module's optimizers, and its schedulers with when each steps (``train/schedulers.py``)."""
     if not hasattr(module, "configure_optimizers"):
         raise UsageError(f"{type(module).__name__} has no configure_optimizers(): define it to return an "
                          "optimizer (or a dict with 'optimizer' and 'lr_scheduler').")
     result = getattr(module, "configure_optimizers")()  # noqa: B009 - user-defined, not on nn.Module
+    monitor = None
     if isinstance(result, torch.optim.Optimizer):
-        return [result], []
+        return [result], Schedules()
     if isinstance(result, dict):
         optimizers, schedulers = [result["optimizer"]], [result["lr_scheduler"]] if "lr_scheduler" in result else []
+        monitor = result.get("monitor")
     elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
         optimizers, schedulers = list(result[0]), list(result[1])
     else:
         raise UsageError("configure_optimizers() must return an optimizer, a dict {'optimizer', 'lr_scheduler'} "
                          f"or ([optimizers], [schedulers]); got {type(result).__name__}.")
-    return optimizers, [_scheduler_and_interval(scheduler) for scheduler in schedulers]
-
-
-def _scheduler_and_interval(scheduler: Any) -> tuple[Any, str]:
-    if not isinstance(scheduler, dict):
-        return scheduler, "epoch"
-    interval = scheduler.get("interval", "epoch")
-    if interval not in ("step", "epoch"):
-        raise ConfigError(f"lr_scheduler interval {interval!r}: use 'step' or 'epoch'.")
-    return scheduler["scheduler"], interval
+    return optimizers, Schedules(schedulers_read(scheduler, monitor) for scheduler in schedulers)
 
 
 def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:

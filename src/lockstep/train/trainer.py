@@ -37,6 +37,7 @@ from lockstep.train.loop import LoopCounter, LoopState
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
 from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers
 from lockstep.train.profilers import SimpleProfiler, make_profiler
+from lockstep.train.schedulers import Schedules
 from lockstep.train.steps import WholeModelStep, batch_step_for
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Trainer:
         self.progress_bar_metrics: set[str] = {"train_loss"}
         self.loop = LoopState()
         self.optimizers: list[torch.optim.Optimizer] = []
-        self.lr_schedulers: list[tuple[Any, str]] = []  # (scheduler, "step" | "epoch")
+        self.lr_schedulers = Schedules()  # each scheduler and when it steps
         self._module: Module | None = None
         self._wrapped: Any = None
         self.train_loader: DistributedLoader | None = None
@@ -302,10 +303,10 @@ class Trainer:
         if (on_step is not None or on_epoch is not None or self.metrics.routes) and sink is self.metrics.recent:
             self.metrics.route(name, on_step, on_epoch)  # training's two sums: the flags of this value
         rows = self.loop.batch_samples
-        if rows == 0:  # a rank's zero-row batch (its shard ended, a stream's end): its step ran on a stand-in
-            return  # row (a forward that is a collective, FSDP's) or on no row (0 / 0), whatever batch_size says
         weight = batch_size if batch_size is not None else rows
-        if type(weight) is int and weight == 0:
+        # a rank's zero-row batch (its shard ended, a stream's end) logs nothing, whatever batch_size says: its
+        # step ran on a stand-in row (a forward that is a collective, FSDP's) or on no row (0 / 0)
+        if rows == 0 or (type(weight) is int and weight == 0):
             return
         # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
         device = self._runtime.device  # type: ignore[union-attr]
@@ -345,7 +346,7 @@ class Trainer:
                 self._runtime.compile(module, compile)
                 self.compiled = list(self._runtime.compiled)
             self._module = module
-            self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], [])
+            self.optimizers, self.lr_schedulers = configure_optimizers(module) if with_optimizers else ([], Schedules())
             wrapped = self._runtime.setup(StepRouter(module), *self.optimizers,
                                           activation_checkpointing=self.config.activation_checkpointing)
             self._wrapped = wrapped[0] if self.optimizers else wrapped
@@ -452,9 +453,8 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if not rt.step_committed:
             return False
-        for scheduler, interval in self.lr_schedulers:
-            if interval == "step":
-                scheduler.step()
+        if self.lr_schedulers:
+            self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics)  # the step, once taken
         return True
 
     def _after_step(self) -> bool:
@@ -474,9 +474,7 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         self.epoch_ended = True  # a checkpoint from here on resumes at the next epoch's start
-        for scheduler, interval in self.lr_schedulers:
-            if interval == "epoch":
-                scheduler.step()
+        self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics)
         self.metrics.settle()
         epoch_values = self.metrics.epoch.reduce(self.runtime)
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
@@ -488,6 +486,7 @@ class Trainer:
         if self._val_loader is not None and not self.config.val_check_interval:
             self.evaluation.during_fit()
         self.fire("on_train_epoch_end")
+        self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=True)
         self.loop.end_epoch()
 
     # -- callbacks and reports ---------------------------------------------------------------------

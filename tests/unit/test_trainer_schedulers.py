@@ -1,0 +1,116 @@
+"""Lightning's scheduler configuration in configure_optimizers: interval, frequency, a scheduler that
+reduces on a plateau with its monitor, strict, name; against the learning rates computed by hand."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lockstep
+from checks import trainer as tc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class WithScheduler(tc.Classifier):
+    """``make(optimizer)`` gives what configure_optimizers returns beside the optimizer; ``lrs`` records the
+    learning rate after each optimizer step."""
+
+    def __init__(self, make, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.make, self.lrs = make, []
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, **self.make(optimizer)}
+
+
+
+class Rates(lockstep.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        module.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def fit(make, epochs: int = 3, lr: float = 0.1, callbacks=(), **options) -> WithScheduler:
+    module = WithScheduler(make, lr)
+    # 64 samples in batches of 16: 4 steps an epoch
+    trainer = tc.quiet_trainer(max_epochs=epochs, callbacks=[Rates(), *callbacks], **options)
+    trainer.fit(module, tc.checks.make_data(64), tc.checks.make_data(32, seed=1), batch_size=16)
+    return module
+
+
+def halving(interval: str, frequency: int):
+    return lambda optimizer: {"lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                                               "interval": interval, "frequency": frequency}}
+
+
+def test_a_scheduler_steps_every_frequency_steps_or_epochs():
+    by_steps = fit(halving("step", 3), epochs=2)
+    assert by_steps.lrs == pytest.approx([0.1 * 0.5 ** ((step + 1) // 3) for step in range(8)])
+    by_epochs = fit(halving("epoch", 2), epochs=4)  # halved after epochs 2 and 4: seen during epochs 3 and 4
+    assert by_epochs.lrs == pytest.approx([0.1] * 8 + [0.05] * 8)
+
+
+def test_reduce_on_plateau_follows_torchs_own_scheduler_fed_the_logged_values():
+    seen = []
+
+    class Recorder(lockstep.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            seen.append(trainer.callback_metrics["val_loss"])
+
+    def plateau(optimizer):
+        # threshold 1.0: only a loss below half the best counts as better, so the rate is cut at most epochs' ends
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=1.0)
+        return {"lr_scheduler": scheduler, "monitor": "val_loss"}  # the monitor beside it, as Lightning allows
+
+    module = fit(plateau, epochs=4, lr=0.5, callbacks=[Recorder()])
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD([torch.zeros(1)], lr=0.5), factor=0.5,
+                                                           patience=0, threshold=1.0)
+    expected = []
+    for value in seen:
+        expected.append(reference.optimizer.param_groups[0]["lr"])
+        reference.step(value)
+    assert len(seen) == 4 and module.lrs[::4] == pytest.approx(expected)  # each epoch's first step
+    assert len(set(expected)) > 1  # the schedule did change the rate in this run
+    assert module.trainer.lr_schedulers[0].on_plateau
+
+
+def test_a_missing_monitor_is_an_error_or_with_strict_false_a_warning():
+    def monitoring(name, strict=True):
+        return lambda optimizer: {"lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), "monitor": name, "strict": strict}}
+
+    with pytest.raises(ValueError, match="monitors 'val_los', which no step has logged.*val_loss"):
+        fit(monitoring("val_los"), epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(monitoring("val_los", strict=False), epochs=1)
+    assert any("is skipped ('strict': False)" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"interval": "batch"}, "interval 'batch'"),
+    ({"frequency": 0}, "frequency 0"),
+    ({"frequncy": 2}, "takes the keys"),
+    ({"reduce_on_plateau": True}, "drop the key"),
+])
+def test_bad_scheduler_configurations_are_refused_by_name(config, match):
+    def make(optimizer):
+        return {"lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1), **config}}
+
+    with pytest.raises(ValueError, match=match):
+        fit(make, epochs=1)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau steps with a metric"):
+        fit(lambda optimizer: {"lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}, epochs=1)
+
+
+def test_the_learning_rate_monitor_names_an_optimizer_by_its_schedulers_name(tmp_path):
+    def named(optimizer):
+        return {"lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1), "name": "head"}}
+
+    module = WithScheduler(named)
+    trainer = tc.quiet_trainer(max_steps=2, log_every_n_steps=1, callbacks=[lockstep.LearningRateMonitor()])
+    trainer.fit(module, tc.checks.make_data(64), batch_size=16)
+    assert "lr-head-0" in trainer.callback_metrics and "lr-0-0" not in trainer.callback_metrics
