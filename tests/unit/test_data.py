@@ -200,6 +200,18 @@ def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuff
         rt.loader(DataLoader(data, batch_size=None, sampler=of_batches, collate_fn=len))
 
 
+@pytest.mark.parametrize("length, drop_last, at", [(5, False, 1), (15, False, 3), (9, True, 2), (17, True, 3)])
+def test_a_stream_whose_len_is_not_what_it_yields_is_refused_at_the_batch_that_shows_it(length, drop_last, at):
+    """The global batch sizes, hence the loss weights, follow from __len__: 12 items said to be `length`."""
+    class Sized(checks.IndexedStream):
+        def __len__(self):
+            return length
+
+    rt = runtime()
+    with pytest.raises(ValueError, match=f"Sized yielded .* for global batch {at} where its __len__ \\({length}\\)"):
+        list(rt.loader(Sized(12), batch_size=4, drop_last=drop_last, num_workers=0))
+
+
 def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():
     rt = runtime()
     kept = [index.tolist() for index, _, _ in rt.loader(checks.IndexedStream(10), batch_size=4, num_workers=0)]

@@ -383,9 +383,15 @@ class DistributedLoader:
                     f"the stream ended at step {step} on {world - having} of {world} ranks, not on the others: "
                     "every rank must read the same stream (lockstep splits it). A stream that splits itself "
                     "by rank or yields a different number of items on each rank cannot be split again.")
+        got, size, batch = (step, 0, None) if item is _END else item
+        promised = self._stream_batches.promised(step)
+        if promised is not None and size != promised:  # the sizes (the loss weights) follow from __len__
+            name = type(self._stream.stream).__name__
+            raise ConfigError(f"{name} yielded {'no' if item is _END else size} item(s) for global batch {step} where "
+                              f"its __len__ ({self._stream_batches.length}) promises {promised}: make __len__ the "
+                              "number of items it yields, or drop __len__ (a stream without it is read to its end).")
         if item is _END:
             return _END
-        got, size, batch = item
         assert got == step, f"stream batch {got} arrived at step {step}"
         if batch is None:  # every rank sees the same size, so every rank raises here
             raise ConfigError(f"the stream's last global batch (step {step}) holds {size} items for "

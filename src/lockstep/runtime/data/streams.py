@@ -87,6 +87,14 @@ class StreamBatches:
             return min(self.batch_size, self.length - step * self.batch_size)
         return self.batch_size
 
+    def promised(self, step: int) -> int | None:
+        """How many items batch ``step`` holds by the stream's ``__len__`` (0: none, the pass has ended; a
+        short last batch under ``drop_last`` is none); None without ``__len__``."""
+        if self.length is None:
+            return None
+        size = max(0, min(self.batch_size, self.length - step * self.batch_size))
+        return 0 if self.drop_last and size < self.batch_size else size
+
     def indices(self, step: int, start: int, stop: int) -> list[int]:
         """Positions in the stream (this epoch's pass): a stream's dataset index is its position."""
         first = step * self.batch_size
