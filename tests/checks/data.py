@@ -305,3 +305,15 @@ def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torc
         optimizer.step()
         optimizer.zero_grad()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def batch_sampler_with_a_batch_of_one() -> str:
+    """A batch sampler whose second batch holds 1 sample, on more ranks: the error each rank raises."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    loader = rt.loader(Indexed(5), batch_sampler=[[0, 1, 2, 3], [4]], num_workers=0)
+    try:
+        for _ in loader:
+            pass
+    except ValueError as error:
+        return str(error)
+    return "no error"

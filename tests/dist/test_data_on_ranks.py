@@ -88,3 +88,8 @@ def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_ca
     assert (checks.zipped_loaders(False) - checks.zipped_by_hand(False)).abs().max() < 1e-6  # one process: exact
     outcomes = rank_outcomes(checks.zipped_loaders, 2, False)
     assert all("two training loaders hand out the batches of one step" in str(o.error) for o in outcomes), outcomes
+
+
+def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_by_name():
+    for message in run_ranks(checks.batch_sampler_with_a_batch_of_one, 2):
+        assert "global batch 1 of the batch sampler holds 1 sample(s) for 2 data-parallel ranks" in message, message

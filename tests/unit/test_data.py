@@ -192,6 +192,15 @@ def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuff
     loader = rt.loader(distributed, num_workers=0)
     assert loader.state_dict()["order"] == "randperm"
     assert sorted(i for index, _, _ in loader for i in index.tolist()) == list(range(30))
+
+    class OwnSplit(torch.utils.data.DistributedSampler):  # chooses this rank's samples its own way
+        def __iter__(self):
+            return iter([0] * self.num_samples)
+
+    own = OwnSplit(data, num_replicas=1, rank=0)
+    for given in (dict(data=DataLoader(data, batch_size=6, sampler=own)), dict(data=data, batch_size=6, sampler=own)):
+        with pytest.raises(ValueError, match="OwnSplit is a DistributedSampler with its own __iter__"):
+            rt.loader(**given)
     # batch_size=None with a sampler of batches (torch's batched-fetch idiom): the sampler gives the batches
     of_batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 8, False)
     batched = DataLoader(data, batch_size=None, sampler=of_batches)

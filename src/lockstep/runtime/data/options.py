@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.data import (
@@ -69,7 +69,7 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
         options["shuffle"] = True
     elif isinstance(sampler, SequentialSampler):
         options["shuffle"] = False
-    elif isinstance(sampler, DistributedSampler):
+    elif plain_distributed(sampler):
         options["shuffle"] = sampler.shuffle
     else:
         options["sampler"] = sampler
@@ -94,6 +94,19 @@ def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
                       f"({type(chooser).__name__}) chooses which samples to take, and an evaluation loader takes "
                       "every sample of its dataset once, in dataset order: give Subset(dataset, indices) for part "
                       "of it, or the dataset itself.")
+
+
+def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:
+    """A ``DistributedSampler`` (a DataLoader written for plain DDP): lockstep does its split, and keeps its
+    ``shuffle``. A subclass with an ``__iter__`` of its own, which chooses this rank's samples its own way,
+    is refused: lockstep splits a global order, which such a sampler does not give."""
+    if not isinstance(sampler, DistributedSampler):
+        return False
+    if type(sampler).__iter__ is not DistributedSampler.__iter__:
+        raise ConfigError(f"{type(sampler).__name__} is a DistributedSampler with its own __iter__: it chooses each "
+                          "rank's samples itself, and lockstep splits one global order over the ranks. Give a sampler "
+                          "of the global order (every rank's samples, e.g. WeightedRandomSampler) as sampler=.")
+    return True
 
 
 def check_batch_size(batch_size: int, world_size: int) -> int:
@@ -134,7 +147,7 @@ def resolve_loader_options(
     opts.update(options)
     if batch_size is not None:
         opts["batch_size"] = batch_size
-    if isinstance(opts.get("sampler"), DistributedSampler):
+    if plain_distributed(opts.get("sampler")):
         opts["shuffle"] = opts.pop("sampler").shuffle
     if opts.get("batch_sampler") is not None:
         clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]

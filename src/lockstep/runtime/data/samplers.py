@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from torch.utils.data import Sampler
 
+from lockstep.errors import ConfigError
 from lockstep.runtime.data.order import Batches, split_evenly
 from lockstep.runtime.parallel.mesh import Membership
 
@@ -80,6 +81,12 @@ class GlobalBatchSampler(Sampler[Indices]):
 
     def __iter__(self) -> Iterator[Indices]:
         for step in range(self.start_step, self.steps_per_epoch()):
+            if self.global_size(step) < self.membership.size:  # every rank says so (a batch sampler's batch: a
+                # sampler's batches are checked when the loader is made)
+                raise ConfigError(f"global batch {step} of the batch sampler holds {self.global_size(step)} "
+                                  f"sample(s) for {self.membership.size} data-parallel ranks: a rank would get none "
+                                  f"to train on. Make it yield batches of at least {self.membership.size} samples "
+                                  "(drop or merge a short last one).")
             yield Indices(self.local_indices(step), self.epoch)
 
 
