@@ -85,9 +85,12 @@ def test_a_killed_cp2_dp2_trainer_run_resumes_on_dp4_cp4_and_one_process_to_the_
     whole, one = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "one.pt")
     assert whole["parallel"] == "cp=2" and whole["steps"] == one["steps"] == 10
     assert torch.allclose(whole["weights"], one["weights"], atol=TOLERANCE, rtol=0)
-    # predict on cp2 × dp2: every row once, in dataset order, the one process's logits (each cp rank runs it whole)
+    # predict on cp2 × dp2: every row once, in dataset order, the one process's logits (each cp rank runs it whole).
+    # The weights differ by up to TOLERANCE (float sums in another order, other thread counts): the logits then by
+    # up to 1.3e-5 on one 2-core machine; a row out of place would differ by the logits' own size (0.35 on average,
+    # up to 1.3).
     assert whole["predictions"].shape == one["predictions"].shape == (13, cc.LENGTH, cc.VOCAB)
-    assert torch.allclose(whole["predictions"], one["predictions"], atol=1e-5, rtol=0)
+    assert torch.allclose(whole["predictions"], one["predictions"], atol=5e-5, rtol=0)
     for resumed_on, parallel in ((4, ()), (1, ()), (4, ("--parallel", "cp=4"))):  # dp4, one process, cp4
         name = f"killed{resumed_on}{''.join(parallel)}"
         killed = _run(tmp_path, name, 4, 5, *cp)
