@@ -67,6 +67,55 @@ def test_16_mixed_step_equals_unscaled_step():
     assert torch.allclose(checks.flat_weights(model), checks.flat_weights(reference), atol=1e-5)
 
 
+@pytest.mark.parametrize("together", [True, False])
+def test_16_mixed_with_two_optimizers_equals_torchs_recipe_also_when_one_overflows(together):
+    """torch's recipe for several optimizers: unscale each, clip, step each, update the scale once. Step 2 puts
+    an inf in the first optimizer's gradients only: it skips, the second steps with gradients unscaled by the
+    scale they were scaled by, and the scale halves once. Clipped together (by their total norm), or each
+    optimizer's own parameters by their own norm."""
+    def two():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def optimizers(model):
+        return torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+
+    rt = runtime(precision="16-mixed", seed=0)
+    model = two()
+    model, first, second = rt.setup(model, *optimizers(model))
+    reference = two()
+    ref_first, ref_second = optimizers(reference)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
+    for step in range(4):
+        rt.backward(F.mse_loss(model(x), y))
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = reference(x)
+        scaler.scale(F.mse_loss(out.float(), y)).backward()
+        if step == 2:
+            for net in (lockstep.unwrap(model), reference):
+                net[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(ref_first)
+        scaler.unscale_(ref_second)
+        if together:
+            norms = [rt.clip_grad_norm_(model, [first, second], 0.5)]
+            ref_norms = [nn.utils.clip_grad_norm_(reference.parameters(), 0.5)]
+        else:
+            norms = [rt.clip_grad_norm_(model, opt, 0.5) for opt in (first, second)]
+            ref_norms = [nn.utils.clip_grad_norm_(reference[i].parameters(), 0.5) for i in (0, 2)]
+        for opt, ref_opt in ((first, ref_first), (second, ref_second)):
+            opt.step()
+            scaler.step(ref_opt)
+        scaler.update()
+        assert rt.step_was_skipped == (step == 2)
+        assert rt.precision.scaler.get_scale() == scaler.get_scale()
+        if step != 2:
+            assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms, strict=True)), (norms, ref_norms)
+        for opt in (first, second, ref_first, ref_second):
+            opt.zero_grad()
+        assert torch.equal(checks.flat_weights(model), checks.flat_weights(reference)), step
+
+
 def test_bf16_mixed_outputs_float32_and_runs_under_autocast():
     rt = runtime(precision="bf16")
     model = rt.setup(nn.Linear(4, 2))

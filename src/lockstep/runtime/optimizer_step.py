@@ -30,7 +30,7 @@ from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP, mark_wrapped_by_
 from lockstep.runtime.parallel.grad_norm import clip_grad_norm
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from lockstep.runtime.checkpoint.life import Checkpoints
     from lockstep.runtime.fault_tolerance.replication import Replication
@@ -71,17 +71,23 @@ class OptimizerStep:
             self.recorder.after_step()                          # 6
         return result
 
-    def clip(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-             norm_type: float) -> torch.Tensor:
-        """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3."""
+    def clip(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+             max_norm: float, norm_type: float) -> torch.Tensor:
+        """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3, over the
+        parameters of ``optimizers`` (one, or several clipped together by their total norm)."""
         self._check_backward()
         self.items.finish_step()
         if self.replication.in_step:
             self._reduce_over_replicas()
-        self.precision.unscale_(optimizer)
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        for optimizer in optimizers:
+            self.precision.unscale_(optimizer)
         with self.watchdog.step("clip_grad_norm_"):
-            # the norm over all shards, meshes and pipeline stages
-            return clip_grad_norm(model.parameters(), max_norm, norm_type, getattr(model, "norm_across_stages", None))
+            # the norm over all shards, meshes and pipeline stages, of the parameters these optimizers step: those
+            # unscaled (another optimizer's gradients may still be scaled)
+            held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+            parameters = [p for p in model.parameters() if id(p) in held]
+            return clip_grad_norm(parameters, max_norm, norm_type, getattr(model, "norm_across_stages", None))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Route ``optimizer.step()`` through ``run``. The optimizer stays the same object, so LR

@@ -9,7 +9,7 @@ import gc
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -439,10 +439,12 @@ class Runtime:
         return self._model.no_sync(model) if enabled else contextlib.nullcontext()
 
     def clip_grad_norm_(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
-        """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm."""
+        """Unscale the gradients (``16-mixed``), then clip their total norm; returns the norm. The gradients
+        are those of the parameters ``optimizer`` steps; several optimizers are clipped together, by the
+        total norm of all their parameters."""
         return self._optimizer_step.clip(model, optimizer, max_norm, norm_type)
 
     @property

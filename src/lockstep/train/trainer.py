@@ -446,9 +446,9 @@ class Trainer:
         taken nowhere, its batches come again)."""
         rt, clip = self._runtime, self.config.gradient_clip_val
         assert rt is not None
+        if clip is not None:  # the total norm of every optimizer's gradients, each unscaled first (16-mixed)
+            rt.clip_grad_norm_(self._wrapped, self.optimizers, clip)
         for optimizer in self.optimizers:
-            if clip is not None:
-                rt.clip_grad_norm_(self._wrapped, optimizer, clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if not rt.step_committed:

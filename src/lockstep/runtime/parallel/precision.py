@@ -116,6 +116,7 @@ class MixedPrecision(TruePrecision):
         self._unscaled: set[int] = set()
         self._scale_before: float | None = None
         self._scale_after: float | None = None
+        self._pending = False  # stepped since the last update of the scale
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module
@@ -135,7 +136,10 @@ class MixedPrecision(TruePrecision):
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scaler is None else self.scaler.scale(loss)
+        if self.scaler is None:
+            return loss
+        self._update()  # the last step's optimizers have all stepped: the next scale
+        return self.scaler.scale(loss)
 
     def fsdp_policy(self) -> MixedPrecisionPolicy | None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -152,30 +156,42 @@ class MixedPrecision(TruePrecision):
             self._unscaled.add(id(optimizer))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
+        """The scaler's step of ``optimizer``; its update (the next scale) waits until every optimizer of the
+        step has stepped (the next backward, or whoever asks for the scale or the state first): an update
+        between two optimizers' steps would unscale the second one's gradients by a scale they were not
+        scaled by, and move the scale once per optimizer."""
         if self.scaler is None:
             return step()
-        self._scale_before = self.scaler.get_scale()
+        if not self._pending:
+            self._scale_before, self._scale_after, self._pending = self.scaler.get_scale(), None, True
         with _quiet_scaler_on_shards():
             result = self.scaler.step(optimizer)  # calls optimizer.step() unless grads hold inf/NaN
-        self.scaler.update()
-        self._scale_after = None
         self._unscaled.discard(id(optimizer))
         return result
+
+    def _update(self) -> None:
+        if self._pending:
+            assert self.scaler is not None
+            self.scaler.update()
+            self._pending = False
 
     @property
     def last_step_skipped(self) -> bool:
         if self.scaler is None or self._scale_before is None:
             return False
+        self._update()
         if self._scale_after is None:
             self._scale_after = self.scaler.get_scale()
         return self._scale_after < self._scale_before
 
     def state_dict(self) -> dict[str, Any]:
+        self._update()  # the scale the next step uses
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+            self._pending = False
 
 
 def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:

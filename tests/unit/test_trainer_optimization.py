@@ -1,5 +1,6 @@
-"""Lightning's scheduler configuration in configure_optimizers: interval, frequency, a scheduler that
-reduces on a plateau with its monitor, strict, name; against the learning rates computed by hand."""
+"""What configure_optimizers returns, run as Lightning does: the scheduler configuration (interval, frequency,
+a scheduler that reduces on a plateau with its monitor, strict, name), against rates computed by hand and torch's
+own scheduler; several optimizers with clipping and 16-mixed, against torch's recipe."""
 
 from __future__ import annotations
 
@@ -114,3 +115,48 @@ def test_the_learning_rate_monitor_names_an_optimizer_by_its_schedulers_name(tmp
     trainer = tc.quiet_trainer(max_steps=2, log_every_n_steps=1, callbacks=[lockstep.LearningRateMonitor()])
     trainer.fit(module, tc.checks.make_data(64), batch_size=16)
     assert "lr-head-0" in trainer.callback_metrics and "lr-0-0" not in trainer.callback_metrics
+
+
+class TwoOptimizers(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)], []
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "32-true"])
+def test_two_optimizers_with_clipping_equal_torchs_recipe(precision):
+    """gradient_clip_val clips the total norm of every optimizer's gradients, each unscaled first; the scale
+    moves once a step: torch's recipe for several optimizers, bit for bit."""
+    x, y = torch.randn(32, 8, generator=torch.Generator().manual_seed(2)), torch.randn(32, 4)
+    module = TwoOptimizers()
+    in_order = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)  # no shuffle
+    tc.quiet_trainer(max_epochs=2, precision=precision, gradient_clip_val=0.5).fit(module, in_order)
+    reference = TwoOptimizers()
+    first, second = reference.configure_optimizers()[0]
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "16-mixed")
+    for _ in range(2):
+        for rows in torch.arange(32).split(8):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "16-mixed"):
+                out = reference(x[rows])
+            scaler.scale(torch.nn.functional.mse_loss(out.float(), y[rows])).backward()
+            scaler.unscale_(first)
+            scaler.unscale_(second)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            scaler.step(first)
+            scaler.step(second)
+            scaler.update()
+            first.zero_grad()
+            second.zero_grad()
+    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
