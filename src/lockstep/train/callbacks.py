@@ -40,6 +40,9 @@ class Callback:
         """After the optimizer step of a logging step (every ``log_every_n_steps``): the steps' logged
         values are reduced and in ``trainer.callback_metrics``; log more with ``trainer.log_metrics``."""
     def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        """After a validation inside a fit, once every callback's ``on_validation_epoch_end`` has run (its
+        judgement, EarlyStopping's, is made): where ModelCheckpoint saves what that validation scored."""
     def on_save_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
     def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None: ...
@@ -133,6 +136,7 @@ class ModelCheckpoint(Callback):
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
         self.async_save = async_save
         self.best_model_path: str | None = None
+        self._after_validation = False  # a step's save waits for the step's validation
 
     def on_fit_start(self, trainer: Trainer, module: Module) -> None:
         folder = self.dirpath or trainer.checkpoint_dir
@@ -141,11 +145,27 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
+            if _validates_after_this_step(trainer):  # saved once the step's validation is in (on_validation_end):
+                self._after_validation = True  # a resume then does not miss it, and the score is this step's
+            else:
+                self.save(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        """A step save that waited for this validation; with ``monitor`` and validation inside epochs
+        (``val_check_interval``), every validation's save: its score belongs to these weights."""
+        if self._after_validation or (self.monitor is not None and self._scores_inside_epochs(trainer)):
+            self._after_validation = False
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self.monitor is not None and self._scores_inside_epochs(trainer):
+            return  # saved at each validation (the last score is older than the epoch's end)
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
+
+    def _scores_inside_epochs(self, trainer: Trainer) -> bool:
+        return trainer.validates and bool(trainer.config.val_check_interval) and (
+            not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs == 0)
 
     def on_train_end(self, trainer: Trainer, module: Module) -> None:
         """Whatever ended the fit (``max_steps`` within an epoch, a stream, early stopping), its final
@@ -206,18 +226,28 @@ class ModelCheckpoint(Callback):
                 continue
             metrics = found.metadata.get("metrics", {})
             value = metrics.get(self.monitor) if isinstance(metrics, dict) else None
-            if isinstance(value, int | float) and not math.isnan(value):
-                kept[found.path] = float(value)
+            if isinstance(value, int | float):
+                kept[found.path] = self._ranked(float(value))
         return kept
 
     def _score(self, trainer: Trainer) -> float:
         if self.monitor is None:
             return float(trainer.global_step)
-        score = trainer.callback_metrics.get(self.monitor, math.nan)
-        if math.isnan(score):
+        score = trainer.callback_metrics.get(self.monitor)
+        if score is None:
             raise ConfigError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
                               f"metrics are {sorted(trainer.callback_metrics)}.")
-        return score
+        return self._ranked(float(score))
+
+    def _ranked(self, score: float) -> float:
+        """A NaN score (a diverged step) ranks last, as in Lightning."""
+        return score if not math.isnan(score) else (math.inf if self.mode == "min" else -math.inf)
+
+
+def _validates_after_this_step(trainer: Trainer) -> bool:
+    """A validation follows this optimizer step in the fit (``val_check_interval``)."""
+    interval = trainer.config.val_check_interval
+    return trainer.validates and interval is not None and interval > 0 and trainer.global_step % interval == 0
 
 
 class EarlyStopping(Callback):

@@ -51,6 +51,7 @@ class Evaluation:
         self.run(t._val_loader, "validation_step")
         t.loop.validated_at = t.global_step
         t.fire("on_validation_epoch_end")
+        t.fire("on_validation_end")
         t._sink = sink
         t._wrapped.train()
 
