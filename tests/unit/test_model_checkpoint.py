@@ -100,3 +100,32 @@ def test_a_nan_score_ranks_last(tmp_path):
     kept = sorted(path.name for path in tmp_path.glob("epoch=*"))
     assert kept == ["epoch=1-step=00000005.ckpt", "epoch=3-step=00000015.ckpt"], kept  # scores 3.0 and 2.0
     assert checkpoint.best_model_path.endswith("epoch=3-step=00000015.ckpt")
+
+
+class SaveAt(lockstep.Callback):
+    """A checkpoint written at the step's end, before the validation that follows it (as a preemption's is)."""
+
+    def __init__(self, step: int, path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_fit_resumed_from_before_a_steps_validation_runs_it_first_and_equals_the_uninterrupted_one(tmp_path):
+    def run(*extra, resume=None):
+        stopping = lockstep.EarlyStopping(monitor="val_loss", mode="max", patience=2)
+        module = Net(lr=0.05)
+        tc.quiet_trainer(max_epochs=3, val_check_interval=3, callbacks=[stopping, *extra], resume=resume).fit(
+            module, TRAIN, VAL, batch_size=8)
+        return module, stopping
+
+    whole, stopped = run()
+    with pytest.raises(RuntimeError, match="crash at step 4"):
+        run(SaveAt(3, tmp_path / "at3"), CrashAt(4))
+    resumed, stopped_again = run(resume=str(tmp_path / "at3"))
+    assert (stopped.stopped_at_step, stopped_again.stopped_at_step) == (9, 9)
+    assert (stopped.best, stopped.wait) == (stopped_again.best, stopped_again.wait)
+    for a, b in zip(whole.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

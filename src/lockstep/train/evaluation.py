@@ -43,6 +43,21 @@ class Evaluation:
         loader = self.loader(data, batch_size, t._loader_options(loader_options), step.removesuffix("_step"))
         return self.run(loader, step)
 
+    def after_resume(self) -> None:
+        """A fit resumed from a checkpoint written at a step that a validation follows (``val_check_interval``),
+        before that validation ran (a preemption's checkpoint, a callback's save at the batch's end): it runs
+        now, as it did in the uninterrupted fit, before the next step."""
+        t = self.trainer
+        interval, step = t.config.val_check_interval, t.global_step
+        if t.validates and interval and step > 0 and step % interval == 0 and t.loop.validated_at != step:
+            self.during_fit()
+
+    def at_fit_end(self) -> None:
+        """Whatever ended the fit, its final step is validated (unless it just was)."""
+        t = self.trainer
+        if t.validates and t.loop.validated_at != t.global_step:
+            self.during_fit()
+
     def during_fit(self) -> None:
         """Validation inside a fit: the training stage's metric sums are kept for after it."""
         t = self.trainer

@@ -66,10 +66,13 @@ class LoopState:
         self.resume_batches = self.batches_done_in_epoch = batches_done
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen}
+        return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
+                "validated_at": self.validated_at}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
+        validated = loop.get("validated_at")  # None in checkpoints written before it was kept
+        self.validated_at = int(validated) if isinstance(validated, int) else None
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in

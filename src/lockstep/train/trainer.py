@@ -233,10 +233,10 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
+            self.evaluation.after_resume()
             while not self.loop.finished(self.config.max_epochs, self.config.max_steps):
                 self._train_epoch()
-            if self._val_loader is not None and self.loop.validated_at != self.global_step:
-                self.evaluation.during_fit()  # whatever ended the fit, its final step is validated
+            self.evaluation.at_fit_end()
             self.fire("on_train_end")  # ModelCheckpoint saves the final step, if it is not saved yet
             rt.wait_for_save()  # a checkpoint still being written in the background
             self._report_final_checkpoint()
