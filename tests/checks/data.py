@@ -272,7 +272,7 @@ def hf_batches(n: int) -> dict:
             "stream": batches(stream), "resumed": head + batches(rest), "position": position}
 
 
-def zipped_loaders(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torch.Tensor:
+def zipped_loaders(drop_last: bool, lengths: tuple[int, int] = (11, 12), alternate: bool = False) -> torch.Tensor:
     """Two training loaders zipped (e.g. labeled and unlabeled data), the loss the sum of both batches'
     means: the weights after one pass (at the length of the shorter)."""
     g = torch.Generator().manual_seed(1)
@@ -283,14 +283,22 @@ def zipped_loaders(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torc
     model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     first, second = (rt.loader(torch.utils.data.TensorDataset(*data), batch_size=4, drop_last=drop_last,
                                num_workers=0) for data in (a, b))
-    for (xa, ya), (xb, yb) in zip(first, second, strict=False):  # the shorter ends the pass
+    if alternate:  # one loader's batch a step, in turn (multi-task): each step's loss is one batch's
+        passes = [iter(first), iter(second)]
+        for _ in range(min(len(first), len(second))):
+            for batches in passes:  # drawn after the other loader's batch went through its backward
+                x, y = next(batches)
+                rt.backward(((model(x).squeeze(-1) - y) ** 2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+    for (xa, ya), (xb, yb) in zip(first, second, strict=False) if not alternate else ():  # the shorter ends it
         rt.backward(((model(xa).squeeze(-1) - ya) ** 2).mean() + ((model(xb).squeeze(-1) - yb) ** 2).mean())
         optimizer.step()
         optimizer.zero_grad()
     return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
 
 
-def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torch.Tensor:
+def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12), alternate: bool = False) -> torch.Tensor:
     """The same in one plain loop: batches 4 by 4, in order."""
     g = torch.Generator().manual_seed(1)
     (xa, ya), (xb, yb) = [(torch.randn(n, 3, generator=g), torch.randn(n, generator=g)) for n in lengths]
@@ -300,10 +308,14 @@ def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12)) -> torc
     steps = (min(lengths) // 4) if drop_last else -(-min(lengths) // 4)
     for s in range(steps):
         rows = slice(4 * s, 4 * s + 4)
-        loss = ((model(xa[rows]).squeeze(-1) - ya[rows]) ** 2).mean()
-        (loss + ((model(xb[rows]).squeeze(-1) - yb[rows]) ** 2).mean()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        def loss(x, y, rows=rows):
+            return ((model(x[rows]).squeeze(-1) - y[rows]) ** 2).mean()
+
+        for step_loss in ((lambda: loss(xa, ya), lambda: loss(xb, yb)) if alternate else
+                          (lambda: loss(xa, ya) + loss(xb, yb),)):  # each loss after the last step
+            step_loss().backward()
+            optimizer.step()
+            optimizer.zero_grad()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 

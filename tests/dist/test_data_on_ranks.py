@@ -88,6 +88,10 @@ def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_ca
     assert (checks.zipped_loaders(False) - checks.zipped_by_hand(False)).abs().max() < 1e-6  # one process: exact
     outcomes = rank_outcomes(checks.zipped_loaders, 2, False)
     assert all("two training loaders hand out the batches of one step" in str(o.error) for o in outcomes), outcomes
+    # used in turn, a step a batch (multi-task), each loss has its own batch's weight: exact, short batches too
+    reference = checks.zipped_by_hand(False, alternate=True)
+    for weights in run_ranks(checks.zipped_loaders, 2, False, (11, 12), True):
+        assert (weights - reference).abs().max() < 1e-6
 
 
 def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_by_name():

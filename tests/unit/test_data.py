@@ -177,6 +177,19 @@ def test_an_evaluation_dataloader_keeps_the_samples_its_sampler_chose_or_is_refu
                     dict(batch_sampler=[[0, 1], [0, 1]])):
         with pytest.raises(ValueError, match="chooses which samples to take.*Subset"):
             rt.eval_loader(DataLoader(data, **chooser), batch_size=2)
+    class Unrepeated(torch.utils.data.DistributedSampler):  # no padding: each rank's own samples, its way
+        def __iter__(self):
+            return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    split = Unrepeated(data, num_replicas=1, rank=0)
+    for loader in (DataLoader(data, batch_size=4, sampler=split),
+                   DataLoader(data, batch_size=None, sampler=torch.utils.data.BatchSampler(split, 4, False))):
+        assert torch.cat([i for i, _, _ in rt.eval_loader(loader, batch_size=4, num_workers=0)]).tolist() == list(
+            range(20))  # over the ranks, every sample once: evaluation takes them all in order
+    unbatched = DataLoader(data, batch_size=None)  # torch: one sample at a time; lockstep batches with batch_size
+    assert [len(i) for i, _, _ in rt.loader(unbatched, batch_size=8, num_workers=0)] == [8, 8, 4]
+    assert [len(items) for items in rt.eval_loader(DataLoader(data, batch_size=None, collate_fn=list), batch_size=8,
+                                                    num_workers=0)] == [8, 8, 4]  # its own collate_fn, kept
     everything = DataLoader(data, batch_size=4, shuffle=True)  # an order of every sample: dropped
     assert torch.cat([i for i, _, _ in rt.eval_loader(everything, batch_size=4, num_workers=0)]).tolist() == list(
         range(20))

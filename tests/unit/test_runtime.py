@@ -116,6 +116,26 @@ def test_16_mixed_with_two_optimizers_equals_torchs_recipe_also_when_one_overflo
         assert torch.equal(checks.flat_weights(model), checks.flat_weights(reference)), step
 
 
+def test_16_mixed_state_loaded_between_steps_leaves_the_next_step_working():
+    """The scale's update waits for the next scaled loss: loading the precision's state before it (rt.load to roll
+    back) must not leave the scaler thinking the optimizer has stepped."""
+    rt = runtime(precision="16-mixed", seed=0)
+    model = checks.make_model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = checks.make_data(8).tensors
+    saved = None
+    for step in range(3):
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.clip_grad_norm_(model, optimizer, 1.0)  # unscales: raises if the scaler thinks it stepped already
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            saved = rt.precision.state_dict()
+        if step == 1:
+            rt.precision.load_state_dict(saved)
+    assert rt.precision.scaler.get_scale() == 65536.0 and not rt.step_was_skipped
+
+
 def test_bf16_mixed_outputs_float32_and_runs_under_autocast():
     rt = runtime(precision="bf16")
     model = rt.setup(nn.Linear(4, 2))

@@ -414,6 +414,7 @@ class Runtime:
         (that shrinks the gradient k times; a first step whose every loss is divided by its number of
         micro-batches is refused); without it, divide, as a plain loop does.
         """
+        self._current.backward_seen = True  # another loader's batch after this is the next loss's (no zip)
         if self._recorder is not None:
             self._recorder.backward(loss, num_items if num_items is not None else self._current.loss_weight)
         if num_items is not None:

@@ -158,14 +158,22 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        if self.monitor is not None and self._scores_inside_epochs(trainer):
-            return  # saved at each validation (the last score is older than the epoch's end)
+        if self.monitor is not None and trainer.validates and trainer.config.val_check_interval:
+            return  # saved at validations (the last score is older than the epoch's end)
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
     def _scores_inside_epochs(self, trainer: Trainer) -> bool:
-        return trainer.validates and bool(trainer.config.val_check_interval) and (
-            not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs == 0)
+        """Validations inside the epochs: in an epoch the epoch rule saves, each one's save (Lightning's)."""
+        every = self.every_n_epochs
+        return trainer.validates and bool(trainer.config.val_check_interval) and bool(every) and (
+            every is not None and (trainer.current_epoch + 1) % every == 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"after_validation": self._after_validation}  # a resume that runs the validation then saves
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._after_validation = bool(state.get("after_validation", False))
 
     def on_train_end(self, trainer: Trainer, module: Module) -> None:
         """Whatever ended the fit (``max_steps`` within an epoch, a stream, early stopping), its final

@@ -59,11 +59,11 @@ class Scheduled:
 class Schedules(list[Scheduled]):
     """A fit's schedulers (``trainer.lr_schedulers``)."""
 
-    def step(self, interval: str, count: int, metrics: Mapping[str, float], on_plateau: bool = False) -> None:
-        """Step those due ``count`` optimizer steps or epochs into the fit; those that reduce on a plateau
-        apart (``on_plateau``): at an epoch's end they wait for its validation."""
+    def step(self, interval: str, count: int, metrics: Mapping[str, float], on_plateau: bool | None = None) -> None:
+        """Step those due ``count`` optimizer steps or epochs into the fit (``on_plateau``: only those that
+        reduce on a plateau, or only the others; at an epoch's end the former wait for its validation)."""
         for scheduled in self:
-            if scheduled.on_plateau == on_plateau and scheduled.due(interval, count):
+            if (on_plateau is None or scheduled.on_plateau == on_plateau) and scheduled.due(interval, count):
                 scheduled.step(metrics)
 
 

@@ -474,7 +474,7 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         self.epoch_ended = True  # a checkpoint from here on resumes at the next epoch's start
-        self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics)
+        self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=False)
         self.metrics.settle()
         epoch_values = self.metrics.epoch.reduce(self.runtime)
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
@@ -485,8 +485,9 @@ class Trainer:
         self._sink = None  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
             self.evaluation.during_fit()
-        self.fire("on_train_epoch_end")
+        # those that reduce on a plateau step with the epoch's values, before a checkpoint at its end is written
         self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=True)
+        self.fire("on_train_epoch_end")
         self.loop.end_epoch()
 
     # -- callbacks and reports ---------------------------------------------------------------------

@@ -58,6 +58,7 @@ class CurrentBatch:
         self.loader: DistributedLoader | None = None
         self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
+        self.backward_seen = False  # rt.backward ran since the current training batch was handed out
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
         # cut from. A forward that is a collective runs on the real row and returns zero rows.
@@ -73,9 +74,10 @@ class CurrentBatch:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
         self.stand_in = {}
         if loader.training:
-            if self.loader is not None and self.loader is not loader:  # two training loaders in one step (a zip)
-                _one_weight_for_both(self.loader, self.step, loader, step)
+            if self.loader is not None and self.loader is not loader and not self.backward_seen:
+                _one_weight_for_both(self.loader, self.step, loader, step)  # two loaders' batches in one loss (zip)
             self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
+            self.backward_seen = False
             if self.watchdog.clock is not None:  # the straggler report times the steps
                 self.watchdog.clock.batch(loader)
 

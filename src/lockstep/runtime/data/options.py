@@ -48,18 +48,18 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
     if options["num_workers"] == 0:
         options.pop("prefetch_factor")
         options.pop("persistent_workers")
-    if loader.batch_size is None and not isinstance(loader.dataset, IterableDataset):
-        # batch_sampler=, or batch_size=None with a sampler that yields batches (the DataLoader then hands
-        # dataset[indices] to collate_fn, default_convert unless given; lockstep collates the items)
+    if options["collate_fn"] is default_convert:  # batch_size=None's: lockstep collates the items of its batches
+        options.pop("collate_fn")
+    of_batches = isinstance(loader.sampler, BatchSampler)  # batch_size=None with a sampler of batches
+    if (loader.batch_sampler is not None or of_batches) and loader.batch_size is None and \
+            not isinstance(loader.dataset, IterableDataset):
         options["batch_sampler"] = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
         options.pop("drop_last")
-        if loader.batch_sampler is None:
-            if options["collate_fn"] is not default_convert:
-                raise ConfigError("a DataLoader with batch_size=None and a sampler that yields batches hands "
-                                  "dataset[indices] to its collate_fn, and lockstep fetches a batch's items one by "
-                                  "one: give DataLoader(dataset, batch_sampler=...) and a collate_fn that takes a "
-                                  "list of items.")
-            options.pop("collate_fn")
+        if of_batches and "collate_fn" in options:
+            raise ConfigError("a DataLoader with batch_size=None and a sampler that yields batches hands "
+                              "dataset[indices] to its collate_fn, and lockstep fetches a batch's items one by "
+                              "one: give DataLoader(dataset, batch_sampler=...) and a collate_fn that takes a "
+                              "list of items.")
         return loader.dataset, options
     options["batch_size"] = loader.batch_size
     sampler = loader.sampler
@@ -69,9 +69,7 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
         options["shuffle"] = True
     elif isinstance(sampler, SequentialSampler):
         options["shuffle"] = False
-    elif plain_distributed(sampler):
-        options["shuffle"] = sampler.shuffle
-    else:
+    else:  # a DistributedSampler too: resolve_loader_options makes it shuffle (training) or drops it (evaluation)
         options["sampler"] = sampler
     return loader.dataset, options
 
@@ -79,14 +77,15 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
 def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
     """The samples an evaluation DataLoader chose (its sampler, or its batch sampler's), each once, as the
     dataset an evaluation loader takes in order: all of them for a sampler that orders them
-    (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler``: already dropped by ``options_of``);
+    (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler`` and its subclasses);
     ``Subset(dataset, sampler.indices)`` for a subset's sampler (``SubsetRandomSampler``); anything else,
     which could choose, repeat or weigh samples, is refused by name rather than dropped."""
     if isinstance(batch_sampler, BatchSampler):
         sampler, batch_sampler = batch_sampler.sampler, None
     chooser = batch_sampler if batch_sampler is not None else sampler
-    if chooser is None or isinstance(chooser, SequentialSampler) or is_plain_random_sampler(chooser):
-        return dataset
+    if chooser is None or isinstance(chooser, (SequentialSampler, DistributedSampler)) or \
+            is_plain_random_sampler(chooser):
+        return dataset  # every sample once (a DistributedSampler of any kind: over the ranks)
     indices = getattr(chooser, "indices", None) if batch_sampler is None else None
     if isinstance(indices, (Sequence, torch.Tensor)) and not isinstance(indices, (str, bytes)):
         return Subset(dataset, [int(i) for i in indices])  # the subset, in the order its indices are listed

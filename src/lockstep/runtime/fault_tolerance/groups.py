@@ -330,11 +330,16 @@ class ReplicaGroups:
         they do not come within the step timeout (a group died before its first step, the job has ended),
         this group trains with those it has, and says so."""
         want = self.config.start_with
+        quorum = self._recorder.last
+        if quorum is not None and (quorum.heal or quorum.max_step > step):
+            return  # it joins groups already training: they take no quorum again before their next step
         deadline = time.monotonic() + self.config.step_timeout
         while len(self._members) < want:
-            # the members of this quorum give up together (at the first one's deadline): one that trained on
-            # while another asked for a quorum again would wait for it in the step's all-reduce
+            # the members of this quorum give up together (at the first one's deadline), and so do a group's own
+            # ranks: one that trained on while another asked for a quorum again would wait for it in an all-reduce
             late = torch.tensor([float(time.monotonic() >= deadline)], device=self.device)
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)  # this group's ranks
             self._all_reduce(late, average=False)
             if late.item() > 0 or self.manager.errored() is not None:
                 break

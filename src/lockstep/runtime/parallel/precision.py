@@ -190,8 +190,8 @@ class MixedPrecision(TruePrecision):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
+            self._update()  # the optimizers' stepped states cleared, before the loaded scale replaces this one
             self.scaler.load_state_dict(state["scaler"])
-            self._pending = False
 
 
 def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
