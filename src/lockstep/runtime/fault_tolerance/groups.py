@@ -331,7 +331,7 @@ class ReplicaGroups:
         this group trains with those it has, and says so."""
         want = self.config.start_with
         quorum = self._recorder.last
-        if quorum is not None and (quorum.heal or quorum.max_step > step):
+        if quorum is not None and quorum.max_step > step:  # (not quorum.heal: torchft heals at step 0 too)
             return  # it joins groups already training: they take no quorum again before their next step
         deadline = time.monotonic() + self.config.step_timeout
         while len(self._members) < want:
