@@ -145,8 +145,8 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
-            if _validates_after_this_step(trainer):  # saved once the step's validation is in (on_validation_end):
-                self._after_validation = True  # a resume then does not miss it, and the score is this step's
+            if trainer.evaluation.due_after(trainer.global_step):  # saved once the step's validation is in
+                self._after_validation = True  # (on_validation_end): a resume does not miss it, the score is the step's
             else:
                 self.save(trainer)
 
@@ -158,16 +158,15 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        if self.monitor is not None and trainer.validates and trainer.config.val_check_interval:
+        if self.monitor is not None and trainer.evaluation.inside_epochs:
             return  # saved at validations (the last score is older than the epoch's end)
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
     def _scores_inside_epochs(self, trainer: Trainer) -> bool:
         """Validations inside the epochs: in an epoch the epoch rule saves, each one's save (Lightning's)."""
-        every = self.every_n_epochs
-        return trainer.validates and bool(trainer.config.val_check_interval) and bool(every) and (
-            every is not None and (trainer.current_epoch + 1) % every == 0)
+        every = self.every_n_epochs or 0
+        return trainer.evaluation.inside_epochs and every > 0 and (trainer.current_epoch + 1) % every == 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"after_validation": self._after_validation}  # a resume that runs the validation then saves
@@ -250,12 +249,6 @@ class ModelCheckpoint(Callback):
     def _ranked(self, score: float) -> float:
         """A NaN score (a diverged step) ranks last, as in Lightning."""
         return score if not math.isnan(score) else (math.inf if self.mode == "min" else -math.inf)
-
-
-def _validates_after_this_step(trainer: Trainer) -> bool:
-    """A validation follows this optimizer step in the fit (``val_check_interval``)."""
-    interval = trainer.config.val_check_interval
-    return trainer.validates and interval is not None and interval > 0 and trainer.global_step % interval == 0
 
 
 class EarlyStopping(Callback):

@@ -48,9 +48,18 @@ class Evaluation:
         before that validation ran (a preemption's checkpoint, a callback's save at the batch's end): it runs
         now, as it did in the uninterrupted fit, before the next step."""
         t = self.trainer
-        interval, step = t.config.val_check_interval, t.global_step
-        if t.validates and interval and step > 0 and step % interval == 0 and t.loop.validated_at != step:
+        step = t.global_step
+        if step > 0 and self.due_after(step) and t.loop.validated_at != step:
             self.during_fit()
+
+    @property
+    def inside_epochs(self) -> bool:
+        """The fit validates every ``val_check_interval`` optimizer steps (not at the epochs' ends)."""
+        return self.trainer.validates and bool(self.trainer.config.val_check_interval)
+
+    def due_after(self, step: int) -> bool:
+        """A validation inside the epochs follows optimizer step ``step``."""
+        return self.inside_epochs and step % (self.trainer.config.val_check_interval or 1) == 0
 
     def at_fit_end(self) -> None:
         """Whatever ended the fit, its final step is validated (unless it just was)."""
