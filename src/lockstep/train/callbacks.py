@@ -54,6 +54,51 @@ class Callback:
         return None
 
 
+#: Lightning's hooks (of a callback or a LightningModule) that lockstep never calls; defining one is refused,
+#: not ignored (docs/migrating-from-lightning.md says where each kind of work goes).
+LIGHTNING_HOOKS_NOT_CALLED = (
+    "setup", "teardown", "prepare_data", "configure_callbacks", "on_sanity_check_start", "on_sanity_check_end",
+    "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
+    "on_validation_model_eval", "on_validation_model_train", "on_validation_model_zero_grad",
+    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end", "on_test_batch_start",
+    "on_test_batch_end", "on_test_model_eval", "on_test_model_train", "on_predict_start", "on_predict_end",
+    "on_predict_epoch_start", "on_predict_epoch_end", "on_predict_batch_start", "on_predict_batch_end",
+    "on_predict_model_eval", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+    "optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping", "backward",
+    "manual_backward", "on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device",
+    "train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader",
+)
+
+
+def hooks_defining(hook: str, callbacks: list[Callback], module: Module | None) -> list[tuple[str, Any]]:
+    """Who runs ``hook``, in order, each as ``(name, fn(trainer, module, *args))``: the module first, when it
+    defines the hook (with Lightning's arguments: none for the trainer and the module), so that a checkpoint a
+    callback saves in the same hook holds what the module's hook did; then the callbacks that override it."""
+    found: list[tuple[str, Any]] = []
+    if module is not None and getattr(type(module), hook, None) is not None:
+        own = getattr(module, hook)
+        found.append((f"{type(module).__name__}.{hook}", lambda trainer, module, *args: own(*args)))
+    return found + [(f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in callbacks
+                    if getattr(type(c), hook) is not getattr(Callback, hook)]
+
+
+def check_hooks(callbacks: list[Callback], module: Module) -> None:
+    """Refuse what a port from Lightning would define in vain: hooks lockstep never calls, and manual
+    optimization."""
+    unused = [f"{type(owner).__name__}.{hook}" for owner in (module, *callbacks)
+              for hook in LIGHTNING_HOOKS_NOT_CALLED if getattr(type(owner), hook, None) is not None]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: lockstep never calls these Lightning hooks, so their work would "
+                          "silently not happen. Move it where docs/migrating-from-lightning.md (\"Hooks\") says "
+                          "(set-up into __init__ or configure_model, data into the fit/validate/test calls, "
+                          "per-step work into training_step or on_before_backward / on_train_batch_end).")
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ConfigError(f"{type(module).__name__}.automatic_optimization = False: lockstep's Trainer runs the "
+                          "backward and the optimizer step itself (exact over the ranks). For a loop of your own "
+                          "(several backwards, GANs), use the runtime API: rt.backward(loss), optimizer.step() "
+                          "(docs/runtime.md).")
+
+
 def _link(link: Path, target: Path) -> None:
     """Point ``link`` at ``target`` (a sibling), replacing what was there in one rename."""
     temporary = link.with_name(f".{link.name}.link")
@@ -296,7 +341,8 @@ class EarlyStopping(Callback):
 
 class LearningRateMonitor(Callback):
     """Log each optimizer param group's learning rate as ``lr-<optimizer>-<group>``: the optimizer's index,
-    or the ``name`` of its scheduler's configuration."""
+    or the ``name`` of its scheduler's configuration. ``"step"``: at each logging step, the rate the next
+    step uses; ``"epoch"``: at each epoch's start, the rate its steps use (both as Lightning logs them)."""
 
     def __init__(self, logging_interval: str = "step") -> None:
         if logging_interval not in ("step", "epoch"):
@@ -312,6 +358,6 @@ class LearningRateMonitor(Callback):
         if self.logging_interval == "step":
             trainer.log_metrics(self._rates(trainer))
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "epoch":
             trainer.log_metrics(self._rates(trainer))

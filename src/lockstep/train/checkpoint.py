@@ -136,6 +136,13 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
         if name not in state:
             raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
         part.load_state_dict(state[name])
+    metrics = found.metadata.get("metrics")
+    if isinstance(metrics, dict):  # what the callbacks and schedulers saw, until the resumed fit logs anew
+        trainer.callback_metrics.update({k: float(v) for k, v in metrics.items()
+                                         if isinstance(k, str) and isinstance(v, (int, float))})
+    if trainer.loop.plateau_due:  # written during the epoch's end, before its plateau schedulers stepped
+        trainer.lr_schedulers.step("epoch", trainer.current_epoch, trainer.callback_metrics, on_plateau=True)
+        trainer.loop.plateau_due = False
     trainer.fire("on_load_checkpoint", state)
     rt.random_states().load_state_dict(state["rng"])  # last: nothing may draw random numbers after it
     return list(state.get("loggers", []))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,13 @@ class TrainerConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
-        for name in ("accumulate_grad_batches", "log_every_n_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be at least 1.")
+        for name in ("accumulate_grad_batches", "log_every_n_steps", "max_epochs", "max_steps", "val_check_interval"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+                fraction = (" lockstep's val_check_interval counts optimizer steps, across epochs; Lightning's "
+                            "fraction of an epoch is not taken: for half of an epoch of N steps, pass N // 2."
+                            if name == "val_check_interval" and isinstance(value, float) else "")
+                raise ConfigError(f"{name}={value!r}: must be a whole number, at least 1.{fraction}")
         if self.resume is not None and str(self.resume) == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
 

@@ -25,7 +25,9 @@ class LoopState:
     should_stop: bool = False  # a callback asked the fit to end (EarlyStopping)
     at_step_boundary: bool = False  # the current batch ends an accumulation: the optimizer steps after it
     epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
+    plateau_due: bool = False  # the epoch's end ran up to its plateau schedulers' step, not yet taken (resume takes it)
     batch_samples: int = 0  # this rank's samples in the current batch: the weight of self.log
+    batch_global_samples: int = 0  # the samples of the current batch over all ranks
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
     resume_batches: int = 0  # where the next epoch's pass starts (a resumed epoch)
     validated_at: int | None = None  # the step of the last validation in this fit
@@ -40,13 +42,13 @@ class LoopState:
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples = start, False, 0
         return start
 
-    def start_batch(self, batch_idx: int, local_samples: int, accumulate: int) -> None:
-        self.batch_samples = local_samples
+    def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int) -> None:
+        self.batch_samples, self.batch_global_samples = local_samples, global_samples
         self.at_step_boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.steps_per_epoch
 
-    def end_batch(self, batch_idx: int, global_samples: int) -> int | None:
+    def end_batch(self, batch_idx: int) -> int | None:
         """The batch is done; at a step boundary, the samples of the step's batches (else None)."""
-        self.step_samples += global_samples
+        self.step_samples += self.batch_global_samples
         self.batches_done_in_epoch = batch_idx + 1
         if not self.at_step_boundary:
             return None
@@ -67,12 +69,13 @@ class LoopState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
-                "validated_at": self.validated_at}
+                "plateau_due": self.plateau_due, "validated_at": self.validated_at}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
         validated = loop.get("validated_at")  # None in checkpoints written before it was kept
         self.validated_at = int(validated) if isinstance(validated, int) else None
+        self.plateau_due = loop.get("plateau_due") is True
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in

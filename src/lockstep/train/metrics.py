@@ -42,8 +42,12 @@ class MetricStore:
         An in-place float64 add costs a tensor operation per step and name; keeping costs two list
         operations, and the sum of 256 kept values costs about what 30 adds would.
         """
-        by_weight = self._kept.setdefault(name, {})
-        kept = by_weight.setdefault(weight, [])
+        by_weight = self._kept.get(name)  # not setdefault: its default would be built on every call
+        if by_weight is None:
+            by_weight = self._kept[name] = {}
+        kept = by_weight.get(weight)
+        if kept is None:
+            kept = by_weight[weight] = []
         kept.append(value)
         if len(kept) >= self.FOLD_EVERY:
             self._fold(name)

@@ -187,9 +187,10 @@ class StepRouter(nn.Module):
         self.module = module
 
     def forward(self, step: str | torch.Tensor, *args: Any) -> Any:
-        if isinstance(step, torch.Tensor):  # a pipeline stage: the module's own forward on what it receives
-            return self.module(step, *args)
-        return getattr(self.module, step)(*args)
+        module: Any = self._modules["module"]  # what self.module reads, without nn.Module's slower attribute lookup
+        if type(step) is str:
+            return getattr(module, step)(*args)
+        return module(step, *args)  # a pipeline stage: the module's own forward on what it receives
 
 
 def configure_model(module: Module, rt: Runtime) -> None:

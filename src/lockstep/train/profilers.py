@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -163,6 +164,14 @@ def _write(path: Path, text: str) -> None:
 
 
 PROFILERS = {"simple": SimpleProfiler, "advanced": AdvancedProfiler, "pytorch": PyTorchProfiler}
+
+
+def hook_runner(profiler: Any) -> Callable[..., Any] | None:
+    """How the Trainer runs a hook under ``profiler``: its own run() when it is lockstep's (a subclass may
+    override it), else profile()'s; None when profiling is off (the hook is called directly)."""
+    if type(profiler) is NoProfiler:
+        return None
+    return profiler.run if isinstance(profiler, SimpleProfiler) else types.MethodType(SimpleProfiler.run, profiler)
 
 
 def make_profiler(spec: Any) -> Any:

@@ -8,7 +8,6 @@ and backward, ``train/steps.py``) → ``_step_taken`` → ``_step_optimizers``; 
 from __future__ import annotations
 
 import os
-import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,14 +28,14 @@ from lockstep.runtime import (
     unwrap,
 )
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.callbacks import Callback, CallbackList, ModelCheckpoint
+from lockstep.train.callbacks import Callback, CallbackList, ModelCheckpoint, check_hooks, hooks_defining
 from lockstep.train.config import TrainerConfig
 from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.loop import LoopCounter, LoopState
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
 from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers
-from lockstep.train.profilers import SimpleProfiler, make_profiler
+from lockstep.train.profilers import SimpleProfiler, hook_runner, make_profiler
 from lockstep.train.schedulers import Schedules
 from lockstep.train.steps import WholeModelStep, batch_step_for
 
@@ -143,9 +142,7 @@ class Trainer:
     @profiler.setter
     def profiler(self, spec: Any) -> None:
         self._profiler = make_profiler(spec)
-        # the profiler's own run() when it is lockstep's (a subclass may override it), else profile()'s
-        self._run_hook = (self._profiler.run if isinstance(self._profiler, SimpleProfiler)
-                          else types.MethodType(SimpleProfiler.run, self._profiler))
+        self._run_hook = hook_runner(self._profiler)
 
     @property
     def runtime(self) -> Runtime:
@@ -340,6 +337,8 @@ class Trainer:
                 raise ConfigError(f"Trainer(num_nodes={wanted}) but the launcher started "
                                   f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
+            check_hooks(self.callbacks, module)
+            self._hooked_at = -1  # the module's own hooks are found again
             module.attach(self)
             configure_model(module, self._runtime)
             if not self.compiled:
@@ -403,14 +402,14 @@ class Trainer:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
         loop, loader = self.loop, self.train_loader
         assert loader is not None
-        loop.start_batch(batch_idx, loader.local_batch_size(batch_idx), self.config.accumulate_grad_batches)
+        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches)
         self.fire("on_train_batch_start", batch, batch_idx)
         if loop.at_step_boundary:
             outputs = self._forward_backward(batch, batch_idx)
         else:  # an accumulation micro-step: the gradients stay on this rank
             with self._runtime.no_sync(self._wrapped):  # type: ignore[union-attr]
                 outputs = self._forward_backward(batch, batch_idx)
-        samples = loop.end_batch(batch_idx, loader.global_batch_size(batch_idx))
+        samples = loop.end_batch(batch_idx)
         if samples is not None and not self._step_taken(samples):
             return False  # fault tolerance: a replica group died during the step; its batches come again
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
@@ -473,7 +472,8 @@ class Trainer:
         return self.loop.finished(self.config.max_epochs, self.config.max_steps)
 
     def _end_epoch(self) -> None:
-        self.epoch_ended = True  # a checkpoint from here on resumes at the next epoch's start
+        # a checkpoint from here on resumes at the next epoch's start, first stepping the plateau schedulers if due
+        self.epoch_ended = self.loop.plateau_due = True
         self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=False)
         self.metrics.settle()
         epoch_values = self.metrics.epoch.reduce(self.runtime)
@@ -487,6 +487,7 @@ class Trainer:
             self.evaluation.during_fit()
         # those that reduce on a plateau step with the epoch's values, before a checkpoint at its end is written
         self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=True)
+        self.loop.plateau_due = False
         self.fire("on_train_epoch_end")
         self.loop.end_epoch()
 
@@ -495,19 +496,18 @@ class Trainer:
         """Run a hook (or a step of the loop) ``fn``: the runtime told where this rank is (for hang
         reports), the profiler timing it."""
         self._runtime.mark(name)  # type: ignore[union-attr]  # hooks run once the Runtime exists
-        return self._run_hook(name, fn, *args)
+        run = self._run_hook
+        return fn(*args) if run is None else run(name, fn, *args)
 
     def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on the callbacks that define it (a per-step call costs a dict lookup otherwise)."""
-        callbacks = self._callbacks
+        """Call ``hook`` on the module and the callbacks that define it (``hooks_defining``; a per-step call
+        costs a dict lookup otherwise)."""
+        callbacks, module = self._callbacks, self._module
         if callbacks.changes != self._hooked_at:  # changed in place: the hooks are found again
             self._hooked_at, self._defining = callbacks.changes, {}
         defined = self._defining.get(hook)
-        if defined is None:  # once per hook
-            defined = self._defining[hook] = [
-                (f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in self.callbacks
-                if getattr(type(c), hook) is not getattr(Callback, hook)]
-        module = self._module
+        if defined is None:  # once per hook and module
+            defined = self._defining[hook] = hooks_defining(hook, callbacks, module)
         for name, method in defined:
             self._call(name, method, self, module, *args)
 

@@ -264,13 +264,22 @@ class DistributedLoader:
         """How many samples of batch ``step`` this rank holds."""
         return self.sampler.local_size(step)
 
+    def batch_sizes(self, step: int) -> tuple[int, int]:
+        """``local_batch_size(step)`` and ``global_batch_size(step)``, in one call."""
+        sampler = self.sampler
+        if isinstance(sampler, GlobalBatchSampler):
+            return sampler.sizes(step)
+        local = sampler.local_size(step)
+        return local, local
+
     def loss_weight(self, step: int) -> float:
         """What this rank's mean loss over batch ``step`` is multiplied by for the gradient of the
         global batch's mean loss, once DDP averages over the ranks (1.0 for evaluation batches)."""
         sampler = self.sampler
         if not self.training or not isinstance(sampler, GlobalBatchSampler):
             return 1.0
-        return sampler.local_size(step) * sampler.world_size / sampler.global_size(step)
+        local, size = sampler.sizes(step)
+        return local * sampler.world_size / size
 
     def __iter__(self) -> Iterator[Any]:
         """One pass: each batch of this rank, on the device, the observer told which is current."""

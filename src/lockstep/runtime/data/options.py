@@ -123,6 +123,17 @@ def check_batch_size(batch_size: int, world_size: int) -> int:
     return batch_size
 
 
+def _one_dataset(data: Any) -> None:
+    """Refuse several datasets given as one (Lightning's list or dict of loaders): read as one dataset, each
+    of them would be a sample."""
+    parts = list(data.values()) if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else []
+    if parts and all(isinstance(part, (Dataset, DataLoader)) for part in parts):
+        raise ConfigError(f"a {type(data).__name__} of {len(parts)} datasets or DataLoaders was given where one is "
+                          "taken: a loader reads one dataset. Evaluate each with its own call (trainer.validate / "
+                          "test per dataset, or one rt.eval_loader each), or join them with "
+                          "torch.utils.data.ConcatDataset.")
+
+
 def resolve_loader_options(
     data: Any, batch_size: int | None, options: dict[str, Any], world_size: int, local_world_size: int,
     device: torch.device, evaluation: bool = False,
@@ -133,6 +144,7 @@ def resolve_loader_options(
 
     ``evaluation``: every sample once, in dataset order; a DataLoader's choice of samples is kept
     as a ``Subset`` or refused (``evaluated_samples``), and none may be given."""
+    _one_dataset(data)
     dataset, opts = options_of(data) if isinstance(data, DataLoader) else (data, {})
     if evaluation:
         for chooser in ("sampler", "batch_sampler"):

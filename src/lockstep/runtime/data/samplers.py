@@ -29,7 +29,7 @@ class GlobalBatchSampler(Sampler[Indices]):
     def __init__(self, batches: Batches, membership: Membership) -> None:
         self.batches, self.membership = batches, membership
         self.epoch, self.start_step = 0, 0
-        self._last_share: tuple[tuple[int, int, int], tuple[int, int]] = ((-1, 0, 0), (0, 0))
+        self._last_share: tuple[tuple[int, int, int], tuple[int, int], int] = ((-1, 0, 0), (0, 0), 0)
 
     @property
     def rank(self) -> int:
@@ -48,7 +48,7 @@ class GlobalBatchSampler(Sampler[Indices]):
         """The pass of ``epoch`` from step ``start_step`` (the loader's call at each pass)."""
         self.epoch, self.start_step = epoch, start_step
         self.batches.set_epoch(epoch)
-        self._last_share = ((-1, 0, 0), (0, 0))  # a batch sampler's sizes change with the epoch
+        self._last_share = ((-1, 0, 0), (0, 0), 0)  # a batch sampler's sizes change with the epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Nothing to do: each pass of the loader is the next epoch, its order seeded by (seed, epoch), and a
@@ -65,15 +65,26 @@ class GlobalBatchSampler(Sampler[Indices]):
         return self.batches.size(step)
 
     def _share(self, step: int) -> tuple[int, int]:
+        return self._sizes(step)[1]
+
+    def _sizes(self, step: int) -> tuple[tuple[int, int, int], tuple[int, int], int]:
+        """Batch ``step``'s key, this rank's ``[start, stop)`` of it and its global size; asked several
+        times per batch (the loader, the loss weight, the Trainer): the latest is remembered."""
         member = self.membership
         key = (step, member.rank, member.size)
-        if self._last_share[0] != key:  # asked several times per batch: remember the latest
-            self._last_share = (key, split_evenly(self.global_size(step), member.size, member.rank))
-        return self._last_share[1]
+        if self._last_share[0] != key:
+            size = self.global_size(step)
+            self._last_share = (key, split_evenly(size, member.size, member.rank), size)
+        return self._last_share
 
     def local_size(self, step: int) -> int:
         start, stop = self._share(step)
         return stop - start
+
+    def sizes(self, step: int) -> tuple[int, int]:
+        """This rank's samples of batch ``step``, and the global batch's."""
+        _, (start, stop), size = self._sizes(step)
+        return stop - start, size
 
     def local_indices(self, step: int) -> list[int]:
         """The dataset indices of this rank's share of global batch ``step``."""
