@@ -165,3 +165,12 @@ def test_the_epoch_learning_rate_logged_is_the_one_each_epoch_used():
     trainer = tc.quiet_trainer(max_epochs=3, callbacks=[lockstep.LearningRateMonitor("epoch")], loggers=[Logger()])
     trainer.fit(Halving(), tc.checks.make_data(32), batch_size=16)  # 2 steps an epoch
     assert logged == [(0, pytest.approx(0.1)), (2, pytest.approx(0.05)), (4, pytest.approx(0.025))]
+
+
+def test_a_test_before_any_fit_writes_its_metrics_to_the_loggers(tmp_path):
+    import csv
+
+    trainer = tc.quiet_trainer(loggers=("csv",), log_dir=tmp_path)
+    metrics = trainer.test(tc.Classifier(), tc.checks.make_data(11), batch_size=4)
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [float(rows[-1]["val_loss"])] == [pytest.approx(metrics["val_loss"])]

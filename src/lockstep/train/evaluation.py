@@ -13,6 +13,7 @@ import torch
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime import DistributedLoader
 from lockstep.train.callbacks import ModelCheckpoint
+from lockstep.train.loggers import make_loggers
 from lockstep.train.metrics import MetricStore
 
 if TYPE_CHECKING:
@@ -41,7 +42,12 @@ class Evaluation:
         if not hasattr(module, step):
             raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
         loader = self.loader(data, batch_size, t._loader_options(loader_options), step.removesuffix("_step"))
-        return self.run(loader, step)
+        if not t.loggers and t.runtime.is_global_zero:  # before any fit: the pass's metrics are written too
+            t.loggers = make_loggers(t._logger_specs, t.log_dir)
+        metrics = self.run(loader, step)
+        for logger in t.loggers:
+            logger.finalize()
+        return metrics
 
     def after_resume(self) -> None:
         """A fit resumed from a checkpoint written at a step that a validation follows (``val_check_interval``),
