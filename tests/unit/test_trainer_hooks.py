@@ -174,3 +174,9 @@ def test_a_test_before_any_fit_writes_its_metrics_to_the_loggers(tmp_path):
     metrics = trainer.test(tc.Classifier(), tc.checks.make_data(11), batch_size=4)
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [float(rows[-1]["val_loss"])] == [pytest.approx(metrics["val_loss"])]
+
+
+def test_val_check_interval_without_validation_data_trains_without_validating():
+    trainer = tc.quiet_trainer(max_steps=6, val_check_interval=2)  # as Lightning: nothing to validate
+    trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=8)
+    assert trainer.global_step == 6 and "val_loss" not in trainer.callback_metrics

@@ -466,8 +466,8 @@ class Trainer:
             path = ckpt.preemption_checkpoint(self)
             rt.print(f"lockstep: a node of this job will be reclaimed; checkpoint {path} at step "
                      f"{self.global_step}; training goes on until the node goes.")
-        interval = self.config.val_check_interval
-        if interval and self.global_step % interval == 0:
+        interval = self.config.val_check_interval  # Evaluation.due_after, inline on this per-step path
+        if interval and self.global_step % interval == 0 and self._val_loader is not None:
             self.evaluation.during_fit()
         return self.loop.finished(self.config.max_epochs, self.config.max_steps)
 
