@@ -308,7 +308,7 @@ class Trainer:
         # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
         device = self._runtime.device  # type: ignore[union-attr]
         if type(weight) is int and isinstance(value, torch.Tensor) and value.ndim == 0 and value.device == device:
-            sink.add_scalar(name, value.detach() if value.requires_grad else value, weight)  # the per-step case
+            sink.add_scalar(name, value, weight)  # the per-step case
         else:
             sink.add(name, weighted_value(name, value, weight, device), weight)
         if prog_bar:
