@@ -9,6 +9,7 @@ from torch import nn
 
 import lockstep
 from checks import hf as hc
+from checks import dist as checks
 from checks.dist import layout
 
 VOCAB = 64
@@ -364,3 +365,58 @@ def float8_against_plain_2d() -> float:
         plain_optimizer.step()
         plain_optimizer.zero_grad()
     return float((ours - hc.flat(plain)).abs().max())
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class NamedBlocks(lockstep.Module):
+    """Blocks under ``net``: a plan or ``pp_stages`` written in this module's names (``net.blocks.*.up``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Linear(8, 16), _Block(), _Block(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def loss_fn(self, output, batch):  # on pipeline stages
+        return F.cross_entropy(output, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def named_blocks_weights(parallel) -> dict:
+    """Trains NamedBlocks with the Trainer on ``parallel`` (None: one process); its full weights, and how many
+    of its parameters this rank holds split over the tensor-parallel peers."""
+    from torch.distributed.tensor import DTensor
+
+    from checks import trainer as tc
+
+    module = NamedBlocks()
+    trainer = tc.quiet_trainer(max_steps=4, parallel=parallel, strategy="ddp" if parallel else "auto")
+    trainer.fit(module, checks.make_data(32), batch_size=8)
+    split = [name for name, p in module.named_parameters() if isinstance(p, DTensor)
+             and "tp" in (p.device_mesh.mesh_dim_names or ())  # the tensor-parallel dimension's placement
+             and p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_shard()]
+    weights = trainer.runtime.full_state_dict(trainer.module)
+    return {"weights": {name: value.clone() for name, value in weights.items()}, "split": split}
+
+
+def plan_by_function(model: nn.Module, tp_mesh) -> None:
+    """A tp_plan function, given the module it is written for."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {f"net.{i}.up": ColwiseParallel() for i in (1, 2)}
+                       | {f"net.{i}.down": RowwiseParallel() for i in (1, 2)})

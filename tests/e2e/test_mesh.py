@@ -190,3 +190,19 @@ def test_float8_on_dp2_tp2_equals_a_hand_written_2d_loop_over_torchao():
     pytest.importorskip("torchao.float8")
     # bit for bit; without torchao's conversion in the hand-written loop the weights differ by 0.05
     assert run_ranks(mc.float8_against_plain_2d, 4) == [0.0] * 4
+
+
+@pytest.mark.parametrize("parallel", [
+    lockstep.Parallel(tp=2, tp_plan={"net.*.up": "colwise", "net.*.down": "rowwise"}),
+    lockstep.Parallel(tp=2, tp_plan=mc.plan_by_function),
+    lockstep.Parallel(pp=2, pp_stages=[["net.0", "net.1"], ["net.2", "net.3"]]),
+], ids=["plan", "plan-function", "stages"])
+def test_the_trainer_takes_plans_and_stages_in_the_modules_own_names(parallel):
+    alone = run_ranks(mc.named_blocks_weights, 1, None)[0]
+    ranks = run_ranks(mc.named_blocks_weights, 2, parallel)
+    assert ranks[0]["weights"].keys() == alone["weights"].keys()  # the full weights, on rank 0
+    for name, value in alone["weights"].items():
+        assert torch.allclose(ranks[0]["weights"][name], value, atol=TOLERANCE, rtol=0), name
+    for rank in ranks:
+        # the plan split the two blocks: up.weight, up.bias (colwise) and down.weight (rowwise) of each
+        assert len(rank["split"]) == (6 if parallel.tp > 1 else 0)

@@ -182,6 +182,8 @@ _LIGHTNING_LOG_OPTIONS = {"sync_dist", "sync_dist_group", "rank_zero_only", "log
 class StepRouter(nn.Module):
     """Calls a step method by name through ``forward``, so DDP's forward hooks see every step."""
 
+    layout_root = "module"  # a tensor-parallel plan and pp_stages name the user's module's submodules
+
     def __init__(self, module: Module) -> None:
         super().__init__()
         self.module = module

@@ -38,10 +38,19 @@ def _style(name: str) -> Any:
     return SequenceParallel()
 
 
+def layout_root(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose submodule names a tensor-parallel plan and ``pp_stages`` are written in, and its name
+    in ``model``: ``model`` itself, or the submodule that its class names as ``layout_root`` (a wrapper of the
+    user's model, the Trainer's, names the user's model, whose names the user writes)."""
+    name = getattr(type(model), "layout_root", "")
+    return (model.get_submodule(name), name) if name else (model, "")
+
+
 def plan_of(module: nn.Module, plan: Plan | None, owner: str = "FSDP") -> Plan:
     """The plan given, else the ones the model's Hugging Face ``PreTrainedModel``s ship (``_tp_plan``),
     wherever they sit in it, their patterns prefixed with their place. ``owner``: the strategy that
     asked for tensor parallel, as the error names it."""
+    module = layout_root(module)[0]
     if plan is not None:
         return plan
     shipped: dict[str, Any] = {}
@@ -63,6 +72,7 @@ def plan_of(module: nn.Module, plan: Plan | None, owner: str = "FSDP") -> Plan:
 def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False) -> None:
     """Split ``module``'s weights over ``tp_mesh`` as ``plan`` says, after checking that it fits. ``stage``:
     ``module`` is a pipeline stage, whose other stages' modules hold no parameters and are left alone."""
+    module = layout_root(module)[0]
     if callable(plan) and not isinstance(plan, Mapping):
         plan(module, tp_mesh)
         return

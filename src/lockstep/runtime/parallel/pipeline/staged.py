@@ -27,6 +27,7 @@ from lockstep.runtime.parallel.pipeline.stages import (
     stages_per_rank,
 )
 from lockstep.runtime.parallel.precision import Precision
+from lockstep.runtime.parallel.tensor_parallel import layout_root
 from lockstep.runtime.parallel.wrappers import WrappedModule
 
 
@@ -50,7 +51,12 @@ class StagedModel:
 
     def cut(self, model: nn.Module) -> None:
         given = self.tools.parallel.pp_stages
-        self._stages = check_stages(model, given) if given is not None else split_model(model, self.num_stages)
+        if given is None:
+            self._stages = split_model(model, self.num_stages)
+        else:  # names as the user writes them (layout_root), then as the model holds them
+            root, prefix = layout_root(model)
+            self._stages = [[f"{prefix}.{name}" if prefix else name for name in names]
+                            for names in check_stages(root, given)]
         keep_stages(model, self._stages, self.mine)
 
     def views(self, module: nn.Module) -> list[nn.Module]:
