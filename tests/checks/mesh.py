@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
-from checks import hf as hc
 from checks import dist as checks
+from checks import hf as hc
 from checks.dist import layout
 
 VOCAB = 64
