@@ -420,3 +420,11 @@ def plan_by_function(model: nn.Module, tp_mesh) -> None:
 
     parallelize_module(model, tp_mesh, {f"net.{i}.up": ColwiseParallel() for i in (1, 2)}
                        | {f"net.{i}.down": RowwiseParallel() for i in (1, 2)})
+
+
+def runtime_of_rank_layout(layouts: list) -> str:
+    """A Runtime on this rank's entry of ``layouts`` (a Parallel each): ranks that disagree are refused."""
+    import torch.distributed as dist
+
+    lockstep.Runtime(accelerator="cpu", strategy="fsdp", parallel=layouts[dist.get_rank()], timeout=60)
+    return "built"

@@ -133,6 +133,15 @@ def test_degrees_that_do_not_fit_are_refused_before_anything_runs():
         run_ranks(mc.mesh_weights, 2, lockstep.Parallel(tp=2, tp_plan={"decoder.*": "colwise"}))
 
 
+def test_ranks_given_different_layouts_are_refused_at_once_naming_each():
+    tp = lockstep.Parallel(tp=2, tp_plan={"a.*": "colwise"})
+    with pytest.raises(RanksFailed, match=r"different layouts \(rank 0: .*tp=2.*; rank 1: .*pp=2"):
+        run_ranks(mc.runtime_of_rank_layout, 2, [tp, lockstep.Parallel(pp=2)])
+    with pytest.raises(RanksFailed, match=r"different layouts .*'b\.\*'"):  # the same degrees, another plan
+        run_ranks(mc.runtime_of_rank_layout, 2, [tp, lockstep.Parallel(tp=2, tp_plan={"b.*": "colwise"})])
+    assert run_ranks(mc.runtime_of_rank_layout, 2, [tp, tp]) == ["built", "built"]
+
+
 @pytest.mark.parametrize("strategy, compile", [("ddp", True), ("fsdp", False)])
 def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_gradients(strategy, compile):
     plain = run_ranks(mc.stack_grads, 2, strategy, None, compile)

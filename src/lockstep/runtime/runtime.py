@@ -38,7 +38,7 @@ from lockstep.runtime.parallel.activation_checkpointing import Policy
 from lockstep.runtime.parallel.compiling import compile_in_place, compile_options, unwrap_compiled
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
-from lockstep.runtime.parallel.mesh import Membership, Mesh, MeshLayout, Parallel
+from lockstep.runtime.parallel.mesh import Membership, Mesh, MeshLayout, Parallel, check_ranks_agree
 from lockstep.runtime.parallel.models import ModelKind, Tools, WholeModel, default_inputs, prepare
 from lockstep.runtime.parallel.num_items import ItemNormalizer
 from lockstep.runtime.parallel.pipeline.staged import StagedModel
@@ -125,11 +125,10 @@ class Runtime:
         ).resolved()
         self.env = env if env is not None else DistEnv.from_environ()
         layout = self._start_process()
-        # Every degree, the DeviceMesh (built once, at the first setup that needs it) and the data-parallel
-        # membership, read per step by the loaders, num_items and gather.
-        self.mesh = Mesh(layout, self.rank, self.device.type)
+        self.mesh = Mesh(layout, self.rank, self.device.type)  # the degrees, the DeviceMesh, the data-parallel ranks
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
+        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(), self.all_gather, self.world_size)
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)

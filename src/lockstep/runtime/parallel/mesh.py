@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -74,6 +74,21 @@ def parallel_from_text(text: str) -> Parallel:
         except ValueError:
             raise ConfigError(f"parallel {text!r}: {name}={value!r} is not a whole number.") from None
     return Parallel(**given)
+
+
+def check_ranks_agree(strategy: str, parallel: Parallel, all_gather: Callable[[Any], list[Any]],
+                      world_size: int) -> None:
+    """Every rank was given the same strategy and layout; else each says so at once, before any collective of
+    the layout's shapes (a rank with other degrees or another plan would meet the others in collectives of
+    other shapes and wait out the timeout)."""
+    if world_size == 1:
+        return
+    mine = f"strategy {strategy!r}, {parallel.signature()}"
+    everyone = all_gather(mine)
+    if any(theirs != mine for theirs in everyone):
+        shown = "; ".join(f"rank {rank}: {theirs}" for rank, theirs in enumerate(everyone))
+        raise ConfigError(f"the ranks were given different layouts ({shown}): give every rank the same strategy "
+                          "and Parallel (the same arguments to Runtime or Trainer, the same --parallel).")
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,18 @@ class Parallel:
         """The degrees and options given (those that differ from the defaults)."""
         given = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
         return f"Parallel({', '.join(given)})"
+
+    def signature(self) -> str:
+        """What every rank must have alike, as text that compares across processes: a plan function by its
+        name, a style object by its class."""
+        plan: Any = self.tp_plan
+        if callable(plan) and not isinstance(plan, Mapping):
+            plan = f"function {getattr(plan, '__qualname__', type(plan).__name__)}"
+        elif plan is not None:
+            plan = sorted((name, style if isinstance(style, str) else type(style).__name__)
+                          for name, style in plan.items())
+        return repr(Parallel(self.tp, self.pp, self.replicate, self.cp, plan, self.pp_schedule,  # type: ignore[arg-type]
+                             self.pp_microbatches, self.pp_stages))
 
     @property
     def trivial(self) -> bool:
