@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import sys
+import warnings
 
 import pytest
 import torch
@@ -350,3 +351,17 @@ def test_degrees_that_do_not_divide_the_launched_world_are_refused_before_any_wo
     assert not (tmp_path / "started").exists()
     _Checks.layout("tp=2,cp=2", 1)  # one process: no error
     _Checks.layout("tp=2,cp=2", 8)
+
+
+def test_a_launcher_choice_the_code_replaces_is_said(monkeypatch):
+    from lockstep.runtime.config import RuntimeConfig
+
+    monkeypatch.setenv("LOCKSTEP_PARALLEL", "tp=2")
+    monkeypatch.setenv("LOCKSTEP_PRECISION", "bf16-mixed")
+    with pytest.warns(UserWarning, match=r"parallel=Parallel\(pp=2\) given in the code replaces the launcher's "
+                                         r"--parallel tp=2"):
+        resolved = RuntimeConfig(parallel=lockstep.Parallel(pp=2)).resolved()
+    assert resolved.parallel == lockstep.Parallel(pp=2) and resolved.precision == "bf16-mixed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same choice in both places: nothing to say
+        RuntimeConfig(parallel=lockstep.Parallel(tp=2), precision="bf16-mixed").resolved()

@@ -222,7 +222,7 @@ def test_cuda_without_gpu_is_a_clear_error():
 
 
 def test_global_batch_not_divisible_by_world_size():
-    with pytest.raises(ValueError, match="batch_size=10 is not divisible by the world size 4.*8 or 12"):
+    with pytest.raises(ValueError, match="batch_size=10 is not divisible by the 4 data-parallel ranks.*8 or 12"):
         check_batch_size(10, 4)
 
 

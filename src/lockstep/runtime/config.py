@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -39,6 +40,8 @@ class RuntimeConfig:
 
     def resolved(self) -> RuntimeConfig:
         chosen = runtime_choices_from_environ()
+        _say_replaced(chosen, {"accelerator": self.accelerator, "precision": self.precision,
+                               "strategy": getattr(self.strategy, "name", self.strategy), "parallel": self.parallel})
         timeout = self.timeout if self.timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
         if timeout <= 0:
             raise ConfigError(f"timeout={self.timeout}: give a positive number of seconds.")
@@ -58,6 +61,17 @@ class RuntimeConfig:
     def kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments, values as they are (a configured strategy stays an object)."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def _say_replaced(chosen: dict[str, str], given: dict[str, Any]) -> None:
+    """What the code gives wins over ``lockstep run``'s choice; a choice it replaces is said, not dropped silently."""
+    for name, value in given.items():
+        if value is None or name not in chosen:
+            continue
+        theirs = parallel_from_text(chosen[name]) if name == "parallel" else chosen[name]
+        if theirs != value and str(theirs) != str(value):
+            warnings.warn(f"lockstep: {name}={value!r} given in the code replaces the launcher's --{name} "
+                          f"{chosen[name]} (what the code gives wins).", stacklevel=4)
 
 
 def _fault_tolerance(asked: FaultTolerance | None) -> FaultTolerance | None:

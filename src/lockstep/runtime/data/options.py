@@ -115,10 +115,9 @@ def check_batch_size(batch_size: int, world_size: int) -> int:
         lower = batch_size - batch_size % world_size
         suggestion = f"{lower} or {lower + world_size}" if lower else f"{world_size}"
         raise ConfigError(
-            f"global batch_size={batch_size} is not divisible by the world size {world_size} (the ranks that "
-            f"take different batches: world_size / tp on a mesh): each takes batch_size/{world_size} samples per "
-            f"step. Use a multiple of "
-            f"{world_size} (e.g. {suggestion})."
+            f"global batch_size={batch_size} is not divisible by the {world_size} data-parallel ranks (the ranks "
+            f"that take different batches: the world size, divided by tp × pp × cp on a mesh): each takes "
+            f"batch_size/{world_size} samples per step. Use a multiple of {world_size} (e.g. {suggestion})."
         )
     return batch_size
 

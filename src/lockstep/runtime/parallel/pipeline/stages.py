@@ -95,8 +95,8 @@ def split_model(model: nn.Module, num_stages: int) -> list[list[str]]:
     name, blocks = _blocks(model)
     if len(blocks) < num_stages:
         raise ConfigError(f"pipeline parallel with {num_stages} stages, but {type(model).__name__} has {len(blocks)} "
-                          f"blocks ({name}): use at most {len(blocks)} stages (a smaller pp, or a schedule with one "
-                          "stage per rank).")
+                          f"block(s) ({name}): use at most {len(blocks)} stage(s) (a smaller pp, or a schedule with "
+                          "one stage per rank).")
     before: list[str] = []
     after: list[str] = []
     _outside_blocks(model, "", name, before, after)
