@@ -428,3 +428,10 @@ def runtime_of_rank_layout(layouts: list) -> str:
 
     lockstep.Runtime(accelerator="cpu", strategy="fsdp", parallel=layouts[dist.get_rank()], timeout=60)
     return "built"
+
+
+def plan_by_function_in_other_names(model: nn.Module, tp_mesh) -> None:
+    """A plan function whose names match nothing in ``model`` (torch warns and skips each)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {"module.net.1.up": ColwiseParallel()})

@@ -142,6 +142,12 @@ def test_ranks_given_different_layouts_are_refused_at_once_naming_each():
     assert run_ranks(mc.runtime_of_rank_layout, 2, [tp, tp]) == ["built", "built"]
 
 
+def test_a_plan_function_that_splits_nothing_is_refused():
+    with pytest.raises(RanksFailed, match="plan function 'plan_by_function_in_other_names' split no parameter of "
+                                          "NamedBlocks"):
+        run_ranks(mc.named_blocks_weights, 2, lockstep.Parallel(tp=2, tp_plan=mc.plan_by_function_in_other_names))
+
+
 @pytest.mark.parametrize("strategy, compile", [("ddp", True), ("fsdp", False)])
 def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_gradients(strategy, compile):
     plain = run_ranks(mc.stack_grads, 2, strategy, None, compile)

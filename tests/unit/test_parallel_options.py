@@ -365,3 +365,18 @@ def test_a_launcher_choice_the_code_replaces_is_said(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same choice in both places: nothing to say
         RuntimeConfig(parallel=lockstep.Parallel(tp=2), precision="bf16-mixed").resolved()
+
+
+@pytest.mark.parametrize("variable, launcher, code", [
+    ("LOCKSTEP_ACCELERATOR", "cuda", {"accelerator": "gpu"}),
+    ("LOCKSTEP_PRECISION", "16-mixed", {"precision": 16}),
+    ("LOCKSTEP_STRATEGY", "ddp", {"strategy": "DDP"}),
+    ("LOCKSTEP_PARALLEL", "tp=2", {"parallel": lockstep.Parallel(tp=2, tp_plan={"a": "colwise"})}),  # the plan: code's
+])
+def test_the_same_choice_spelled_otherwise_is_no_replacement(monkeypatch, variable, launcher, code):
+    from lockstep.runtime.config import RuntimeConfig
+
+    monkeypatch.setenv(variable, launcher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RuntimeConfig(**code).resolved()

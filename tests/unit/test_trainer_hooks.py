@@ -180,3 +180,29 @@ def test_val_check_interval_without_validation_data_trains_without_validating():
     trainer = tc.quiet_trainer(max_steps=6, val_check_interval=2)  # as Lightning: nothing to validate
     trainer.fit(tc.Classifier(), tc.checks.make_data(32), batch_size=8)
     assert trainer.global_step == 6 and "val_loss" not in trainer.callback_metrics
+
+
+def test_a_module_that_is_a_callback_too_runs_as_a_callback():
+    class Both(tc.Classifier, lockstep.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            module.started = trainer.current_epoch
+
+    module = Both()
+    tc.quiet_trainer(max_epochs=1, callbacks=[module]).fit(module, tc.checks.make_data(16), batch_size=8)
+    assert module.started == 0
+
+
+def test_a_validate_before_a_resumed_fit_keeps_the_runs_logs(tmp_path):
+    import csv
+
+    def steps():
+        return [row["step"] for row in csv.DictReader((tmp_path / "metrics.csv").open()) if row.get("train_loss")]
+
+    data, val = tc.checks.make_data(32), tc.checks.make_data(8, seed=1)
+    options = dict(checkpoint_dir=tmp_path, loggers=("csv",), log_every_n_steps=1)
+    tc.quiet_trainer(max_epochs=1, **options).fit(tc.Classifier(), data, batch_size=8)
+    assert steps() == ["1", "2", "3", "4"]
+    resumed = tc.quiet_trainer(max_epochs=2, resume="auto", **options)
+    resumed.validate(tc.Classifier(), val, batch_size=4)
+    resumed.fit(tc.Classifier(), data, batch_size=8)
+    assert steps() == ["1", "2", "3", "4", "5", "6", "7", "8"]

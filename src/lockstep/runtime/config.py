@@ -12,6 +12,7 @@ from lockstep.errors import ConfigError
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
 from lockstep.runtime.parallel.mesh import Parallel, parallel_from_text
+from lockstep.runtime.parallel.precision import PRECISION_ALIASES
 from lockstep.runtime.parallel.strategy import Strategy
 
 
@@ -68,10 +69,20 @@ def _say_replaced(chosen: dict[str, str], given: dict[str, Any]) -> None:
     for name, value in given.items():
         if value is None or name not in chosen:
             continue
-        theirs = parallel_from_text(chosen[name]) if name == "parallel" else chosen[name]
-        if theirs != value and str(theirs) != str(value):
+        if _spelled(name, value) != _spelled(name, parallel_from_text(chosen[name]) if name == "parallel"
+                                             else chosen[name]):
             warnings.warn(f"lockstep: {name}={value!r} given in the code replaces the launcher's --{name} "
                           f"{chosen[name]} (what the code gives wins).", stacklevel=4)
+
+
+def _spelled(name: str, value: Any) -> Any:
+    """One spelling of a choice: ``gpu`` is ``cuda``, ``bf16`` is ``bf16-mixed``, case aside; of a Parallel, what
+    ``--parallel`` can say (not the plan or the stages, which only the code gives)."""
+    if name == "parallel":
+        return tuple(getattr(value, field) for field in ("tp", "pp", "replicate", "cp", "pp_schedule",
+                                                          "pp_microbatches"))
+    text = str(value).lower()
+    return {"gpu": "cuda"}.get(text, text) if name == "accelerator" else PRECISION_ALIASES.get(text, text)
 
 
 def _fault_tolerance(asked: FaultTolerance | None) -> FaultTolerance | None:

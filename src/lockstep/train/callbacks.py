@@ -66,7 +66,6 @@ LIGHTNING_HOOKS_NOT_CALLED = (
     "on_predict_model_eval", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
     "optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping", "backward",
     "manual_backward", "on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device",
-    "train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader",
 )
 
 
@@ -75,7 +74,8 @@ def hooks_defining(hook: str, callbacks: list[Callback], module: Module | None) 
     defines the hook (with Lightning's arguments: none for the trainer and the module), so that a checkpoint a
     callback saves in the same hook holds what the module's hook did; then the callbacks that override it."""
     found: list[tuple[str, Any]] = []
-    if module is not None and getattr(type(module), hook, None) is not None:
+    # a module that is a Callback too runs as one, with the callbacks' arguments, when it is among them
+    if module is not None and not isinstance(module, Callback) and getattr(type(module), hook, None) is not None:
         own = getattr(module, hook)
         found.append((f"{type(module).__name__}.{hook}", lambda trainer, module, *args: own(*args)))
     return found + [(f"{type(c).__name__}.{hook}", getattr(c, hook)) for c in callbacks
@@ -90,8 +90,9 @@ def check_hooks(callbacks: list[Callback], module: Module) -> None:
     if unused:
         raise ConfigError(f"{', '.join(unused)}: lockstep never calls these Lightning hooks, so their work would "
                           "silently not happen. Move it where docs/migrating-from-lightning.md (\"Hooks\") says "
-                          "(set-up into __init__ or configure_model, data into the fit/validate/test calls, "
-                          "per-step work into training_step or on_before_backward / on_train_batch_end).")
+                          "(set-up into __init__ or configure_model, per-step work into training_step or "
+                          "on_before_backward / on_train_batch_end), or rename a method of your own that only "
+                          "shares the name.")
     if getattr(module, "automatic_optimization", True) is False:
         raise ConfigError(f"{type(module).__name__}.automatic_optimization = False: lockstep's Trainer runs the "
                           "backward and the optimizer step itself (exact over the ranks). For a loop of your own "

@@ -42,7 +42,8 @@ class Evaluation:
         if not hasattr(module, step):
             raise UsageError(f"{type(module).__name__} has no {step}(batch, batch_idx): define it.")
         loader = self.loader(data, batch_size, t._loader_options(loader_options), step.removesuffix("_step"))
-        if not t.loggers and t.runtime.is_global_zero:  # before any fit: the pass's metrics are written too
+        # before any fit (not one that resumes: a logger made now would start its files anew, losing the run's)
+        if not t.loggers and t.config.resume is None and t.runtime.is_global_zero:
             t.loggers = make_loggers(t._logger_specs, t.log_dir)
         metrics = self.run(loader, step)
         for logger in t.loggers:

@@ -39,7 +39,7 @@ class LoopState:
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
         start, self.resume_batches = self.resume_batches, 0
-        self.batches_done_in_epoch, self.epoch_ended, self.step_samples = start, False, 0
+        self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         return start
 
     def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int) -> None:

@@ -264,6 +264,7 @@ _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mi
             "fp32": "32-true", "fp16": "16-mixed", "fp8": "float8"}
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "bf16-true", "float8")
 PRECISION_NAMES = (*PRECISIONS, *_ALIASES)  # what precision= and --precision take
+PRECISION_ALIASES = _ALIASES
 
 
 def make_precision(name: str | int, device: torch.device, sharded: bool = False) -> Precision:

@@ -75,6 +75,13 @@ def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False)
     module = layout_root(module)[0]
     if callable(plan) and not isinstance(plan, Mapping):
         plan(module, tp_mesh)
+        from torch.distributed.tensor import DTensor
+
+        if not stage and not any(isinstance(p, DTensor) for p in module.parameters()):
+            raise ConfigError(f"the tensor-parallel plan function {getattr(plan, '__name__', plan)!r} split no "
+                              f"parameter of {type(module).__name__}: its names must be the model's own (torch only "
+                              "warns and skips a name that resolves to no module), e.g. "
+                              f"{[name for name, _ in module.named_modules() if name][:4]}.")
         return
     from torch.distributed.tensor.parallel import parallelize_module
 

@@ -142,7 +142,8 @@ def check_stages(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[list
     for index, names in enumerate(stages):
         for name in names:
             if name not in modules or not name:
-                raise ConfigError(f"pp_stages names {name!r}, which is no submodule of {type(model).__name__}.")
+                raise ConfigError(f"pp_stages names {name!r}, which is no submodule of {type(model).__name__} (its "
+                                  f"submodules include {[n for n in modules if n and '.' not in n][:6]}).")
             for param, _ in modules[name].named_parameters(prefix=name, remove_duplicate=False):
                 if param in owner and owner[param] != index:
                     raise ConfigError(f"pp_stages puts {param} in stage {owner[param]} and stage {index}: give "
