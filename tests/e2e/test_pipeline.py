@@ -191,7 +191,7 @@ def test_the_trainer_validates_and_predicts_on_pipeline_stages(strategy, world):
 
 
 @pytest.mark.parametrize("world, strategy, layers, message", [
-    (2, lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 blocks"),
+    (2, lockstep.Parallel(pp=2, pp_schedule="Interleaved1F1B"), 2, "4 stages, but LlamaForCausalLM has 2 block\\(s\\)"),
     (2, lockstep.Parallel(pp=3), 4, r"Parallel\(pp=3\) needs a world size divisible by tp × pp × cp = 3"),
     (2, lockstep.Parallel(pp=2, pp_microbatches=3), 4, "3 pipeline micro-batches do not divide this rank's batch of 8"),
     (2, lockstep.Parallel(pp=2, pp_stages=(("model.embed_tokens",), ("lm_head",))), 4,
