@@ -148,6 +148,18 @@ def test_a_plan_function_that_splits_nothing_is_refused():
         run_ranks(mc.named_blocks_weights, 2, lockstep.Parallel(tp=2, tp_plan=mc.plan_by_function_in_other_names))
 
 
+def test_a_plan_that_does_not_fit_the_models_flow_is_named_with_the_module_it_failed_in():
+    # rowwise before colwise: the first block's up (rowwise) takes the whole input as if it were split
+    with pytest.raises(RanksFailed, match=r"tp=2\): the forward failed in module 'net.1.up' \(style rowwise\): .*"
+                                          r"each colwise module needs a rowwise one after it"):
+        run_ranks(mc.named_blocks_weights, 2, lockstep.Parallel(tp=2, tp_plan={"net.*.up": "rowwise",
+                                                                               "net.*.down": "colwise"}))
+    # colwise alone: its split output reaches a module that needs the whole width
+    with pytest.raises(RanksFailed, match=r"the forward failed after the split modules 'net.1.up' \(colwise\), "
+                                          r"'net.2.up' \(colwise\): "):
+        run_ranks(mc.named_blocks_weights, 2, lockstep.Parallel(tp=2, tp_plan={"net.*.up": "colwise"}))
+
+
 @pytest.mark.parametrize("strategy, compile", [("ddp", True), ("fsdp", False)])
 def test_activation_checkpointing_under_ddp_with_compile_and_fsdp_keeps_the_gradients(strategy, compile):
     plain = run_ranks(mc.stack_grads, 2, strategy, None, compile)

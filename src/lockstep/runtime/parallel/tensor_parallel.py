@@ -10,6 +10,7 @@ not fit the model is refused before any weight moves, naming the module.
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,21 +72,62 @@ def plan_of(module: nn.Module, plan: Plan | None, owner: str = "FSDP") -> Plan:
 
 def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False) -> None:
     """Split ``module``'s weights over ``tp_mesh`` as ``plan`` says, after checking that it fits. ``stage``:
-    ``module`` is a pipeline stage, whose other stages' modules hold no parameters and are left alone."""
+    ``module`` is a pipeline stage, whose other stages' modules hold no parameters and are left alone.
+    Each split module is marked with its name and style, which ``explain_failure`` reports."""
+    from torch.distributed.tensor import DTensor
+
     module = layout_root(module)[0]
     if callable(plan) and not isinstance(plan, Mapping):
         plan(module, tp_mesh)
-        from torch.distributed.tensor import DTensor
-
         if not stage and not any(isinstance(p, DTensor) for p in module.parameters()):
             raise ConfigError(f"the tensor-parallel plan function {getattr(plan, '__name__', plan)!r} split no "
                               f"parameter of {type(module).__name__}: its names must be the model's own (torch only "
                               "warns and skips a name that resolves to no module), e.g. "
                               f"{[name for name, _ in module.named_modules() if name][:4]}.")
-        return
-    from torch.distributed.tensor.parallel import parallelize_module
+        styles = {}
+    else:
+        from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(module, tp_mesh, resolve_plan(module, plan, tp_mesh.size(), stage))
+        resolved = resolve_plan(module, plan, tp_mesh.size(), stage)
+        parallelize_module(module, tp_mesh, resolved)
+        styles = {name: plan[matched] for name, matched in _patterns_of(resolved, plan).items()}
+    for name, sub in module.named_modules():
+        if any(isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
+            style = styles.get(name)
+            shown = style if isinstance(style, str) else type(style).__name__ if style is not None else "your plan's"
+            sub.__dict__[_SPLIT] = (name, shown, tp_mesh.size())
+
+
+_SPLIT = "_lockstep_tp_split"  # on a split module: (its name, its style, tp), for explain_failure
+
+
+def _patterns_of(resolved: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, str]:
+    """Each resolved module name → the plan's pattern that matched it."""
+    regexes = {pattern: re.compile(re.escape(pattern).replace(r"\*", r"[^.]+")) for pattern in plan}
+    return {name: next(p for p, regex in regexes.items() if regex.fullmatch(name)) for name in resolved}
+
+
+def explain_failure(error: BaseException, model: nn.Module) -> ConfigError | None:
+    """What a forward's ``error`` says about the tensor-parallel plan of ``model``, as an error that names the
+    split module it happened in (or the split modules, when it happened after them); None when ``model``
+    splits nothing over tp ranks (the error is the model's own)."""
+    split = [sub.__dict__[_SPLIT] for sub in model.modules() if _SPLIT in sub.__dict__]
+    if not split:
+        return None
+    inside = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    failed = [m.__dict__[_SPLIT] for m in inside if isinstance(m, nn.Module) and _SPLIT in m.__dict__]
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+    tp = split[0][2]
+    where = (f"in module {failed[-1][0]!r} (style {failed[-1][1]})" if failed else
+             "after the split modules " + ", ".join(f"{name!r} ({style})" for name, style, _ in split[:6])
+             + (", ..." if len(split) > 6 else ""))
+    return ConfigError(
+        f"tensor parallel (tp={tp}): the forward failed {where}: {first}. The usual cause is the plan: a colwise "
+        "module takes the whole input and leaves its output split along the last dimension (each rank holds "
+        f"1/{tp} of it); a rowwise module takes exactly that split input and gives the whole output back. So each "
+        "colwise module needs a rowwise one after it (before anything that needs the whole width), and a rowwise "
+        "module needs a colwise one before it. See docs/parallelism.md (Tensor-parallel plans); torch's error is "
+        "above.")
 
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int, stage: bool = False) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from lockstep.runtime._torch_compat import compiled_inner
 from lockstep.runtime.faults.stragglers import StepClock
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.precision import Precision
+from lockstep.runtime.parallel.tensor_parallel import explain_failure
 from lockstep.runtime.tree import empty_rows, map_tensors
 
 
@@ -110,11 +111,17 @@ class WrappedModule(nn.Module):
 
     def _run(self, target: nn.Module, args: Any, kwargs: Any) -> Any:
         precision: Precision = self.__dict__["_precision"]
-        if not precision.transforms_forward:  # 32-true: nothing to add on the hot path
-            return target(*args, **kwargs)
-        args, kwargs = precision.convert_input((args, kwargs))
-        with precision.forward_context():
-            output = target(*args, **kwargs)
+        try:  # costs nothing until something raises
+            if not precision.transforms_forward:  # 32-true: nothing to add on the hot path
+                return target(*args, **kwargs)
+            args, kwargs = precision.convert_input((args, kwargs))
+            with precision.forward_context():
+                output = target(*args, **kwargs)
+        except (RuntimeError, ValueError) as error:  # a tensor-parallel plan that does not fit the model's flow
+            explained = explain_failure(error, self.__dict__["module"])
+            if explained is None:
+                raise
+            raise explained from error
         return precision.convert_output(output)
 
     def train(self, mode: bool = True) -> WrappedModule:
