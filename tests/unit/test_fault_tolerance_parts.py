@@ -142,11 +142,14 @@ def test_one_replica_group_trains_as_a_plain_loop_and_asks_for_its_state_first()
 
 
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (the ft extra)")
-def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random_numbers_again(monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"precision": "16-mixed", "gradient_clip_val": 100.0}],
+                         ids=["32-true", "16-mixed-clipped"])
+def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random_numbers_again(monkeypatch, options):
     """A replica group's step fails (a participant's error reaches its manager, as a lost peer's does):
     the batch comes again, and the fit ends as an uninterrupted one-process fit: its dropout masks (the
     random states are put back to the step's start), weights, samples seen and epoch loss (the failed
-    try's logged loss is dropped)."""
+    try's logged loss is dropped). With 16-mixed and clipping, the failed step had unscaled its gradients
+    (the grad scaler marks the optimizer): the next step unscales its own again."""
     from checks import dist as checks
     from checks import trainer as tc
     from lockstep.runtime.launch.replicas import Lighthouse
@@ -161,7 +164,7 @@ def test_a_trainer_step_that_does_not_commit_counts_nothing_and_draws_its_random
                     trainer.runtime.replication.manager.report_error(RuntimeError("a participant died"))
 
         module = tc.Classifier(dropout=0.5)
-        trainer = tc.quiet_trainer(max_epochs=2, callbacks=[FailOnce()])
+        trainer = tc.quiet_trainer(max_epochs=2, callbacks=[FailOnce()], **options)
         trainer.fit(module, checks.make_data(40), batch_size=8)
         assert failed == ([] if fail_at is None else [fail_at % 5])
         return trainer, checks.flat_weights(module)

@@ -21,9 +21,9 @@ import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
 # torch.utils._pytree: torch's own walker of nested containers, which torch.compile, DTensor and
 # FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
 __all__ = ["DCP_METADATA_PRIVATE_NAMES", "compiled_inner", "constant_divisor", "dcp_metadata_name", "dcp_shard_pattern",
-           "default_store", "foreach_mul_", "full_tensor", "hide_worker_info", "is_dtensor", "is_plain_random_sampler",
-           "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula", "set_default_timeout", "shutdown_workers",
-           "stamp_load_id", "to_local", "use_file_system"]
+           "default_store", "foreach_mul_", "forget_unscale", "full_tensor", "hide_worker_info", "is_dtensor",
+           "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula",
+           "set_default_timeout", "shutdown_workers", "stamp_load_id", "to_local", "use_file_system"]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -230,3 +230,12 @@ def _ring_kernels(device_type: str) -> tuple[Any, Any]:
         return (aten._scaled_dot_product_flash_attention_for_cpu,
                 aten._scaled_dot_product_flash_attention_for_cpu_backward)
     return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default
+
+
+def forget_unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``scaler`` (a GradScaler or FSDP's ShardedGradScaler) forget that it unscaled ``optimizer``'s
+    gradients since its last ``update()``: they were dropped with a step not taken (fault tolerance), and
+    the next step's must be unscaled again. GradScaler has no public call for it (``update()`` would move
+    the scale, as if a step had been taken); its private ``_per_optimizer_states`` is a defaultdict that
+    builds a fresh record for a missing optimizer (2.13, 2.14)."""
+    scaler._per_optimizer_states.pop(id(optimizer), None)

@@ -63,6 +63,7 @@ class OptimizerStep:
         if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
             self._reduce_over_replicas()
             if not self.replication.commit():
+                self.precision.step_not_taken(optimizer)  # gradients unscaled by a clip are dropped with the step
                 return None
         if self.recorder is not None:
             self.recorder.before_step()                         # 4

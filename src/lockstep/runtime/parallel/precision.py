@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
+from lockstep.runtime._torch_compat import forget_unscale
 from lockstep.runtime.tree import map_tensors
 
 if TYPE_CHECKING:  # FSDP's types load with FSDP, when a model is sharded
@@ -29,6 +30,7 @@ class Precision(Protocol):
     def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None: ...
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any: ...
     @property
     def last_step_skipped(self) -> bool: ...
@@ -75,6 +77,9 @@ class TruePrecision:
         loss.backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None:
         return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
@@ -154,6 +159,13 @@ class MixedPrecision(TruePrecision):
             with _quiet_scaler_on_shards():
                 self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
+
+    def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s step is not taken and its gradients are dropped (a fault-tolerant step that did not
+        commit): an unscale of them (``rt.clip_grad_norm_``) is forgotten, so the next step unscales its own."""
+        if self.scaler is not None and id(optimizer) in self._unscaled:
+            self._unscaled.discard(id(optimizer))
+            forget_unscale(self.scaler, optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """The scaler's step of ``optimizer``; its update (the next scale) waits until every optimizer of the
