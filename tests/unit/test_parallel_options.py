@@ -17,7 +17,7 @@ import lockstep
 from lockstep.runtime.parallel.activation_checkpointing import checkpoint_activations
 from lockstep.runtime.parallel.grad_norm import clip_grad_norm
 from lockstep.runtime.parallel.precision import make_precision
-from lockstep.runtime.parallel.tensor_parallel import plan_of, resolve_plan
+from lockstep.runtime.parallel.tensor_parallel import explain_failure, plan_of, resolve_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -380,3 +380,16 @@ def test_the_same_choice_spelled_otherwise_is_no_replacement(monkeypatch, variab
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RuntimeConfig(**code).resolved()
+
+
+def test_a_forward_error_of_a_split_model_is_explained_only_when_it_is_a_mismatch_of_widths():
+    """The plan is blamed for a width mismatch after split modules (the e2e tests run the real thing on 2
+    processes); an out-of-memory error or the model's own error goes through as it was raised."""
+    model = nn.Sequential(Block(), nn.Linear(16, 4))
+    assert explain_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"), model) is None
+    model[0].up.__dict__["_lockstep_tp_split"] = ("0.up", "colwise", 2)  # what apply_plan marks a split module with
+    explained = explain_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"), model)
+    assert explained is not None and "after the split modules '0.up' (colwise)" in str(explained)
+    assert "each colwise module needs a rowwise one after it" in str(explained)
+    assert explain_failure(RuntimeError("the model's own check failed"), model) is None
+    assert explain_failure(torch.OutOfMemoryError("out of memory: tried to allocate 2 GiB, size"), model) is None
