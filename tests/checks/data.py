@@ -319,6 +319,48 @@ def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12), alterna
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def looked_ahead(how: str) -> torch.Tensor:
+    """11 samples in global batches of 4 (the last split 2/1 over 2 ranks), trained on by a loop that fetches
+    the next batch before training on this one (to know which is the last, as a port of Accelerate's
+    ``end_of_dataloader`` or a prefetcher does): the model given the batch's own tensors (``how="same"``) or
+    tensors made from them (``"derived"``); or a plain loop that passes over batch 1 before its forward
+    (``"skip"``). The weights after the pass."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(11, 3, generator=g), torch.randn(11, 1, generator=g)
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(3, 1)
+    model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.5))
+    batches = iter(rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0))
+    step, ahead = 0, next(batches, None)
+    while ahead is not None:
+        (xb, yb), step = ahead, step + 1
+        if how != "skip":
+            ahead = next(batches, None)  # looked ahead: is this batch the last?
+        if how != "skip" or step != 2:
+            rt.backward(torch.nn.functional.mse_loss(model(xb * 1.0 if how == "derived" else xb), yb))
+            optimizer.step()
+            optimizer.zero_grad()
+        if how == "skip":
+            ahead = next(batches, None)
+    return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
+
+
+def looked_ahead_by_hand(skip: int | None = None) -> torch.Tensor:
+    """``looked_ahead`` in one plain loop: the global batches in order (batch ``skip`` passed over)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(11, 3, generator=g), torch.randn(11, 1, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for index, start in enumerate(range(0, 11, 4)):
+        if index != skip:
+            torch.nn.functional.mse_loss(model(x[start:start + 4]), y[start:start + 4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
 def batch_sampler_with_a_batch_of_one() -> str:
     """A batch sampler whose second batch holds 1 sample, on more ranks: the error each rank raises."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0)

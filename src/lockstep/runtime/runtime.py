@@ -186,7 +186,7 @@ class Runtime:
         tools = Tools(self.strategy, self.precision, self.placement, self.mesh, self.config.parallel or Parallel(),
                       self.seed, self.rank, self._watchdog, self._items,
                       (lambda: self._current.stand_in) if self.shards_model else None,
-                      lambda: self._current.loss_weight, self.all_gather,
+                      self._current, self.all_gather,
                       lambda loss, items: self.backward(loss, num_items=items), self._recorder)
         return StagedModel(tools) if self.mesh.pp > 1 else WholeModel(tools)
 
@@ -400,8 +400,8 @@ class Runtime:
         Inside a loop over a ``rt.loader``, ``loss`` is the mean over this rank's share of the
         current batch. When that global batch is split unevenly (a short last batch), the loss is
         reweighted so the gradients equal those of the mean loss over the whole global batch. The
-        weight belongs to the batch: it applies from the moment the loader hands the batch out
-        until the loop asks for the next one or ends, and never to any other backward.
+        weight belongs to the batch: from its forward (a loop may fetch the next batch first) until the
+        next batch's forward, the pass's end or a ``break``; never to any other backward.
 
         ``num_items``: ``loss`` is a mean over this many items (e.g. the valid tokens of this
         rank's batch, ``(labels != -100).sum()``), which differ by rank and micro-batch. The
@@ -414,7 +414,7 @@ class Runtime:
         (that shrinks the gradient k times; a first step whose every loss is divided by its number of
         micro-batches is refused); without it, divide, as a plain loop does.
         """
-        self._current.backward_seen = True  # another loader's batch after this is the next loss's (no zip)
+        self._current.backward_started()  # another loader's batch after this is the next loss's (no zip)
         if self._recorder is not None:
             self._recorder.backward(loss, num_items if num_items is not None else self._current.loss_weight)
         if num_items is not None:

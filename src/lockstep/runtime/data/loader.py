@@ -29,6 +29,7 @@ from lockstep.runtime.tree import empty_rows, tensors, to_device
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
 _WORKER_BASE_STREAM = 7
 _END = object()
+_LOOKAHEAD = 4  # at most this many batches handed out and not yet trained on are told apart (CurrentBatch)
 
 
 def _as_is(batch: Any) -> Any:
@@ -36,21 +37,27 @@ def _as_is(batch: Any) -> Any:
 
 
 class BatchObserver(Protocol):
-    """Told when a loader's pass starts, when it hands out batch ``step``, and when its pass ends
-    (its last batch is then no longer current). A batch stays current until the next one replaces
-    it: the window in which ``rt.backward`` applies its loss weight.
+    """Told when a loader's pass starts, when it hands out batch ``step`` (then the batch itself), and when its
+    pass ends. A training batch becomes current when the one before it has been trained on (its forward or
+    backward ran): the window in which ``rt.backward`` applies its loss weight.
     """
 
     def pass_started(self, loader: DistributedLoader) -> None: ...
     def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
+    def handed(self, loader: DistributedLoader, batch: Any) -> None: ...
     def padded(self, stand_in: dict[int, Any]) -> None: ...
-    def batch_ended(self, loader: DistributedLoader) -> None: ...
+    def batch_ended(self, loader: DistributedLoader, exhausted: bool = False) -> None: ...
 
 
 class CurrentBatch:
-    """The ``BatchObserver`` of a Runtime: the training batch a loader handed out and the loop still
-    holds, and the loss weight it brings; the loader of the latest pass (``rt.gather``'s default).
-    Eval batches only move the position that hang reports show.
+    """The ``BatchObserver`` of a Runtime: the training batch the loop trains on, and the loss weight it
+    brings; the loader of the latest pass (``rt.gather``'s default). Eval batches only move the position
+    that hang reports show.
+
+    A loop may look ahead (fetch the next batch before training on this one: to know which batch is the
+    last, or a prefetcher): the batches handed out and not yet trained on wait, oldest first. A training
+    forward takes the waiting batch whose tensors it is given (one skipped without a forward is passed
+    over), else the oldest; a backward with no forward through ``rt.setup``'s model takes the current one.
     """
 
     def __init__(self, watchdog: Watchdog) -> None:
@@ -58,7 +65,9 @@ class CurrentBatch:
         self.loader: DistributedLoader | None = None
         self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
-        self.backward_seen = False  # rt.backward ran since the current training batch was handed out
+        self.backward_seen = False  # rt.backward ran since the latest training batch was handed out
+        self.waiting: list[list[Any]] = []  # [loader, step, loss weight, batch] of each batch not yet trained on
+        self.taken = True  # the current batch was trained on (a forward or a backward took it)
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
         # cut from. A forward that is a collective runs on the real row and returns zero rows.
@@ -66,6 +75,7 @@ class CurrentBatch:
 
     def pass_started(self, loader: DistributedLoader) -> None:
         self.last = loader
+        self.waiting = [entry for entry in self.waiting if entry[0] is not loader]  # a pass left (break)
 
     def padded(self, stand_in: dict[int, Any]) -> None:
         self.stand_in = stand_in
@@ -73,25 +83,70 @@ class CurrentBatch:
     def batch_started(self, loader: DistributedLoader, step: int) -> None:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
         self.stand_in = {}
-        if loader.training:
-            if self.loader is not None and self.loader is not loader and not self.backward_seen:
-                _one_weight_for_both(self.loader, self.step, loader, step)  # two loaders' batches in one loss (zip)
-            self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
-            self.backward_seen = False
-            if self.watchdog.clock is not None:  # the straggler report times the steps
-                self.watchdog.clock.batch(loader)
+        if not loader.training:
+            return
+        held, zipped = self.loader, False
+        if held is not None and held is not loader and not self.backward_seen:
+            _one_weight_for_both(held, self.step, loader, step)  # two loaders' batches in one loss (zip)
+            zipped = True
+        if zipped or any(entry[0] is not loader for entry in self.waiting):
+            self.waiting.clear()  # another loader's batch: no look-ahead of this one
+        self.waiting.append([loader, step, loader.loss_weight(step), None])
+        if len(self.waiting) > _LOOKAHEAD:  # a loop that reads batches without training on them holds a few only
+            del self.waiting[0]
+        if self.taken or self.loader is not loader:  # the batch before was trained on: the oldest waiting is next
+            self._hold(self.waiting[0])
+        self.backward_seen = False
+        if self.watchdog.clock is not None:  # the straggler report times the steps
+            self.watchdog.clock.batch(loader)
+
+    def handed(self, loader: DistributedLoader, batch: Any) -> None:
+        if loader.training and self.waiting:
+            self.waiting[-1][3] = batch
+
+    def _hold(self, entry: list[Any]) -> None:
+        self.loader, self.step, self.loss_weight = entry[0], entry[1], entry[2]
+        self.taken = False
+
+    def take(self, inputs: Any) -> None:
+        """A training forward on ``inputs``: the waiting batch it trains on becomes current (see the class)."""
+        waiting = self.waiting
+        if len(waiting) > 1:  # the loop looked ahead, or skipped a batch: the one whose tensors these are
+            given = {id(t) for t in tensors(inputs)}
+            for index, entry in enumerate(waiting):
+                if any(id(t) in given for t in tensors(entry[3])):
+                    self._hold(entry)
+                    del waiting[:index + 1]
+                    self.taken = True
+                    return
+        if not self.taken and waiting:  # the current batch's first forward (on tensors made from the batch's)
+            self._hold(waiting.pop(0))
+            self.taken = True
+
+    def backward_started(self) -> None:
+        """``rt.backward``: a batch trained on without a forward through the wrapper (pipeline stages, a model
+        called unwrapped) is taken by its backward."""
+        self.backward_seen = True
+        if not self.taken and self.waiting:
+            del self.waiting[0]
+            self.taken = True
 
     def rows(self) -> list[int] | None:
         """The dataset indices of the current training batch's rows on this rank (None: no lockstep loader's)."""
         local = getattr(self.loader.sampler, "local_indices", None) if self.loader is not None else None
         return list(local(self.step)) if local is not None else None
 
-    def batch_ended(self, loader: DistributedLoader) -> None:
+    def batch_ended(self, loader: DistributedLoader, exhausted: bool = False) -> None:
+        """The pass ended: ``exhausted`` (its last batch handed out), else left (``break``, an exception)."""
         self.stand_in = {}
-        if loader is self.loader:
-            self.loader, self.loss_weight = None, 1.0
-            if self.watchdog.clock is not None:
-                self.watchdog.clock.pass_ended()
+        if loader is not self.loader:
+            return
+        if exhausted and self.waiting and self.taken:  # the loop looked ahead: its last batches are still to come
+            self._hold(self.waiting[0])
+        else:  # a loop that trained on none of the pass's batches (it only read them) holds none either
+            self.loader, self.loss_weight, self.waiting = None, 1.0, []
+        if self.watchdog.clock is not None:
+            self.watchdog.clock.pass_ended()
 
 
 def _one_weight_for_both(first: DistributedLoader, first_step: int, second: DistributedLoader, step: int) -> None:
@@ -288,7 +343,7 @@ class DistributedLoader:
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
         move = _unmoved if on_cpu else functools.partial(to_device, device=self.device, non_blocking=self._non_blocking)
-        cut = self._cut
+        cut, exhausted = self._cut, False
         try:
             for step, batch in self._draws(epoch, start):
                 self._batches_done = step + 1
@@ -302,10 +357,13 @@ class DistributedLoader:
                     real, batch = batch, empty_rows(batch)
                     if observer is not None:
                         observer.padded({id(cut): row for cut, row in zip(tensors(batch), tensors(real), strict=True)})
+                if observer is not None:
+                    observer.handed(self, batch)
                 yield batch
+            exhausted = True
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
-                observer.batch_ended(self)
+                observer.batch_ended(self, exhausted)
 
     def _begin_pass(self) -> tuple[int, int]:
         """The pass's epoch and first step (a loaded position, else the next epoch from its start), with

@@ -36,6 +36,15 @@ from lockstep.runtime.parallel.wrappers import WrappedModule, model_inputs, mode
 Backward = Callable[[torch.Tensor, "int | torch.Tensor | None"], None]
 
 
+class Batches(Protocol):
+    """The training batch the loop trains on: its loss weight; a forward tells which one it trains on."""
+
+    loss_weight: float
+    waiting: list[Any]  # batches handed out and not yet trained on
+
+    def take(self, inputs: Any) -> None: ...
+
+
 @dataclass
 class Tools:
     """What preparing and stepping a model needs from its Runtime, given once."""
@@ -50,7 +59,7 @@ class Tools:
     watchdog: Watchdog
     items: ItemNormalizer
     stand_in: Callable[[], dict[int, torch.Tensor]] | None  # a sharded forward's real rows for a padding batch
-    loss_weight: Callable[[], float]  # the current batch's
+    batches: Batches  # the training batch the loop trains on (the Runtime's CurrentBatch)
     all_gather: Callable[[Any], list[Any]]
     backward: Backward  # rt.backward
     recorder: Any = None  # lockstep verify's StepRecorder, when verifying
@@ -129,7 +138,7 @@ class WholeModel:
             clock.watch_gradients([p for p in module.parameters() if p.requires_grad])
         replicas = tools.mesh.layout.gradient_peers  # each moves running statistics with its own tokens
         return (WrappedModule(forward_module, eval_module, module, tools.precision, tools.stand_in, watch, replicas,
-                              clock, tools.mesh.ring), forward_module)
+                              clock, tools.mesh.ring, tools.batches), forward_module)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                          num_items: Callable[[Any], int | torch.Tensor] | None,

@@ -57,6 +57,7 @@ class WrappedModule(nn.Module):
         precision: Precision, stand_in: Callable[[], dict[int, torch.Tensor]] | None = None,
         watchdog: Watchdog | None = None, replicas: int = 1, clock: StepClock | None = None,
         ring: Callable[[nn.Module, Any, bool], contextlib.AbstractContextManager[None] | None] | None = None,
+        batches: Any = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -67,6 +68,7 @@ class WrappedModule(nn.Module):
         self.__dict__["_watchdog"] = watchdog  # a forward that is a collective: watched (and timed) as one
         self.__dict__["_clock"] = clock  # else only timed, for the straggler report
         self.__dict__["_ring"] = ring  # context parallel: a forward on a cut batch runs its attention as a ring
+        self.__dict__["_batches"] = batches  # told which handed-out batch a training forward trains on
         # running statistics (BatchNorm) that each data-parallel replica (of ``replicas``) moves with its own rows
         self.__dict__["_tracks_stats"] = replicas > 1 and tracks_statistics(module)
 
@@ -101,6 +103,9 @@ class WrappedModule(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
+        batches = self.__dict__["_batches"]
+        if training and batches is not None and batches.waiting:  # a batch handed out and not yet trained on
+            batches.take((args, kwargs))
         target = self._forward_module if training else self.__dict__["_eval_module"]
         ring = self.__dict__["_ring"]
         context = ring(self.__dict__["module"], (args, kwargs), training) if ring is not None else None

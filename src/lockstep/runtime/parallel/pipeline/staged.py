@@ -82,6 +82,7 @@ class StagedModel:
             raise UsageError("under pipeline parallel rt.forward_backward needs the model that rt.setup returned "
                              f"(a PipelinedModule), not a {type(model).__name__}.")
         tools, pipeline = self.tools, model.pipeline
+        tools.batches.take(batch)  # the batch this step trains on (a loop may have looked ahead)
         first = tools.precision.convert_input(inputs(batch))
         count = pipeline.check(first)
         size = pipeline.rows // pipeline.microbatches
@@ -92,8 +93,8 @@ class StagedModel:
         if num_items is None:
             tools.items.plain_backward()
             shares = [max(stop - start, 0) / max(count, 1) for start, stop in spans]
-            factors = [share * tools.loss_weight() for share in shares]
-            total = tools.loss_weight()
+            factors = [share * tools.batches.loss_weight for share in shares]
+            total = tools.batches.loss_weight
         else:
             counts = [torch.as_tensor(num_items(rows(batch, start, stop, count)) if stop > start else 0,
                                       device=tools.placement.device, dtype=torch.float64) for start, stop in spans]
