@@ -259,6 +259,15 @@ def _run_args(argv):
     return RunRequest.from_options(parser.parse_args(["run", *argv]))
 
 
+def test_the_scripts_own_options_after_script_are_its_own_also_where_they_abbreviate_a_lockstep_option():
+    """``--n 5`` after SCRIPT is the script's, not an ambiguous prefix of --nodes/--node-rank/--name; exact
+    names of lockstep's options after SCRIPT were already the script's."""
+    for argv in (["--n", "5"], ["--nod", "2", "--r", "x"], ["--nodes", "5"], ["--", "--devices", "3"]):
+        request = _run_args(["--devices", "2", "train.py", *argv])
+        given = argv[1:] if argv[0] == "--" else argv  # argparse drops a "--" after SCRIPT
+        assert (request.script, list(request.script_args), request.devices) == ("train.py", given, "2"), argv
+
+
 def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_given():
     from lockstep.errors import PreflightError
     from lockstep.runtime.launch.request import with_orchestrator_defaults as defaults

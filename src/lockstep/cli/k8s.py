@@ -26,7 +26,7 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = commands.add_parser(
-        "k8s", help="write a Kubeflow Trainer TrainJob manifest for SCRIPT (apply it with kubectl)",
+        "k8s", allow_abbrev=False, help="write a Kubeflow Trainer TrainJob manifest for SCRIPT (apply it with kubectl)",
         description="Write a TrainJob (Kubeflow Trainer, trainer.kubeflow.org/v1alpha1) that runs "
         "`lockstep run SCRIPT ARGS` on --nodes pods of --devices devices each. See docs/launching.md.",
     )

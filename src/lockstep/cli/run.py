@@ -18,7 +18,7 @@ from lockstep.runtime.launch.request import RunRequest, with_orchestrator_defaul
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = commands.add_parser(
-        "run",
+        "run", allow_abbrev=False,
         help="start a training script on N processes per node (torch elastic underneath)",
         description="Start SCRIPT on --devices processes on this node (and --nodes nodes), with "
         "the environment that lockstep.Runtime, torch.distributed and torchrun scripts read. "

@@ -57,7 +57,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = commands.add_parser(
-        "verify", help="check that SCRIPT on N processes computes what it computes on one",
+        "verify", allow_abbrev=False, help="check that SCRIPT on N processes computes what it computes on one",
         description="Run SCRIPT's first --steps optimizer steps on one process and on --devices processes "
         "(through lockstep run) and compare, step by step, the global batch's loss, the gradient norm and "
         "every weight. Exits 1 at the first step beyond the tolerance, naming it and the parameter. "
