@@ -361,6 +361,28 @@ def looked_ahead_by_hand(skip: int | None = None) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def evaluated_under_grad_mode() -> torch.Tensor:
+    """A BatchNorm model in eval mode evaluated without ``torch.no_grad`` (a common slip) on 97 samples in
+    batches of 12: on 2 ranks, shards of 9 and 8 batches, where DDP's forward would broadcast the buffers in
+    every grad-mode forward and the rank with one more batch would wait for the other (20 s, then a Gloo
+    timeout). The gathered predictions."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, timeout=20)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    model = rt.setup(net)
+    model.eval()
+    x = torch.randn(97, 3, generator=torch.Generator().manual_seed(1))
+    return rt.gather([model(batch).argmax(1) for (batch,) in rt.eval_loader(torch.utils.data.TensorDataset(x),
+                                                                            batch_size=12, num_workers=0)])
+
+
+def evaluated_by_hand() -> torch.Tensor:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)).eval()
+    with torch.no_grad():
+        return net(torch.randn(97, 3, generator=torch.Generator().manual_seed(1))).argmax(1)
+
+
 def batch_sampler_with_a_batch_of_one() -> str:
     """A batch sampler whose second batch holds 1 sample, on more ranks: the error each rank raises."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0)

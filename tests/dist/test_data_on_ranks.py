@@ -104,6 +104,12 @@ def test_a_loop_that_looks_ahead_or_skips_a_batch_weighs_each_loss_by_its_own_ba
         assert (weights - reference).abs().max() < 1e-6
 
 
+def test_evaluation_without_no_grad_on_uneven_shards_runs_no_collective_of_ddp_and_keeps_dataset_order():
+    reference = checks.evaluated_by_hand()
+    for predictions in run_ranks(checks.evaluated_under_grad_mode, 2):
+        assert torch.equal(predictions, reference)
+
+
 def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_by_name():
     for message in run_ranks(checks.batch_sampler_with_a_batch_of_one, 2):
         assert "global batch 1 of the batch sampler holds 1 sample(s) for 2 data-parallel ranks" in message, message

@@ -68,6 +68,7 @@ class CurrentBatch:
         self.backward_seen = False  # rt.backward ran since the latest training batch was handed out
         self.waiting: list[list[Any]] = []  # [loader, step, loss weight, batch] of each batch not yet trained on
         self.taken = True  # the current batch was trained on (a forward or a backward took it)
+        self.evaluated: Any = None  # the evaluation batch handed out, until its pass ends
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
         # cut from. A forward that is a collective runs on the real row and returns zero rows.
@@ -101,8 +102,17 @@ class CurrentBatch:
             self.watchdog.clock.batch(loader)
 
     def handed(self, loader: DistributedLoader, batch: Any) -> None:
-        if loader.training and self.waiting:
+        if not loader.training:
+            self.evaluated = batch
+        elif self.waiting:
             self.waiting[-1][3] = batch
+
+    def evaluates(self, inputs: Any) -> bool:
+        """Whether a forward under grad mode is given the evaluation batch handed out (its own tensors): it
+        runs without the data-parallel wrapper's collectives (DDP's buffer broadcast), since the ranks'
+        evaluation shards differ in length and a rank without a batch would never meet them."""
+        given = {id(t) for t in tensors(inputs)}
+        return any(id(t) in given for t in tensors(self.evaluated))
 
     def _hold(self, entry: list[Any]) -> None:
         self.loader, self.step, self.loss_weight = entry[0], entry[1], entry[2]
@@ -139,6 +149,8 @@ class CurrentBatch:
     def batch_ended(self, loader: DistributedLoader, exhausted: bool = False) -> None:
         """The pass ended: ``exhausted`` (its last batch handed out), else left (``break``, an exception)."""
         self.stand_in = {}
+        if not loader.training:
+            self.evaluated = None
         if loader is not self.loader:
             return
         if exhausted and self.waiting and self.taken:  # the loop looked ahead: its last batches are still to come

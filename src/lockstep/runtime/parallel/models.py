@@ -41,8 +41,10 @@ class Batches(Protocol):
 
     loss_weight: float
     waiting: list[Any]  # batches handed out and not yet trained on
+    evaluated: Any  # the evaluation batch handed out
 
     def take(self, inputs: Any) -> None: ...
+    def evaluates(self, inputs: Any) -> bool: ...
 
 
 @dataclass

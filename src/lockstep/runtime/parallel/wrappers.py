@@ -104,8 +104,11 @@ class WrappedModule(nn.Module):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
         batches = self.__dict__["_batches"]
-        if training and batches is not None and batches.waiting:  # a batch handed out and not yet trained on
-            batches.take((args, kwargs))
+        if training and batches is not None:
+            if batches.evaluated is not None and batches.evaluates((args, kwargs)):
+                training = False  # an evaluation batch under grad mode: no collective of the data-parallel wrapper
+            elif batches.waiting:  # a batch handed out and not yet trained on
+                batches.take((args, kwargs))
         target = self._forward_module if training else self.__dict__["_eval_module"]
         ring = self.__dict__["_ring"]
         context = ring(self.__dict__["module"], (args, kwargs), training) if ring is not None else None
