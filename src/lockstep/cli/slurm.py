@@ -12,7 +12,8 @@ from pathlib import Path
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = commands.add_parser(
-        "slurm", allow_abbrev=False, help="write an sbatch script for SCRIPT and submit it (or print it with --dry-run)",
+        "slurm", allow_abbrev=False,
+        help="write an sbatch script for SCRIPT and submit it (or print it with --dry-run)",
         description="Write a commented sbatch script that runs SCRIPT on --nodes nodes with one task per "
         "device, save it under --dir, and submit it with sbatch. See docs/slurm.md.",
     )
