@@ -333,7 +333,9 @@ class Watchdog:
         if ended:
             lines.append(f"Rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))} ended the script while "
                          "this rank still waits in a collective: every rank must run the same collectives. Code "
-                         "under `if rank == 0:` that validates, saves or syncs a metric is the usual cause.")
+                         "under `if rank == 0:` that validates, saves or syncs a metric is the usual cause; so is a "
+                         "collective inside a loop over rt.eval_loader, whose shards differ in length by rank "
+                         "(gather once, after the loop: rt.gather(outputs)).")
         elif lost:
             lines.append("A peer closed its connection: it crashed or was killed; its own error names the cause.")
         if elsewhere or silent:

@@ -187,7 +187,8 @@ def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
             print(f"lockstep: {'rank' if nnodes == 1 else 'local rank'}{'s' if len(finished) > 1 else ''} {ranks} "
                   "ended the script (exit code 0) while the others still waited in a collective: every rank must "
                   "run the same collectives. Code under `if rank == 0:` that validates, saves or syncs a metric "
-                  "is the usual cause.", file=sys.stderr)
+                  "is the usual cause; so is a collective inside a loop over rt.eval_loader, whose shards differ "
+                  "in length by rank (gather once, after the loop).", file=sys.stderr)
         elif nnodes == 1:
             print("lockstep: every worker only lost a peer, and none says why: a worker was killed from outside "
                   "(the kernel's OOM killer, kill -9) or its node lost its network.", file=sys.stderr)
