@@ -320,29 +320,39 @@ def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12), alterna
 
 
 def looked_ahead(how: str) -> torch.Tensor:
-    """11 samples in global batches of 4 (the last split 2/1 over 2 ranks), trained on by a loop that fetches
-    the next batch before training on this one (to know which is the last, as a port of Accelerate's
-    ``end_of_dataloader`` or a prefetcher does): the model given the batch's own tensors (``how="same"``) or
-    tensors made from them (``"derived"``); or a plain loop that passes over batch 1 before its forward
-    (``"skip"``). The weights after the pass."""
+    """11 samples in global batches of 4 (the last split 2/1 over 2 ranks) and the loop's ways of holding
+    more than one batch: ``"same"``, it fetches the next batch before training on this one (to know which is
+    the last, as a port of Accelerate's ``end_of_dataloader`` or a prefetcher does) and gives the model the
+    batch's tensors; ``"derived"``, the same with tensors made from them; ``"two"``, it fetches two batches,
+    then trains on each (on views of their tensors); ``"skip"`` and ``"skip_derived"``, a plain loop that
+    passes over batch 1 before its forward. The weights after the pass."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(11, 3, generator=g), torch.randn(11, 1, generator=g)
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 1)
     model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.5))
+
+    def train(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        rt.backward(torch.nn.functional.mse_loss(model(xb if how in ("same", "skip") else
+                                                       xb * 1.0 if how != "two" else xb[:, :]), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+
     batches = iter(rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0))
-    step, ahead = 0, next(batches, None)
-    while ahead is not None:
-        (xb, yb), step = ahead, step + 1
-        if how != "skip":
-            ahead = next(batches, None)  # looked ahead: is this batch the last?
-        if how != "skip" or step != 2:
-            rt.backward(torch.nn.functional.mse_loss(model(xb * 1.0 if how == "derived" else xb), yb))
-            optimizer.step()
-            optimizer.zero_grad()
-        if how == "skip":
-            ahead = next(batches, None)
+    if how.startswith("skip"):
+        for index, (xb, yb) in enumerate(batches):
+            if index != 1:
+                train(xb, yb)
+    elif how == "two":
+        while fetched := [batch for batch in (next(batches, None), next(batches, None)) if batch is not None]:
+            for xb, yb in fetched:
+                train(xb, yb)
+    else:
+        ahead = next(batches, None)
+        while ahead is not None:
+            (xb, yb), ahead = ahead, next(batches, None)  # looked ahead: is this batch the last?
+            train(xb, yb)
     return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
 
 

@@ -94,12 +94,12 @@ def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_ca
         assert (weights - reference).abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("how", ["same", "derived", "skip"])
-def test_a_loop_that_looks_ahead_or_skips_a_batch_weighs_each_loss_by_its_own_batch(how):
+@pytest.mark.parametrize("how", ["same", "derived", "two", "skip", "skip_derived"])
+def test_a_loop_that_holds_several_batches_or_skips_one_weighs_each_loss_by_its_own_batch(how):
     """The next batch fetched before the backward (the last batch, split 2/1, would otherwise lend its weight to
-    the batch before it, and the last get none: 0.84 off on 2 processes); a batch passed over before its
-    forward. Both against the plain loop over the same global batches, on 1 and 2 processes."""
-    reference = checks.looked_ahead_by_hand(skip=1 if how == "skip" else None)
+    the batch before it, and the last get none: 0.84 off on 2 processes); two batches fetched at once; a batch
+    passed over before its forward. Against the plain loop over the same global batches, on 1 and 2 processes."""
+    reference = checks.looked_ahead_by_hand(skip=1 if how.startswith("skip") else None)
     for weights in [checks.looked_ahead(how), *run_ranks(checks.looked_ahead, 2, how)]:
         assert (weights - reference).abs().max() < 1e-6
 

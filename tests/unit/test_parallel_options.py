@@ -382,7 +382,7 @@ def test_the_same_choice_spelled_otherwise_is_no_replacement(monkeypatch, variab
         RuntimeConfig(**code).resolved()
 
 
-def test_a_forward_error_of_a_split_model_is_explained_only_when_it_is_a_mismatch_of_widths():
+def test_a_forward_error_of_a_split_model_is_explained_only_when_it_is_a_matrix_products_widths():
     """The plan is blamed for a width mismatch after split modules (the e2e tests run the real thing on 2
     processes); an out-of-memory error or the model's own error goes through as it was raised."""
     model = nn.Sequential(Block(), nn.Linear(16, 4))
@@ -392,4 +392,5 @@ def test_a_forward_error_of_a_split_model_is_explained_only_when_it_is_a_mismatc
     assert explained is not None and "after the split modules '0.up' (colwise)" in str(explained)
     assert "each colwise module needs a rowwise one after it" in str(explained)
     assert explain_failure(RuntimeError("the model's own check failed"), model) is None
+    assert explain_failure(RuntimeError("The size of tensor a (4) must match the size of tensor b (3)"), model) is None
     assert explain_failure(torch.OutOfMemoryError("out of memory: tried to allocate 2 GiB, size"), model) is None

@@ -452,3 +452,22 @@ def test_statistics_that_each_rank_moves_with_its_own_rows_are_batchnorms_not_sy
     assert tracks_statistics(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     assert not tracks_statistics(nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2)))
     assert not tracks_statistics(nn.BatchNorm1d(2, track_running_stats=False))
+
+
+def test_a_backward_after_an_eval_mode_forward_on_an_eval_loader_batch_under_grad_mode_is_refused():
+    """Such a forward runs without the data-parallel wrapper (the ranks' evaluation shards differ in length),
+    so its gradients would not be averaged: rt.backward says so instead of training on them."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    model = rt.setup(torch.nn.Linear(3, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    model.eval()
+    for x, y in rt.eval_loader(data, batch_size=4, num_workers=0):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with pytest.raises(lockstep.UsageError, match="rt.backward after a forward on a batch of rt.eval_loader"):
+            rt.backward(loss)
+        break
+    model.train()  # in train mode the same batch goes through the wrapper, and trains
+    for x, y in rt.eval_loader(data, batch_size=4, num_workers=0):
+        rt.backward(torch.nn.functional.mse_loss(model(x), y))
+        break
+    rt.close()

@@ -400,8 +400,8 @@ class Runtime:
         Inside a loop over a ``rt.loader``, ``loss`` is the mean over this rank's share of the
         current batch. When that global batch is split unevenly (a short last batch), the loss is
         reweighted so the gradients equal those of the mean loss over the whole global batch. The
-        weight belongs to the batch: from its forward (a loop may fetch the next batch first) until the
-        next batch's forward, the pass's end or a ``break``; never to any other backward.
+        weight belongs to the batch: until the next batch, the pass's end or a ``break`` (a loop that holds
+        several batches names its batch by the forward's tensors); never to any other backward.
 
         ``num_items``: ``loss`` is a mean over this many items (e.g. the valid tokens of this
         rank's batch, ``(labels != -100).sum()``), which differ by rank and micro-batch. The

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate, get_worker_info
 
-from lockstep.errors import CollectiveError, ConfigError
+from lockstep.errors import CollectiveError, ConfigError, UsageError
 from lockstep.runtime._torch_compat import shutdown_workers
 from lockstep.runtime.data.samplers import GlobalBatchSampler, Indices, ShardSampler
 from lockstep.runtime.data.streams import StreamBatches, StreamShard, restores_its_position
@@ -29,7 +29,7 @@ from lockstep.runtime.tree import empty_rows, tensors, to_device
 # epoch). Its stream id keeps mix_seed(seed, rank, stream) apart from mix_seed(seed, epoch).
 _WORKER_BASE_STREAM = 7
 _END = object()
-_LOOKAHEAD = 4  # at most this many batches handed out and not yet trained on are told apart (CurrentBatch)
+_LOOKAHEAD = 8  # CurrentBatch tells apart at most this many batches the loop holds at once
 
 
 def _as_is(batch: Any) -> Any:
@@ -38,15 +38,16 @@ def _as_is(batch: Any) -> Any:
 
 class BatchObserver(Protocol):
     """Told when a loader's pass starts, when it hands out batch ``step`` (then the batch itself), and when its
-    pass ends. A training batch becomes current when the one before it has been trained on (its forward or
-    backward ran): the window in which ``rt.backward`` applies its loss weight.
+    pass ends (its last batch is then no longer current). A batch stays current until the next one replaces
+    it, or a forward names another that the loop still holds: the window in which ``rt.backward`` applies
+    its loss weight.
     """
 
     def pass_started(self, loader: DistributedLoader) -> None: ...
     def batch_started(self, loader: DistributedLoader, step: int) -> None: ...
     def handed(self, loader: DistributedLoader, batch: Any) -> None: ...
     def padded(self, stand_in: dict[int, Any]) -> None: ...
-    def batch_ended(self, loader: DistributedLoader, exhausted: bool = False) -> None: ...
+    def batch_ended(self, loader: DistributedLoader) -> None: ...
 
 
 class CurrentBatch:
@@ -54,10 +55,12 @@ class CurrentBatch:
     brings; the loader of the latest pass (``rt.gather``'s default). Eval batches only move the position
     that hang reports show.
 
-    A loop may look ahead (fetch the next batch before training on this one: to know which batch is the
-    last, or a prefetcher): the batches handed out and not yet trained on wait, oldest first. A training
-    forward takes the waiting batch whose tensors it is given (one skipped without a forward is passed
-    over), else the oldest; a backward with no forward through ``rt.setup``'s model takes the current one.
+    The batch handed out last is current until the next one, or until its pass ends. A loop may hold
+    several (it fetched the next batch before training on this one, to know which is the last, or a
+    prefetcher did; it fetched a step's micro-batches first): a training forward then names the one it
+    trains on by its tensors (the batch's own or views of them), else the oldest of those the loop still
+    holds. Only the batches' first tensors are kept, as weak references: a batch the loop let go of (one
+    it skipped) is never chosen, and no batch is kept alive.
     """
 
     def __init__(self, watchdog: Watchdog) -> None:
@@ -66,9 +69,12 @@ class CurrentBatch:
         self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
         self.backward_seen = False  # rt.backward ran since the latest training batch was handed out
-        self.waiting: list[list[Any]] = []  # [loader, step, loss weight, batch] of each batch not yet trained on
-        self.taken = True  # the current batch was trained on (a forward or a backward took it)
-        self.evaluated: Any = None  # the evaluation batch handed out, until its pass ends
+        # the training batches handed out that the loop still holds: [loader, step, loss weight, weak reference to
+        # the first tensor, where its storage starts, whether a forward trained on it], oldest first
+        self.held: list[list[Any]] = []
+        self.ended = False  # the current batch's pass ended (a look-ahead's last batch may still be trained on)
+        self.evaluated: tuple[weakref.ref[torch.Tensor], int] | None = None  # the eval batch handed out
+        self.bypassed = False  # the latest training forward ran on an eval batch, outside the data-parallel wrapper
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
         # cut from. A forward that is a collective runs on the real row and returns zero rows.
@@ -76,7 +82,7 @@ class CurrentBatch:
 
     def pass_started(self, loader: DistributedLoader) -> None:
         self.last = loader
-        self.waiting = [entry for entry in self.waiting if entry[0] is not loader]  # a pass left (break)
+        self.held = [entry for entry in self.held if entry[0] is not loader]  # a pass left (break) is over
 
     def padded(self, stand_in: dict[int, Any]) -> None:
         self.stand_in = stand_in
@@ -84,81 +90,93 @@ class CurrentBatch:
     def batch_started(self, loader: DistributedLoader, step: int) -> None:
         self.watchdog.batch = ("train" if loader.training else "eval", loader.epoch, step)
         self.stand_in = {}
-        if not loader.training:
-            return
-        held, zipped = self.loader, False
-        if held is not None and held is not loader and not self.backward_seen:
-            _one_weight_for_both(held, self.step, loader, step)  # two loaders' batches in one loss (zip)
-            zipped = True
-        if zipped or any(entry[0] is not loader for entry in self.waiting):
-            self.waiting.clear()  # another loader's batch: no look-ahead of this one
-        self.waiting.append([loader, step, loader.loss_weight(step), None])
-        if len(self.waiting) > _LOOKAHEAD:  # a loop that reads batches without training on them holds a few only
-            del self.waiting[0]
-        if self.taken or self.loader is not loader:  # the batch before was trained on: the oldest waiting is next
-            self._hold(self.waiting[0])
-        self.backward_seen = False
-        if self.watchdog.clock is not None:  # the straggler report times the steps
-            self.watchdog.clock.batch(loader)
+        if loader.training:
+            if self.loader is not None and self.loader is not loader and not self.backward_seen:
+                _one_weight_for_both(self.loader, self.step, loader, step)  # two loaders' batches in one loss (zip)
+            self.loader, self.step, self.loss_weight = loader, step, loader.loss_weight(step)
+            self.backward_seen = self.ended = False
+            if self.watchdog.clock is not None:  # the straggler report times the steps
+                self.watchdog.clock.batch(loader)
 
     def handed(self, loader: DistributedLoader, batch: Any) -> None:
+        """The batch itself: its first tensor kept, weakly, with the batch's loss weight."""
+        first = _first(batch)
+        if first is None:
+            return
         if not loader.training:
-            self.evaluated = batch
-        elif self.waiting:
-            self.waiting[-1][3] = batch
-
-    def evaluates(self, inputs: Any) -> bool:
-        """Whether a forward under grad mode is given the evaluation batch handed out (its own tensors): it
-        runs without the data-parallel wrapper's collectives (DDP's buffer broadcast), since the ranks'
-        evaluation shards differ in length and a rank without a batch would never meet them."""
-        given = {id(t) for t in tensors(inputs)}
-        return any(id(t) in given for t in tensors(self.evaluated))
-
-    def _hold(self, entry: list[Any]) -> None:
-        self.loader, self.step, self.loss_weight = entry[0], entry[1], entry[2]
-        self.taken = False
+            self.evaluated = (weakref.ref(first), _storage(first))
+            return
+        held = [entry for entry in self.held if entry[3]() is not None]  # those the loop still holds
+        held.append([loader, self.step, self.loss_weight, weakref.ref(first), _storage(first), False])
+        self.held = held[-_LOOKAHEAD:]
 
     def take(self, inputs: Any) -> None:
-        """A training forward on ``inputs``: the waiting batch it trains on becomes current (see the class)."""
-        waiting = self.waiting
-        if len(waiting) > 1:  # the loop looked ahead, or skipped a batch: the one whose tensors these are
-            given = {id(t) for t in tensors(inputs)}
-            for index, entry in enumerate(waiting):
-                if any(id(t) in given for t in tensors(entry[3])):
-                    self._hold(entry)
-                    del waiting[:index + 1]
-                    self.taken = True
-                    return
-        if not self.taken and waiting:  # the current batch's first forward (on tensors made from the batch's)
-            self._hold(waiting.pop(0))
-            self.taken = True
+        """A training forward on ``inputs``: the held batch it trains on becomes current (see the class)."""
+        held = self.held = [entry for entry in self.held if entry[3]() is not None]
+        if len(held) == 1 and not self.ended and held[0][1] == self.step and held[0][0] is self.loader:
+            held[0][5] = True
+            return  # a plain loop: the one batch it holds is the current one
+        given = {_storage(t) for t in tensors(inputs)}
+        chosen = next((entry for entry in held if entry[4] in given), None)
+        if chosen is None and len(held) > 1 and not self.ended:
+            chosen = held[0]  # tensors made from a batch's: the oldest the loop holds
+        elif chosen is None and self.ended:  # after the pass: a look-ahead's last batch, else other data
+            chosen = next((entry for entry in held if not entry[5]), None)
+        if chosen is not None:
+            self.loader, self.step, self.loss_weight, chosen[5] = chosen[0], chosen[1], chosen[2], True
+        elif self.ended:  # no batch of the pass is current any more
+            self.loader, self.loss_weight = None, 1.0
+
+    def evaluates(self, inputs: Any) -> bool:
+        """Whether a forward under grad mode is given the evaluation batch handed out (its tensors): it runs
+        without the data-parallel wrapper's collectives (DDP's buffer broadcast), since the ranks' evaluation
+        shards differ in length and a rank without a batch would never meet them."""
+        if self.evaluated is None or self.evaluated[0]() is None:
+            return False
+        self.bypassed = self.evaluated[1] in {_storage(t) for t in tensors(inputs)}
+        return self.bypassed
 
     def backward_started(self) -> None:
-        """``rt.backward``: a batch trained on without a forward through the wrapper (pipeline stages, a model
-        called unwrapped) is taken by its backward."""
+        """``rt.backward``: refused after a forward that ran outside the data-parallel wrapper (``evaluates``)."""
         self.backward_seen = True
-        if not self.taken and self.waiting:
-            del self.waiting[0]
-            self.taken = True
+        if self.bypassed:
+            self.bypassed = False
+            raise UsageError("rt.backward after a forward on a batch of rt.eval_loader under grad mode, with the model "
+                             "in eval mode: that forward ran without the data-parallel wrapper (the ranks' "
+                             "evaluation shards differ in length), so its gradients would not be averaged over the "
+                             "ranks. Train on rt.loader's batches (or call model.train() first).")
 
     def rows(self) -> list[int] | None:
         """The dataset indices of the current training batch's rows on this rank (None: no lockstep loader's)."""
         local = getattr(self.loader.sampler, "local_indices", None) if self.loader is not None else None
         return list(local(self.step)) if local is not None else None
 
-    def batch_ended(self, loader: DistributedLoader, exhausted: bool = False) -> None:
-        """The pass ended: ``exhausted`` (its last batch handed out), else left (``break``, an exception)."""
+    def batch_ended(self, loader: DistributedLoader) -> None:
         self.stand_in = {}
         if not loader.training:
             self.evaluated = None
-        if loader is not self.loader:
-            return
-        if exhausted and self.waiting and self.taken:  # the loop looked ahead: its last batches are still to come
-            self._hold(self.waiting[0])
-        else:  # a loop that trained on none of the pass's batches (it only read them) holds none either
-            self.loader, self.loss_weight, self.waiting = None, 1.0, []
-        if self.watchdog.clock is not None:
-            self.watchdog.clock.pass_ended()
+        if loader is self.loader:
+            self.loader, self.loss_weight, self.ended = None, 1.0, True
+            if self.watchdog.clock is not None:
+                self.watchdog.clock.pass_ended()
+
+
+def _first(batch: Any) -> torch.Tensor | None:
+    """A batch's first tensor: at once for a tensor, a tuple or list, or a dict whose first item is one."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    head = batch[0] if isinstance(batch, (tuple, list)) and batch else (
+        next(iter(batch.values()), None) if isinstance(batch, dict) else None)
+    return head if isinstance(head, torch.Tensor) else next(tensors(batch), None)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s memory starts: the same for a batch's tensor and every view of it (a tensor without
+    storage of its own, a subclass's: itself)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
 
 
 def _one_weight_for_both(first: DistributedLoader, first_step: int, second: DistributedLoader, step: int) -> None:
@@ -355,7 +373,7 @@ class DistributedLoader:
         pads = not self.training  # only an evaluation batch can have no rows (FSDP, a stream's end)
         on_cpu = self.device.type == "cpu"  # the DataLoader hands out CPU tensors: nothing to move
         move = _unmoved if on_cpu else functools.partial(to_device, device=self.device, non_blocking=self._non_blocking)
-        cut, exhausted = self._cut, False
+        cut = self._cut
         try:
             for step, batch in self._draws(epoch, start):
                 self._batches_done = step + 1
@@ -372,10 +390,9 @@ class DistributedLoader:
                 if observer is not None:
                     observer.handed(self, batch)
                 yield batch
-            exhausted = True
         finally:  # the pass ended, or the loop was left (break, an exception): no batch is current
             if observer is not None:
-                observer.batch_ended(self, exhausted)
+                observer.batch_ended(self)
 
     def _begin_pass(self) -> tuple[int, int]:
         """The pass's epoch and first step (a loaded position, else the next epoch from its start), with

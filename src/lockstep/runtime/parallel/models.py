@@ -40,8 +40,9 @@ class Batches(Protocol):
     """The training batch the loop trains on: its loss weight; a forward tells which one it trains on."""
 
     loss_weight: float
-    waiting: list[Any]  # batches handed out and not yet trained on
+    held: list[Any]  # the training batches handed out that the loop still holds
     evaluated: Any  # the evaluation batch handed out
+    bypassed: bool  # the latest training forward ran outside the data-parallel wrapper
 
     def take(self, inputs: Any) -> None: ...
     def evaluates(self, inputs: Any) -> bool: ...

@@ -109,9 +109,9 @@ def _patterns_of(resolved: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[s
 
 def explain_failure(error: BaseException, model: nn.Module) -> ConfigError | None:
     """What a forward's ``error`` says about the tensor-parallel plan of ``model``, as an error that names the
-    split module it happened in (DTensor's sharding failed there), or the split modules (a width mismatch
-    after them); None when ``model`` splits nothing over tp ranks, or the error is neither (out of memory,
-    the model's own)."""
+    split module it happened in (DTensor's sharding failed there), or the split modules (a matrix product's
+    widths that do not match, after them); None when ``model`` splits nothing over tp ranks, or the error is
+    neither (out of memory, the model's own)."""
     if isinstance(error, torch.OutOfMemoryError):
         return None
     split = [sub.__dict__[_SPLIT] for sub in model.modules() if _SPLIT in sub.__dict__]
@@ -121,8 +121,8 @@ def explain_failure(error: BaseException, model: nn.Module) -> ConfigError | Non
     inside = [frame.f_locals.get("self") for frame in frames]
     failed = [m.__dict__[_SPLIT] for m in inside if isinstance(m, nn.Module) and _SPLIT in m.__dict__]
     through_dtensor = any("distributed/tensor/" in frame.f_code.co_filename.replace("\\", "/") for frame in frames)
-    if not (failed and through_dtensor) and not re.search(r"shape|size", str(error)):
-        return None  # neither a split module's sharding nor a mismatch of widths: the model's own error
+    if not (failed and through_dtensor) and "shapes cannot be multiplied" not in str(error):
+        return None  # neither a split module's sharding nor a matrix product's widths: the model's own error
     first = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
     tp = split[0][2]
     where = (f"in module {failed[-1][0]!r} (style {failed[-1][1]})" if failed else
