@@ -59,8 +59,8 @@ class CurrentBatch:
     several (it fetched the next batch before training on this one, to know which is the last, or a
     prefetcher did; it fetched a step's micro-batches first): a training forward then names the one it
     trains on by its tensors (the batch's own or views of them), else the oldest of those the loop still
-    holds. Only the batches' first tensors are kept, as weak references: a batch the loop let go of (one
-    it skipped) is never chosen, and no batch is kept alive.
+    holds. Only the batches' first tensors are kept, weakly once a later batch is handed out: a batch the
+    loop let go of (one it skipped) is never chosen, and no batch outlives the loop's own references.
     """
 
     def __init__(self, watchdog: Watchdog) -> None:
@@ -69,11 +69,11 @@ class CurrentBatch:
         self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
         self.backward_seen = False  # rt.backward ran since the latest training batch was handed out
-        # the training batches handed out that the loop still holds: [loader, step, loss weight, weak reference to
-        # the first tensor, where its storage starts, whether a forward trained on it], oldest first
+        # the training batches handed out that the loop may still hold: [loader, step, loss weight, the first
+        # tensor (a weak reference once a later batch is handed out), whether a forward trained on it], oldest first
         self.held: list[list[Any]] = []
         self.ended = False  # the current batch's pass ended (a look-ahead's last batch may still be trained on)
-        self.evaluated: tuple[weakref.ref[torch.Tensor], int] | None = None  # the eval batch handed out
+        self.evaluated: weakref.ref[torch.Tensor] | None = None  # the eval batch handed out (its first tensor)
         self.bypassed = False  # the latest training forward ran on an eval batch, outside the data-parallel wrapper
         self.last: DistributedLoader | None = None  # the loader of the latest pass: rt.gather's default
         # While a zero-row padding batch is current: id of each of its tensors -> the one real row it was
@@ -99,31 +99,45 @@ class CurrentBatch:
                 self.watchdog.clock.batch(loader)
 
     def handed(self, loader: DistributedLoader, batch: Any) -> None:
-        """The batch itself: its first tensor kept, weakly, with the batch's loss weight."""
+        """The batch itself: its first tensor kept with the batch's loss weight, strongly while it is the latest
+        (the loop holds it then), weakly after."""
         first = _first(batch)
         if first is None:
             return
         if not loader.training:
-            self.evaluated = (weakref.ref(first), _storage(first))
+            self.evaluated = weakref.ref(first)
             return
-        held = [entry for entry in self.held if entry[3]() is not None]  # those the loop still holds
-        held.append([loader, self.step, self.loss_weight, weakref.ref(first), _storage(first), False])
-        self.held = held[-_LOOKAHEAD:]
+        held = self.held
+        if held:
+            self._let_go()
+        held.append([loader, self.step, self.loss_weight, first, False])
+        if len(held) > _LOOKAHEAD:  # a loop that reads batches without training on them
+            del held[0]
+
+    def _let_go(self) -> None:
+        """The latest batch is no longer the latest: forgotten once trained on, else kept weakly."""
+        latest = self.held[-1]
+        if latest[4]:
+            self.held.pop()
+        elif type(latest[3]) is not weakref.ref:
+            latest[3] = weakref.ref(latest[3])
 
     def take(self, inputs: Any) -> None:
         """A training forward on ``inputs``: the held batch it trains on becomes current (see the class)."""
-        held = self.held = [entry for entry in self.held if entry[3]() is not None]
+        held = self.held
         if len(held) == 1 and not self.ended and held[0][1] == self.step and held[0][0] is self.loader:
-            held[0][5] = True
+            held[0][4] = True
             return  # a plain loop: the one batch it holds is the current one
+        alive = [(entry, first) for entry in held if (first := _tensor(entry)) is not None]  # the loop holds them
+        held[:] = [entry for entry, _ in alive]
         given = {_storage(t) for t in tensors(inputs)}
-        chosen = next((entry for entry in held if entry[4] in given), None)
+        chosen = next((entry for entry, first in alive if _storage(first) in given), None)
         if chosen is None and len(held) > 1 and not self.ended:
             chosen = held[0]  # tensors made from a batch's: the oldest the loop holds
         elif chosen is None and self.ended:  # after the pass: a look-ahead's last batch, else other data
-            chosen = next((entry for entry in held if not entry[5]), None)
+            chosen = next((entry for entry in held if not entry[4]), None)
         if chosen is not None:
-            self.loader, self.step, self.loss_weight, chosen[5] = chosen[0], chosen[1], chosen[2], True
+            self.loader, self.step, self.loss_weight, chosen[4] = chosen[0], chosen[1], chosen[2], True
         elif self.ended:  # no batch of the pass is current any more
             self.loader, self.loss_weight = None, 1.0
 
@@ -131,9 +145,8 @@ class CurrentBatch:
         """Whether a forward under grad mode is given the evaluation batch handed out (its tensors): it runs
         without the data-parallel wrapper's collectives (DDP's buffer broadcast), since the ranks' evaluation
         shards differ in length and a rank without a batch would never meet them."""
-        if self.evaluated is None or self.evaluated[0]() is None:
-            return False
-        self.bypassed = self.evaluated[1] in {_storage(t) for t in tensors(inputs)}
+        first = self.evaluated() if self.evaluated is not None else None
+        self.bypassed = first is not None and _storage(first) in {_storage(t) for t in tensors(inputs)}
         return self.bypassed
 
     def backward_started(self) -> None:
@@ -156,6 +169,8 @@ class CurrentBatch:
         if not loader.training:
             self.evaluated = None
         if loader is self.loader:
+            if self.held:
+                self._let_go()
             self.loader, self.loss_weight, self.ended = None, 1.0, True
             if self.watchdog.clock is not None:
                 self.watchdog.clock.pass_ended()
@@ -168,6 +183,12 @@ def _first(batch: Any) -> torch.Tensor | None:
     head = batch[0] if isinstance(batch, (tuple, list)) and batch else (
         next(iter(batch.values()), None) if isinstance(batch, dict) else None)
     return head if isinstance(head, torch.Tensor) else next(tensors(batch), None)
+
+
+def _tensor(entry: list[Any]) -> torch.Tensor | None:
+    """A held batch's first tensor; None once the loop let go of the batch."""
+    kept = entry[3]
+    return kept() if type(kept) is weakref.ref else kept
 
 
 def _storage(tensor: torch.Tensor) -> int:
