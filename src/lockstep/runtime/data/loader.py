@@ -125,6 +125,8 @@ class CurrentBatch:
     def take(self, inputs: Any) -> None:
         """A training forward on ``inputs``: the held batch it trains on becomes current (see the class)."""
         held = self.held
+        if not held:  # a forward on data no rt.loader handed out
+            return
         if len(held) == 1 and not self.ended and held[0][1] == self.step and held[0][0] is self.loader:
             held[0][4] = True
             return  # a plain loop: the one batch it holds is the current one
@@ -196,7 +198,7 @@ def _storage(tensor: torch.Tensor) -> int:
     storage of its own, a subclass's: itself)."""
     try:
         return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+    except RuntimeError:  # a subclass that has no storage to give says so with one
         return id(tensor)
 
 

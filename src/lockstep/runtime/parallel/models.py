@@ -40,7 +40,6 @@ class Batches(Protocol):
     """The training batch the loop trains on: its loss weight; a forward tells which one it trains on."""
 
     loss_weight: float
-    held: list[Any]  # the training batches handed out that the loop still holds
     evaluated: Any  # the evaluation batch handed out
     bypassed: bool  # the latest training forward ran outside the data-parallel wrapper
 

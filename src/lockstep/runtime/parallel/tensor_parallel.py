@@ -101,9 +101,14 @@ def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False)
 _SPLIT = "_lockstep_tp_split"  # on a split module: (its name, its style, tp), for explain_failure
 
 
+def _matcher(pattern: str) -> re.Pattern[str]:
+    """A plan pattern as a regular expression: ``*`` stands for one name (a layer's index)."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
 def _patterns_of(resolved: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, str]:
     """Each resolved module name → the plan's pattern that matched it."""
-    regexes = {pattern: re.compile(re.escape(pattern).replace(r"\*", r"[^.]+")) for pattern in plan}
+    regexes = {pattern: _matcher(pattern) for pattern in plan}
     return {name: next(p for p, regex in regexes.items() if regex.fullmatch(name)) for name in resolved}
 
 
@@ -152,7 +157,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any], tp: int, stage: boo
         if not isinstance(style, (str, ParallelStyle)):
             raise UsageError(f"tensor-parallel plan: {pattern!r} maps to a {type(style).__name__}; give a style name "
                              "or a ParallelStyle object.")
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        regex = _matcher(pattern)
         names = [name for name in named if name and regex.fullmatch(name)]
         if not names:
             raise ConfigError(f"tensor-parallel plan: {pattern!r} matches no module of {type(module).__name__} "

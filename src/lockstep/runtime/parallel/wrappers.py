@@ -107,10 +107,9 @@ class WrappedModule(nn.Module):
         if training and batches is not None:
             if batches.evaluated is not None and not self.training and batches.evaluates((args, kwargs)):
                 training = False  # an eval batch under grad mode, the model in eval mode: no data-parallel collective
-            else:
+            else:  # which batch the loop holds this forward trains on
                 batches.bypassed = False
-                if batches.held:  # which batch the loop holds this forward trains on
-                    batches.take((args, kwargs))
+                batches.take((args, kwargs))
         target = self._forward_module if training else self.__dict__["_eval_module"]
         ring = self.__dict__["_ring"]
         context = ring(self.__dict__["module"], (args, kwargs), training) if ring is not None else None
