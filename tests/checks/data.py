@@ -393,6 +393,19 @@ def evaluated_by_hand() -> torch.Tensor:
         return net(torch.randn(97, 3, generator=torch.Generator().manual_seed(1))).argmax(1)
 
 
+def global_batches_smaller_than_the_ranks() -> list[str]:
+    """A global batch_size of 1 on more ranks, for a map-style dataset and for a stream: the errors."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    errors = []
+    for data in (Indexed(5), IndexedStream(5)):
+        try:
+            rt.loader(data, batch_size=1, num_workers=0)
+            errors.append("no error")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
 def batch_sampler_with_a_batch_of_one() -> str:
     """A batch sampler whose second batch holds 1 sample, on more ranks: the error each rank raises."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0)

@@ -203,18 +203,19 @@ def _steps(rt, model, optimizer, batches, consumed: list, stop_after: int | None
             return
 
 
-def _setup(strategy, seed: int = 1):
+def _setup(strategy, seed: int = 1, batch: int = 12):
     rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), seed=0)
     model = make_stack(seed=seed)
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = rt.loader(_indexed_data(), batch_size=12, shuffle=True, num_workers=0)
+    loader = rt.loader(_indexed_data(), batch_size=batch, shuffle=True, num_workers=0)
     return rt, model, optimizer, loader
 
 
-def save_mid_epoch(strategy, folder: str, blocking: bool) -> dict:
-    """Two epochs of 8 steps, saved with rt.save after step 3 of epoch 1 (in the background when
-    not ``blocking``), then finished: the uninterrupted run."""
-    rt, model, optimizer, loader = _setup(strategy)
+def save_mid_epoch(strategy, folder: str, blocking: bool, batch: int = 12) -> dict:
+    """Two epochs of 96 samples in global batches of ``batch`` (8 steps each for 12), saved with rt.save
+    after step 3 of epoch 1 (in the background when not ``blocking``), then finished: the uninterrupted
+    run."""
+    rt, model, optimizer, loader = _setup(strategy, batch=batch)
     consumed: list = []
     _steps(rt, model, optimizer, loader, consumed)
     epoch_1 = iter(loader)
@@ -226,9 +227,9 @@ def save_mid_epoch(strategy, folder: str, blocking: bool) -> dict:
     return {"weights": full_weights(model), "consumed": consumed}
 
 
-def resume_from(strategy, folder: str) -> dict:
+def resume_from(strategy, folder: str, batch: int = 12) -> dict:
     """Load what ``save_mid_epoch`` saved into a model with other weights, then finish the run."""
-    rt, model, optimizer, loader = _setup(strategy, seed=5)
+    rt, model, optimizer, loader = _setup(strategy, seed=5, batch=batch)
     state = rt.load(folder, {"model": model, "optimizer": optimizer, "loader": loader, "step": -1})
     consumed: list = []
     _steps(rt, model, optimizer, loader, consumed)

@@ -110,6 +110,12 @@ def test_evaluation_without_no_grad_on_uneven_shards_runs_no_collective_of_ddp_a
         assert torch.equal(predictions, reference)
 
 
+def test_a_global_batch_size_smaller_than_the_ranks_is_refused_when_the_loader_is_made():
+    for messages in run_ranks(checks.global_batches_smaller_than_the_ranks, 2):
+        assert messages == ["global batch_size=1 is smaller than the 2 data-parallel ranks: some ranks would get no "
+                            "rows in every step. Give a batch_size of at least 2."] * 2, messages
+
+
 def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_by_name():
     for message in run_ranks(checks.batch_sampler_with_a_batch_of_one, 2):
         assert "global batch 1 of the batch sampler holds 1 sample(s) for 2 data-parallel ranks" in message, message

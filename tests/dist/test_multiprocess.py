@@ -31,25 +31,28 @@ def test_runtime_ddp_equals_hand_written_ddp(world, precision):
     assert max(errors) <= 1e-6, errors
 
 
-def test_same_weights_on_1_2_and_4_processes():
-    # 103 samples, global batch 16: the last batch (7) splits 4+3 and 2+2+2+1.
+def test_same_weights_on_1_2_3_and_4_processes():
+    # 103 samples, global batch 16: the last batch (7) splits 4+3 and 2+2+2+1; on 3 processes, which do
+    # not divide 16, every batch splits 6+5+5 and the last 3+2+2.
     reference = checks.train_lockstep(single_process_runtime(seed=0), checks.make_data(103), 16, 2, True)
-    for world in (2, 4):
+    for world in (2, 3, 4):
         weights = run_ranks(checks.world_size_invariance, world)
         for rank_weights in weights:
             assert torch.allclose(rank_weights, reference, atol=1e-5, rtol=0), world
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_gathered_evaluation_is_exact_and_in_dataset_order(world):
+@pytest.mark.parametrize("world, batch", [(2, 20), (3, 30), (4, 40), (3, 10)])  # 10 on 3: 4 rows a rank
+def test_gathered_evaluation_is_exact_and_in_dataset_order(world, batch):
     expected = _single_process_evaluation()
-    results = run_ranks(checks.gathered_evaluation, world, 10 * world)
+    results = run_ranks(checks.gathered_evaluation, world, batch)
     for result in results:
         assert result["outputs"].shape == (1001, 4)
         assert torch.equal(result["indices"], torch.arange(1001))
         assert torch.allclose(result["outputs"], expected, atol=1e-6)
     if world == 4:  # 251 + 250 + 250 + 250 rows in batches of 10: rank 0 has one batch more
         assert results[0]["batches"] == [26, 25, 25, 25]
+    if batch == 10:  # 334 + 334 + 333 rows in batches of 4 (10 / 3 rounded up)
+        assert results[0]["batches"] == [84, 84, 84]
 
 
 def test_gather_when_a_rank_has_no_rows():

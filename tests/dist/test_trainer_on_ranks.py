@@ -16,6 +16,12 @@ def test_fit_on_2_processes_equals_the_runtime_loop():
         assert (fit - loop).abs().max() <= 1e-6
 
 
+def test_a_fit_on_3_processes_which_do_not_divide_its_global_batch_of_16_equals_one_process():
+    single = tc.fit_weights()  # 103 samples: batches split 6+5+5, the last (7) 3+2+2
+    for weights in run_ranks(tc.fit_weights, 3):
+        assert (weights - single).abs().max() <= 1e-5
+
+
 def test_validation_accuracy_on_3_processes_equals_one_process():
     single = tc.validation_metrics()
     assert single["val_acc"] == pytest.approx(240 / 1001, abs=1e-7)  # a hand count of the same model

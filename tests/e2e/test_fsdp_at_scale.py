@@ -49,15 +49,16 @@ def test_fsdp_holds_at_most_a_third_of_ddps_bytes_on_4_ranks():
 
 
 def test_saved_on_4_fsdp_ranks_resumes_on_2_fsdp_3_ddp_and_1_process_to_the_same_weights(tmp_path):
-    folder = str(tmp_path / "step-12")
-    whole = run_ranks(fc.save_mid_epoch, 4, "fsdp", folder, False)[0]  # saved in the background
-    assert sorted(p.name for p in (tmp_path / "step-12").iterdir() if not p.name.startswith("__")) == [
+    # Global batches of 10, which neither 4 nor 3 ranks divide: 3+3+2+2 when saved, 4+3+3 on 3 ranks.
+    folder = str(tmp_path / "step-14")
+    whole = run_ranks(fc.save_mid_epoch, 4, "fsdp", folder, False, 10)[0]  # saved in the background
+    assert sorted(p.name for p in (tmp_path / "step-14").iterdir() if not p.name.startswith("__")) == [
         ".metadata", "lockstep.json", "state.pt"]
-    assert len(list((tmp_path / "step-12").glob("__*.distcp"))) == 4  # one shard file per rank
+    assert len(list((tmp_path / "step-14").glob("__*.distcp"))) == 4  # one shard file per rank
     for strategy, world in (("fsdp", 2), ("ddp", 3), ("single", 1)):
-        resumed = run_ranks(fc.resume_from, world, strategy, folder)[0]
-        assert resumed["step"] == 12
-        assert resumed["consumed"] == whole["consumed"][12:], strategy  # the same samples, step by step
+        resumed = run_ranks(fc.resume_from, world, strategy, folder, 10)[0]
+        assert resumed["step"] == 14  # 10 steps of epoch 0 (the last of 6 samples), 4 of epoch 1
+        assert resumed["consumed"] == whole["consumed"][14:], strategy  # the same samples, step by step
         assert torch.allclose(resumed["weights"], whole["weights"], atol=1e-5, rtol=0), strategy
 
 

@@ -50,12 +50,15 @@ class Loaders:
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
         """``rt.loader``: each global batch of the order split over the ranks."""
-        dataset, opts = resolve_loader_options(data, batch_size, options, self.membership.size,
-                                              self.local_world_size, self.device)
+        dataset, opts = resolve_loader_options(data, batch_size, options, self.local_world_size, self.device)
         shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
         if not is_stream(dataset) and hasattr(dataset, "__len__"):  # first: the checks below then agree on every rank
             self._check_whole(len(dataset), type(dataset).__name__)
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
+        size, ranks = getattr(batches, "batch_size", None), self.membership.size
+        if size is not None and size < ranks:
+            raise ConfigError(f"global batch_size={size} is smaller than the {ranks} data-parallel ranks: some ranks "
+                              f"would get no rows in every step. Give a batch_size of at least {ranks}.")
         if isinstance(batches, FixedBatches):
             self._check_size(len(batches.sequence), batches.batch_size, drop_last, type(dataset).__name__)
             self._check_every_rank_has_rows(batches)
@@ -69,14 +72,14 @@ class Loaders:
         stream order, split over the ranks)."""
         members = self.evaluation_membership or self.membership
         rank, world_size = members.rank, members.size
-        dataset, opts = resolve_loader_options(data, batch_size, options, world_size, self.local_world_size,
+        dataset, opts = resolve_loader_options(data, batch_size, options, self.local_world_size,
                                               self.device, evaluation=True)
         for unused in ("shuffle", "drop_last"):
             opts.pop(unused, None)
         if is_stream(dataset):
             batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
             return self._loader(dataset, GlobalBatchSampler(batches, members), opts, training=False)
-        per_rank = opts.pop("batch_size") // world_size
+        per_rank = -(-opts.pop("batch_size") // world_size)  # a global batch the ranks do not divide: rounded up
         sampler = ShardSampler(dataset_length(dataset), per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
 

@@ -214,8 +214,7 @@ def _one_weight_for_both(first: DistributedLoader, first_step: int, second: Dist
             f"two training loaders hand out the batches of one step (zipped, e.g.): {sizes[0]} and {sizes[1]} "
             f"samples, split unevenly over the {ranks} data-parallel ranks. rt.backward weighs the step's loss "
             "by one batch's weight, which would be wrong for the other's part of the loss. Pass drop_last=True "
-            f"to both loaders, or choose batch sizes and dataset lengths that leave every global batch a multiple "
-            f"of {ranks} samples.")
+            f"to both loaders, with batch sizes that are equal or each a multiple of {ranks}.")
 
 
 class EpochSeededDataset(Dataset[Any]):
