@@ -46,8 +46,7 @@ class LitClassifier(lockstep.Module):  # Lightning: LightningModule
         x, y = batch
         y_hat = self(x)
         loss = F.cross_entropy(y_hat, y)
-        # Lightning: self.log("train_loss", ...); lockstep's Trainer logs train_loss itself
-        self.log("train_ce", loss, on_epoch=True)
+        self.log("train_loss", loss, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):

@@ -232,7 +232,7 @@ def test_the_items_a_module_reports_are_logged_per_second(tmp_path, monkeypatch)
     trainer, windows, _ = _fit(tmp_path, None, monkeypatch, TokenRegressor())
     assert windows and all(m["items_per_s"] == pytest.approx(3 * m["samples_per_s"]) for m in windows)
     assert not any("mfu" in m for m in windows)  # no peak known on the CPU
-    assert float(trainer.items_seen_local) == 3 * 96
+    assert float(trainer.recorder.items_seen_local) == 3 * 96
 
 
 class CausalLM(lockstep.Module):

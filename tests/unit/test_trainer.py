@@ -339,3 +339,54 @@ def test_callbacks_changed_between_fits_are_the_ones_called(tmp_path):
         trainer.config = dataclasses.replace(trainer.config, max_steps=3 + 3 * round_)
         trainer.fit(tc.Regressor(), data, batch_size=16)
         assert counts.ends == 3
+
+
+class _LogsItsOwnTrainLoss(tc.Classifier):
+    """Lightning's habit: ``self.log("train_loss", ...)`` of a value that is not the returned loss."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss.detach() * 0 + 7.0 + batch_idx)  # 7, 8 in each epoch of 2 steps
+        return loss
+
+
+class _LogsTrainLossAfterTheStep(tc.Classifier):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("train_loss", torch.tensor(7.0))
+
+
+def test_a_module_that_logs_train_loss_itself_takes_the_name_and_one_that_logs_it_late_is_told():
+    trainer = tc.quiet_trainer(max_epochs=2)
+    trainer.fit(_LogsItsOwnTrainLoss(), checks.make_data(16), batch_size=8)
+    assert trainer.callback_metrics["train_loss_epoch"] == 7.5  # the module's values alone, not averaged with the loss
+    plain = tc.quiet_trainer(max_epochs=2)
+    plain.fit(tc.Classifier(), checks.make_data(16), batch_size=8)  # the returned loss, as before
+    assert 1.0 < plain.callback_metrics["train_loss_epoch"] < 2.0
+    with pytest.raises(lockstep.UsageError, match="came after the Trainer had recorded the returned loss"):
+        tc.quiet_trainer(max_epochs=1).fit(_LogsTrainLossAfterTheStep(), checks.make_data(16), batch_size=8)
+
+
+class _ForwardOnly(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _NoForward(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 3)
+
+
+def test_predict_without_predict_step_returns_forward_of_each_batch_in_order_as_lightnings_default():
+    inputs = torch.randn(11, 8)
+    module = _ForwardOnly()
+    predicted = tc.quiet_trainer().predict(module, inputs, batch_size=4)  # a tensor: each batch is its rows
+    with torch.no_grad():
+        assert torch.allclose(predicted, module.net(inputs), atol=1e-6)
+    with pytest.raises(lockstep.UsageError, match="_NoForward has neither predict_step"):
+        tc.quiet_trainer().predict(_NoForward(), inputs, batch_size=4)

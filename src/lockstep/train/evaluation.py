@@ -78,19 +78,19 @@ class Evaluation:
         """Validation inside a fit: the training stage's metric sums are kept for after it."""
         t = self.trainer
         assert t._val_loader is not None
-        sink = t._sink
+        sink = t.recorder.sink
         self.run(t._val_loader, "validation_step")
         t.loop.validated_at = t.global_step
         t.fire("on_validation_epoch_end")
         t.fire("on_validation_end")
-        t._sink = sink
+        t.recorder.sink = sink
         t._wrapped.train()
 
     def run(self, loader: DistributedLoader, step: str) -> dict[str, float]:
         """One pass of ``step``; its metrics, reduced over the ranks and logged."""
         t = self.trainer
         store = MetricStore()
-        t._sink = store
+        t.recorder.sink = store
         t.runtime.sync_buffers(t._wrapped)  # every rank evaluates with rank 0's BatchNorm statistics
         t._wrapped.eval()
         batch_idx = -1
@@ -100,7 +100,7 @@ class Evaluation:
                 t._call(step, self.step, step, batch, batch_idx)
         check_not_empty(loader, step.removesuffix("_step"), batch_idx >= 0)
         metrics = store.reduce(t.runtime)  # once, after the loop: ranks may hold different batch counts
-        t._sink = None
+        t.recorder.sink = None
         t.log_metrics(metrics)
         return metrics
 
@@ -111,7 +111,7 @@ class Evaluation:
         rt = t._start(module, with_optimizers=False)
         self._load_weights(ckpt_path)
         loader = self.loader(data, batch_size, t._loader_options(loader_options), "predict")
-        t._sink = None
+        t.recorder.sink = None
         rt.sync_buffers(t._wrapped)  # every rank predicts with rank 0's BatchNorm statistics
         t._wrapped.eval()
         with torch.no_grad():

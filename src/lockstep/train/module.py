@@ -39,7 +39,7 @@ class Module(nn.Module):
       optionally ``"num_items"``: the number of items (tokens) the loss is a mean over, so that the
       step's gradient is that of the mean over every item of the global batch (``rt.backward``);
     - ``validation_step``, ``test_step`` (log metrics with ``self.log``) and ``predict_step``
-      (returns the predictions for the batch), each only when you use it;
+      (returns the predictions for the batch; by default ``self(batch)``), each only when you use it;
     - ``configure_optimizers()`` returns an optimizer, a dict ``{"optimizer": ..., "lr_scheduler":
       scheduler or {"scheduler": ..., "interval": "step" | "epoch"}}``, or a pair of lists
       ``([optimizers], [schedulers])``.
@@ -97,6 +97,14 @@ class Module(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.trainer.runtime.device
+
+    def predict_step(self, batch: Any, batch_idx: int | None = None) -> Any:
+        """The predictions for ``batch``: by default ``self(batch)``, as Lightning's; override it to predict
+        otherwise (unpack the inputs from a batch of ``(inputs, targets)``, say)."""
+        if type(self).forward is nn.Module.forward:
+            raise UsageError(f"{type(self).__name__} has neither predict_step(batch, batch_idx) nor forward: define "
+                             "predict_step to return the batch's predictions (by default it returns self(batch)).")
+        return self(batch)
 
     def log(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
             batch_size: int | torch.Tensor | None = None, on_step: bool | None = None,
@@ -232,6 +240,10 @@ def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     if type(outputs) is torch.Tensor:  # the common case, without an abstract-class check per step
         return outputs, None
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if outputs is None:
+        raise UsageError("training_step returned None. Lightning skips such a batch; here every rank takes part in "
+                         "each step's gradient all-reduce, so a batch cannot be skipped on one rank: return a loss for "
+                         "every batch (leave unwanted samples out of the dataset, or weigh their loss by 0).")
     if not isinstance(loss, torch.Tensor):
         raise UsageError("training_step must return the loss tensor or a dict holding 'loss'; "
                          f"got {type(outputs).__name__}.")

@@ -82,7 +82,7 @@ class ThroughputMonitor(Callback):
     def _items_per_s(self, trainer: Trainer, elapsed: float) -> dict[str, float]:
         """The items (``num_items``: tokens, say) of every data-parallel rank per second since the last
         mark; one all-reduce per logging step, when the module gives ``num_items``."""
-        local = trainer.items_seen_local
+        local = trainer.recorder.items_seen_local
         if local is None:
             return {}
         rt = trainer.runtime

@@ -27,7 +27,7 @@ class WholeModelStep:
         k = t.config.accumulate_grad_batches
         outputs = t._call("training_step", t._wrapped, "training_step", batch, batch_idx)
         loss, items = loss_of(outputs)
-        t._record_loss(loss, items)
+        t.recorder.loss(loss, items)
         t.fire("on_before_backward", loss)
         backward = t._runtime.backward  # type: ignore[union-attr]  # set up: the Runtime exists
         if items is not None:
@@ -57,7 +57,7 @@ class PipelineStep:
                                                            inputs=getattr(module, "inputs", None)),
                        t._wrapped, batch, scaled)
         outputs = {"loss": loss * k if k > 1 else loss} if count is None else {"loss": loss, "num_items": count(batch)}
-        t._record_loss(outputs["loss"], outputs.get("num_items"))
+        t.recorder.loss(outputs["loss"], outputs.get("num_items"))
         return outputs
 
 

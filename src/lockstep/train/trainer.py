@@ -33,9 +33,10 @@ from lockstep.train.config import TrainerConfig
 from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.loop import LoopCounter, LoopState
-from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
+from lockstep.train.metrics import TrainingMetrics
 from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers
 from lockstep.train.profilers import SimpleProfiler, hook_runner, make_profiler
+from lockstep.train.recording import LOSS_NAME, Recorder
 from lockstep.train.schedulers import Schedules
 from lockstep.train.steps import WholeModelStep, batch_step_for
 
@@ -107,7 +108,7 @@ class Trainer:
         self.compiled: list[str] = []  # what compile= compiled: block or child names, "" for the module's forward
         self.loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: set[str] = {"train_loss"}
+        self.progress_bar_metrics: set[str] = {LOSS_NAME}
         self.loop = LoopState()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers = Schedules()  # each scheduler and when it steps
@@ -116,9 +117,8 @@ class Trainer:
         self.train_loader: DistributedLoader | None = None
         self._val_loader: DistributedLoader | None = None
         self.evaluation = Evaluation(self)
-        self._sink: MetricStore | None = None  # where self.log goes in the current stage
         self.metrics = TrainingMetrics()
-        self.items_seen_local: torch.Tensor | None = None  # this rank's num_items so far (e.g. tokens)
+        self.recorder = Recorder(self.metrics, self.loop)  # where self.log goes in the current stage
         self._forward_backward: Callable[[Any, int], Any] = WholeModelStep(self)  # chosen by _start
 
     # -- where this rank sits ----------------------------------------------------------------------
@@ -215,6 +215,7 @@ class Trainer:
             raise ConfigError("fit needs a stopping rule: give the Trainer max_epochs or max_steps (or both). "
                               "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
+        self.recorder.start_fit()
         options = self._loader_options(loader_options)
         self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
@@ -243,7 +244,7 @@ class Trainer:
                 callback.on_exception(self, module, error)
             raise
         finally:
-            self._sink = None
+            self.recorder.sink = None
             self._finish_reports()
         return self
 
@@ -288,29 +289,8 @@ class Trainer:
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
                       batch_size: int | torch.Tensor | None = None, on_step: bool | None = None,
                       on_epoch: bool | None = None) -> None:
-        """What ``Module.log`` calls: add ``value``, weighted by this rank's samples in the batch (the
-        loader's exact count, whatever the batch's type) or by ``batch_size``, to this stage's sums
-        (``on_step=False``/``on_epoch=False``: not to the logged steps' / the epoch's)."""
-        sink = self._sink
-        if sink is None:  # between stages the sums are already reduced: the value would vanish
-            raise StateError(f"self.log({name!r}) was called outside training_step, validation_step and test_step "
-                             "(e.g. in an epoch-end hook, configure_optimizers or predict_step), where nothing "
-                             "would ever reduce it: log from a step, or pass reduced values to "
-                             "trainer.log_metrics({...}).")
-        if (on_step is not None or on_epoch is not None or self.metrics.routes) and sink is self.metrics.recent:
-            self.metrics.route(name, on_step, on_epoch)  # training's two sums: the flags of this value
-        rows = self.loop.batch_samples
-        weight = batch_size if batch_size is not None else rows
-        # a rank's zero-row batch (its shard ended, a stream's end) logs nothing, whatever batch_size says: its
-        # step ran on a stand-in row (a forward that is a collective, FSDP's) or on no row (0 / 0)
-        if rows == 0 or (type(weight) is int and weight == 0):
-            return
-        # Where the sums live (stores exist once the Runtime does): a value elsewhere (a CPU number on a GPU run) moves.
-        device = self._runtime.device  # type: ignore[union-attr]
-        if type(weight) is int and isinstance(value, torch.Tensor) and value.ndim == 0 and value.device == device:
-            sink.add_scalar(name, value, weight)  # the per-step case
-        else:
-            sink.add(name, weighted_value(name, value, weight, device), weight)
+        """What ``Module.log`` calls: ``value`` into the current stage's sums (``Recorder.log``)."""
+        self.recorder.log(name, value, batch_size, on_step, on_epoch)
         if prog_bar:
             self.progress_bar_metrics.add(name)
 
@@ -332,6 +312,7 @@ class Trainer:
         module = inner
         if self._runtime is None:
             self._runtime = Runtime.from_config(self.config.runtime)
+            self.recorder.device = self._runtime.device
             wanted = self.config.num_nodes
             if wanted is not None and self._runtime.num_nodes != wanted:
                 raise ConfigError(f"Trainer(num_nodes={wanted}) but the launcher started "
@@ -393,7 +374,7 @@ class Trainer:
         if start == 0:
             self.metrics.reset()
         self.metrics.commits = self.runtime.replication.fault_tolerant  # a step's values count once it commits
-        self._sink = self.metrics.recent
+        self.recorder.sink = self.metrics.recent
         self.fire("on_train_epoch_start")
         self._wrapped.train()
         return start
@@ -414,14 +395,6 @@ class Trainer:
             return False  # fault tolerance: a replica group died during the step; its batches come again
         self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return loop.at_step_boundary
-
-    def _record_loss(self, loss: torch.Tensor, items: int | torch.Tensor | None) -> None:
-        """The batch's loss into the logged ``train_loss``; ``num_items`` into the items seen (a device tensor:
-        counted without waiting for the device)."""
-        if items is not None:
-            count = torch.as_tensor(items).detach().double()
-            self.items_seen_local = count if self.items_seen_local is None else self.items_seen_local + count
-        self.record_metric("train_loss", loss, batch_size=items)  # detached there; on the progress bar from the start
 
     def _step_taken(self, samples: int) -> bool:
         """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
@@ -482,7 +455,7 @@ class Trainer:
         # when the epoch was shorter than log_every_n_steps and no step value was logged.
         self.callback_metrics.update(epoch_values)
         self.metrics.epoch.reset()
-        self._sink = None  # reduced: until the next epoch starts, nothing could record a value
+        self.recorder.sink = None  # reduced: until the next epoch starts, nothing could record a value
         if self._val_loader is not None and not self.config.val_check_interval:
             self.evaluation.during_fit()
         # those that reduce on a plateau step with the epoch's values, before a checkpoint at its end is written
