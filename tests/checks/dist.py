@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lockstep
 
@@ -410,15 +410,45 @@ def plain_backward_warnings(use_rt_backward: bool, clip: bool = False, optimizer
     return sum("Call rt.backward(loss) instead" in str(w.message) for w in caught)
 
 
-def loader_of_sharded_data() -> str:
-    """What ``rt.loader`` says of data that the script already split by rank (``files[rank::world_size]``)."""
+def loader_of_sharded_data(evaluation: bool = False) -> str:
+    """What ``rt.loader`` (``rt.eval_loader``) says of data that the script already split by rank
+    (``files[rank::world_size]``)."""
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     mine = list(range(19))[rt.rank::rt.world_size]  # 10 and 9 samples
     try:
-        rt.loader(TensorDataset(torch.tensor(mine)), batch_size=4)
+        (rt.eval_loader if evaluation else rt.loader)(TensorDataset(torch.tensor(mine)), batch_size=4)
     except lockstep.ConfigError as error:
         return str(error)
     return "accepted"
+
+
+def torchrun_loader_warnings() -> list[list[str]]:
+    """A torchrun script's DataLoader (per-rank batch 6, DistributedSampler) given to rt.loader as it is, then
+    with the global batch given: the warnings of each."""
+    import warnings
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    data = TensorDataset(torch.arange(48))
+    said = []
+    for batch_size in (None, 12):
+        loader = DataLoader(data, batch_size=6, sampler=DistributedSampler(data))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rt.loader(loader, batch_size=batch_size, num_workers=0)
+        said.append([str(w.message) for w in caught if "lockstep" in str(w.message)])
+    return said
+
+
+def evaluation_on_rank_0_only() -> str:
+    """``if rt.rank == 0:`` around an evaluation loop: what each rank is told (rank 1 goes on to a barrier)."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, timeout=5)
+    try:
+        if rt.rank == 0:
+            sum(len(x) for (x,) in rt.eval_loader(TensorDataset(torch.arange(10)), batch_size=2, num_workers=0))
+        rt.barrier()
+    except Exception as error:  # noqa: BLE001 - what the rank is told, whatever it is
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 

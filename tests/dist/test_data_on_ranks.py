@@ -74,9 +74,34 @@ def test_data_already_split_by_rank_is_refused_by_the_training_loader_naming_eac
     from checks import dist as checks
     from lockstep.testing import run_ranks
 
-    for message in run_ranks(checks.loader_of_sharded_data, 2):
-        assert "a different number of samples on each rank (rank 0: 10, rank 1: 9)" in message, message
-        assert "give every rank the whole dataset" in message
+    for evaluation, stage in ((False, "training"), (True, "evaluation")):
+        for message in run_ranks(checks.loader_of_sharded_data, 2, evaluation):
+            assert f"the {stage} data (TensorDataset) holds a different number of samples on each rank (rank 0: 10, " \
+                   "rank 1: 9)" in message, message
+            assert "give every rank the whole dataset" in message
+
+
+def test_a_torchrun_dataloader_given_as_it_is_says_its_per_rank_batch_is_read_as_the_global_one():
+    from checks import dist as checks
+    from lockstep.testing import run_ranks
+
+    for as_is, with_global in run_ranks(checks.torchrun_loader_warnings, 2):
+        assert as_is == ["lockstep: this DataLoader's batch_size=6 is taken as the global batch, split over the ranks; "
+                         "with its DistributedSampler of 2 replicas it was each rank's. For the same steps, pass "
+                         "batch_size=12 to rt.loader (the global batch)."], as_is
+        assert with_global == []
+
+
+def test_an_evaluation_loader_made_on_rank_0_only_stops_with_a_report_naming_the_line_instead_of_a_shard():
+    """``if rt.rank == 0:`` around evaluation would evaluate rank 0's shard alone, silently: making the loader
+    is a collective, so rank 0 stops there and the report names where each rank is."""
+    from checks import dist as checks
+    from lockstep.testing import run_ranks
+
+    told = run_ranks(checks.evaluation_on_rank_0_only, 2, timeout=90)
+    assert told[0].startswith("CollectiveError: rank 0: all_gather #1 at dist.py:"), told[0]
+    assert "rank 1: last at barrier #1 at dist.py:" in told[0], told[0]
+    assert told[1] != "no error", told[1]
 
 
 def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_cannot_serve_both():

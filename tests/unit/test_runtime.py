@@ -473,3 +473,13 @@ def test_a_backward_after_an_eval_mode_forward_on_an_eval_loader_batch_under_gra
         rt.backward(torch.nn.functional.mse_loss(model(x), y))
         break
     rt.close()
+
+
+def test_ddps_model_no_sync_on_the_set_up_model_names_locksteps_spelling():
+    rt = runtime()
+    model = rt.setup(torch.nn.Linear(2, 2))
+    with pytest.raises(lockstep.UsageError, match=r"write `with rt.no_sync\(model\):`"):
+        with model.no_sync():
+            pass
+    with rt.no_sync(model):  # the spelling it names works
+        rt.backward(model(torch.ones(1, 2)).sum())

@@ -79,6 +79,8 @@ class Loaders:
         if is_stream(dataset):
             batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
             return self._loader(dataset, GlobalBatchSampler(batches, members), opts, training=False)
+        if self.evaluation_membership is None:  # every rank makes it (``if rank == 0:`` would see its shard alone)
+            self._check_whole(dataset_length(dataset), type(dataset).__name__, "evaluation")
         per_rank = -(-opts.pop("batch_size") // world_size)  # a global batch the ranks do not divide: rounded up
         sampler = ShardSampler(dataset_length(dataset), per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
@@ -107,14 +109,16 @@ class Loaders:
                               "ranks: some ranks would get none. Pass drop_last=True, or a batch size that leaves "
                               f"at least {ranks} samples in the last batch.")
 
-    def _check_whole(self, samples: int, name: str) -> None:
+    def _check_whole(self, samples: int, name: str, stage: str = "training") -> None:
         """Every rank was given the whole dataset: lockstep splits it itself. Data already split by rank
         (``files[rank::world_size]``, a per-rank reader) would be split again (half the data per epoch, or
-        ranks that disagree on the number of steps): refused where the ranks' lengths differ."""
+        ranks that disagree on the number of steps): refused where the ranks' lengths differ. One small
+        all-gather, so every rank must make the loader: an evaluation loader made under ``if rank == 0:``
+        stops there (a hang report names it) instead of evaluating rank 0's shard alone."""
         lengths = self.every_rank(samples) if self.every_rank is not None else [samples]
         if len(set(lengths)) > 1:
             shown = ", ".join(f"rank {rank}: {length}" for rank, length in enumerate(lengths))
-            raise ConfigError(f"the training data ({name}) holds a different number of samples on each rank ({shown}): "
+            raise ConfigError(f"the {stage} data ({name}) holds a different number of samples on each rank ({shown}): "
                               "lockstep splits the data over the ranks itself, so give every rank the whole dataset "
                               "(no files[rank::world_size] or per-rank reader).")
 

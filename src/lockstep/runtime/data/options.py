@@ -4,6 +4,7 @@ DataLoader options with lockstep's defaults (workers, ``pin_memory``, persistent
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
@@ -153,7 +154,14 @@ def resolve_loader_options(
     if batch_size is not None:
         opts["batch_size"] = batch_size
     if plain_distributed(opts.get("sampler")):
-        opts["shuffle"] = opts.pop("sampler").shuffle
+        sampler = opts.pop("sampler")
+        opts["shuffle"] = sampler.shuffle
+        if batch_size is None and sampler.num_replicas > 1:  # a torchrun script's loader: its batch was per rank
+            warnings.warn(f"lockstep: this DataLoader's batch_size={opts.get('batch_size')} is taken as the global "
+                          f"batch, split over the ranks; with its DistributedSampler of {sampler.num_replicas} "
+                          f"replicas it was each rank's. For the same steps, pass batch_size="
+                          f"{(opts.get('batch_size') or 1) * sampler.num_replicas} to rt.loader (the global batch).",
+                          stacklevel=4)
     if opts.get("batch_sampler") is not None:
         clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
         if clashes:

@@ -145,6 +145,11 @@ class WrappedModule(nn.Module):
                           "this itself).", stacklevel=3)
         return super().train(mode)
 
+    def no_sync(self) -> Any:
+        """``with model.no_sync():``, DistributedDataParallel's habit, said in lockstep's spelling."""
+        raise UsageError("model.no_sync() is DistributedDataParallel's: for the model rt.setup returned, write "
+                         "`with rt.no_sync(model):` (the same accumulation, under every strategy).")
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
