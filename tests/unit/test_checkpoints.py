@@ -364,3 +364,25 @@ def test_a_checkpoint_whose_optimizer_groups_list_their_parameters_as_before_sti
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(again.state[again.param_groups[0]["params"][0]][name],
                            optimizer.state[optimizer.param_groups[0]["params"][0]][name])
+
+
+def test_a_save_in_the_middle_of_an_accumulation_says_its_gradients_are_not_kept_and_one_after_a_step_does_not(
+        tmp_path):
+    import warnings
+
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with rt.no_sync(model):  # a micro-step: its gradients wait for the step
+        rt.backward(model(torch.ones(4, 3)).square().mean())
+    with pytest.warns(UserWarning, match="rt.save while 'model' holds gradients not yet stepped"):
+        rt.save(tmp_path / "mid", {"model": model, "optimizer": optimizer})
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # zeros, not None: nothing pending either
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rt.save(tmp_path / "after", {"model": model, "optimizer": optimizer})
+    assert not [w for w in caught if "lockstep" in str(w.message)]
+    rt.close()

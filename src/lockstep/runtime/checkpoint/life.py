@@ -116,6 +116,8 @@ class Checkpoints:
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
             self.ranks.sync_buffers(part.model)
+        _say_pending_gradients([name for name, part in sharded.items()
+                                if part.optimizers and _holds_gradients(part.model)])
         hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
         info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
                 "optimizers": optimizer_of, "optimizer_layout": OPTIMIZERS_BY_PARAMETER,
@@ -289,3 +291,22 @@ class Checkpoints:
             ranks = self.ranks
             self._checkpointer = Checkpointer(ranks.rank, ranks.world_size, ranks.barrier, self.checksums)
         return self._checkpointer
+
+
+def _holds_gradients(model: Any) -> bool:
+    """Gradients not yet stepped: some parameter's ``.grad`` is set and not all zero (this rank's shard)."""
+    from lockstep.runtime._torch_compat import to_local
+
+    return any(p.grad is not None and bool(to_local(p.grad).detach().ne(0).any()) for p in model.parameters())
+
+
+def _say_pending_gradients(names: list[str]) -> None:
+    """A save in the middle of an accumulation: a checkpoint holds whole steps (weights, optimizer state, the
+    loader past the micro-batches drawn), so the gradients summed since the last optimizer step are lost."""
+    if names:
+        import warnings
+
+        warnings.warn(f"lockstep: rt.save while {', '.join(repr(n) for n in names)} holds gradients not yet "
+                      "stepped (in the middle of a gradient accumulation): the checkpoint does not keep them, and a "
+                      "run resumed from it skips those micro-batches. Save after optimizer.step() and zero_grad().",
+                      stacklevel=4)
