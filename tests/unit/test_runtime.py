@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 
@@ -483,3 +484,28 @@ def test_ddps_model_no_sync_on_the_set_up_model_names_locksteps_spelling():
             pass
     with rt.no_sync(model):  # the spelling it names works
         rt.backward(model(torch.ones(1, 2)).sum())
+
+
+@pytest.mark.parametrize("precision, waits_for", [("32-true", "division by the step's num_items"),
+                                                   ("16-mixed", "unscaling (16-mixed)")])
+def test_torchs_clip_grad_norm_before_lockstep_finished_the_gradients_is_refused_naming_rt_clip(precision, waits_for):
+    """A port's torch.nn.utils.clip_grad_norm_ would read gradients not yet divided by the step's items (or still
+    scaled): 0.22 off in a user's trial, on one process. Refused, naming rt.clip_grad_norm_; fine elsewhere."""
+    rt = runtime(precision=precision)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 3)
+    items = 4 if precision == "32-true" else None
+    rt.backward(model(x).square().mean(), num_items=items)
+    with pytest.raises(lockstep.UsageError, match=f"before lockstep finished them \\(their {re.escape(waits_for)}\\).*"
+                                                  r"rt.clip_grad_norm_\(model, optimizer, max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    norm = rt.clip_grad_norm_(model, optimizer, 0.01)  # the spelling it names (which calls torch's itself)
+    assert torch.isfinite(norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    rt.backward(model(x).square().mean())  # no items, 32-true: final at once, torch's own clip reads them
+    if precision == "32-true":
+        by_hand = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        assert torch.isclose(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01), by_hand)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lockstep.errors import UsageError
 from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP, mark_wrapped_by_lr_scheduler
 from lockstep.runtime.parallel.grad_norm import clip_grad_norm
 
@@ -40,6 +41,32 @@ if TYPE_CHECKING:
     from lockstep.runtime.verify import StepRecorder
 
 
+_STEPS: weakref.WeakSet[OptimizerStep] = weakref.WeakSet()  # every Runtime's, for torch's clip_grad_norm_
+
+
+def guard_torch_clip() -> None:
+    """``torch.nn.utils.clip_grad_norm_`` refuses gradients that a Runtime has not finished (a port's line
+    that ``rt.clip_grad_norm_`` replaces), naming what they wait for; otherwise it is torch's own."""
+    utils = torch.nn.utils
+    original = utils.clip_grad_norm_
+    if getattr(original, "_lockstep_guard", False):
+        return
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        for step in list(_STEPS):
+            waiting = step.unfinished()
+            if waiting is not None:
+                raise UsageError("torch.nn.utils.clip_grad_norm_ read this step's gradients before lockstep "
+                                 f"finished them ({waiting}), so its norm and its clip would be wrong: call "
+                                 "rt.clip_grad_norm_(model, optimizer, max_norm) between rt.backward and "
+                                 "optimizer.step() instead.")
+        return original(parameters, max_norm, *args, **kwargs)
+
+    clip_grad_norm_._lockstep_guard = True  # type: ignore[attr-defined]
+    clip_grad_norm_.__doc__, clip_grad_norm_.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
+    utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+
 class OptimizerStep:
     """Owns the order of the optimizer step for one Runtime (see the module docstring)."""
 
@@ -52,6 +79,9 @@ class OptimizerStep:
         self._batch = batch  # the current batch's loss weight (rt.backward multiplies its loss by it), and which it is
         self._backward_for: object = None  # the batch that an rt.backward was seen for
         self._warned = False
+        self._clipping = False  # inside ``clip``, whose own call of torch's clip_grad_norm_ reads final gradients
+        _STEPS.add(self)
+        guard_torch_clip()
 
     def run(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any], closure: bool = False) -> Any:
         """One optimizer step; ``step`` is the optimizer's own (unpatched) step (``closure``: it runs the
@@ -72,6 +102,19 @@ class OptimizerStep:
             self.recorder.after_step()                          # 6
         return result
 
+    def unfinished(self) -> str | None:
+        """What this step's gradients wait for before they are final, or None (``clip`` and ``run`` finish them):
+        read before that, by torch's own ``clip_grad_norm_``, they give a wrong norm and a wrong clip."""
+        if self._clipping or not self.items.backwards_this_step:
+            return None
+        if self.items.counts_items:
+            return "their division by the step's num_items"
+        if self.replication.in_step:
+            return "their average over the replica groups"
+        if any(self.precision.scaled(o) for ref in self._optimizers if (o := ref()) is not None):
+            return "their unscaling (16-mixed)"
+        return None
+
     def clip(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
              max_norm: float, norm_type: float) -> torch.Tensor:
         """Between the backward and the step: 2 (so the norm is that of the final gradients), then 3, over the
@@ -88,7 +131,11 @@ class OptimizerStep:
             # unscaled (another optimizer's gradients may still be scaled)
             held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
             parameters = [p for p in model.parameters() if id(p) in held]
-            return clip_grad_norm(parameters, max_norm, norm_type, getattr(model, "norm_across_stages", None))
+            self._clipping = True
+            try:
+                return clip_grad_norm(parameters, max_norm, norm_type, getattr(model, "norm_across_stages", None))
+            finally:
+                self._clipping = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Route ``optimizer.step()`` through ``run``. The optimizer stays the same object, so LR

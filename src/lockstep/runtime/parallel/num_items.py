@@ -64,6 +64,11 @@ class ItemNormalizer:
         return (count / self.scale).float()
 
     @property
+    def counts_items(self) -> bool:
+        """Whether a backward of this step gave ``num_items``: the gradients wait for ``finish_step``."""
+        return self._pending is not None
+
+    @property
     def backwards_this_step(self) -> bool:
         """Whether ``rt.backward`` (with or without ``num_items``) ran since the last optimizer step."""
         return bool(self._plain_backwards) or self._pending is not None

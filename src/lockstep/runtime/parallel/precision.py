@@ -30,6 +30,7 @@ class Precision(Protocol):
     def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def scaled(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None: ...
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any: ...
     @property
@@ -78,6 +79,10 @@ class TruePrecision:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         return None
+
+    def scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients, after a backward, are still multiplied by the loss scale."""
+        return False
 
     def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None:
         return None
@@ -159,6 +164,9 @@ class MixedPrecision(TruePrecision):
             with _quiet_scaler_on_shards():
                 self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
+
+    def scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.scaler is not None and id(optimizer) not in self._unscaled
 
     def step_not_taken(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s step is not taken and its gradients are dropped (a fault-tolerant step that did not
