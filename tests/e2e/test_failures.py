@@ -54,7 +54,7 @@ def _either_rank_explains(stderr: str, where: tuple[str, str]) -> None:
 def test_1_world_size_in_code_disagrees_with_the_launcher():
     stderr, elapsed = _job("wants4.py")
     assert elapsed < 30  # fails at once: a job on 2 cores takes 10-16 s to start and end; a hang takes minutes
-    assert "devices=4 asks for 4 processes per node, but the launcher (torchrun or lockstep run) started 2" in stderr
+    assert "devices=4 asks for 4 processes per node, but the launcher (torchrun) started 2" in stderr
 
 
 def test_2_a_barrier_on_rank_0_only_names_the_missing_rank_and_its_line():

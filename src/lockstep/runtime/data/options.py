@@ -109,6 +109,16 @@ def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:
     return True
 
 
+def _say_per_rank_batch(given: int | None, batch_size: int | None, replicas: int) -> None:
+    """A torchrun script's DataLoader given as it is (no ``batch_size`` given to the call): its ``batch_size`` was
+    each rank's, lockstep's is global."""
+    if given is None and replicas > 1:
+        warnings.warn(f"lockstep: this DataLoader's batch_size={batch_size} is taken as the global batch, split over "
+                      f"the ranks; with its DistributedSampler of {replicas} replicas it was each rank's. For the same "
+                      f"steps, pass batch_size={(batch_size or 1) * replicas} to rt.loader (the global batch).",
+                      stacklevel=5)
+
+
 def check_batch_size(batch_size: int) -> int:
     """A global batch size: any positive integer. The data-parallel ranks need not divide it: each global
     batch splits as evenly as possible (10 over 4 ranks: 3 + 3 + 2 + 2) and ``rt.backward`` weights each
@@ -156,12 +166,7 @@ def resolve_loader_options(
     if plain_distributed(opts.get("sampler")):
         sampler = opts.pop("sampler")
         opts["shuffle"] = sampler.shuffle
-        if batch_size is None and sampler.num_replicas > 1:  # a torchrun script's loader: its batch was per rank
-            warnings.warn(f"lockstep: this DataLoader's batch_size={opts.get('batch_size')} is taken as the global "
-                          f"batch, split over the ranks; with its DistributedSampler of {sampler.num_replicas} "
-                          f"replicas it was each rank's. For the same steps, pass batch_size="
-                          f"{(opts.get('batch_size') or 1) * sampler.num_replicas} to rt.loader (the global batch).",
-                          stacklevel=4)
+        _say_per_rank_batch(batch_size, opts.get("batch_size"), sampler.num_replicas)
     if opts.get("batch_sampler") is not None:
         clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
         if clashes:

@@ -176,8 +176,7 @@ def _process_count_message(count: int, env: DistEnv) -> str:
         )
     return (
         f"devices={count} asks for {count} processes per node, but the launcher "
-        f"({'torchrun or lockstep run' if env.launcher == 'torchrun' else env.launcher}) started "
-        f"{env.local_world_size} on this node: make the two agree "
+        f"({env.launcher}) started {env.local_world_size} on this node: make the two agree "
         f"(launch {count} per node{f' with {setting}' if setting else ''}, or set devices={env.local_world_size} "
         "or devices='auto')."
     )
