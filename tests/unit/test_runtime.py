@@ -501,6 +501,9 @@ def test_torchs_clip_grad_norm_before_lockstep_finished_the_gradients_is_refused
     with pytest.raises(lockstep.UsageError, match=f"before lockstep finished them \\(their {re.escape(waits_for)}\\).*"
                                                   r"rt.clip_grad_norm_\(model, optimizer, max_norm\)"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    reference = torch.nn.Linear(3, 2)  # another model's parameters, meanwhile: torch's own clip
+    reference(x).square().mean().backward()
+    assert torch.isfinite(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01))
     norm = rt.clip_grad_norm_(model, optimizer, 0.01)  # the spelling it names (which calls torch's itself)
     assert torch.isfinite(norm)
     optimizer.step()

@@ -45,17 +45,19 @@ _STEPS: weakref.WeakSet[OptimizerStep] = weakref.WeakSet()  # every Runtime's, f
 
 
 def guard_torch_clip() -> None:
-    """``torch.nn.utils.clip_grad_norm_`` refuses gradients that a Runtime has not finished (a port's line
-    that ``rt.clip_grad_norm_`` replaces), naming what they wait for; otherwise it is torch's own."""
+    """``torch.nn.utils.clip_grad_norm_`` refuses the gradients of parameters that a Runtime's optimizers step
+    while that Runtime has not finished them (a port's line that ``rt.clip_grad_norm_`` replaces), naming what
+    they wait for; for any other parameters, and any other time, it is torch's own."""
     utils = torch.nn.utils
     original = utils.clip_grad_norm_
     if getattr(original, "_lockstep_guard", False):
         return
 
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         for step in list(_STEPS):
             waiting = step.unfinished()
-            if waiting is not None:
+            if waiting is not None and step.steps_any(parameters):
                 raise UsageError("torch.nn.utils.clip_grad_norm_ read this step's gradients before lockstep "
                                  f"finished them ({waiting}), so its norm and its clip would be wrong: call "
                                  "rt.clip_grad_norm_(model, optimizer, max_norm) between rt.backward and "
@@ -114,6 +116,12 @@ class OptimizerStep:
         if any(self.precision.scaled(o) for ref in self._optimizers if (o := ref()) is not None):
             return "their unscaling (16-mixed)"
         return None
+
+    def steps_any(self, parameters: list[torch.Tensor]) -> bool:
+        """Whether an optimizer of this Runtime steps one of ``parameters``."""
+        optimizers = [o for ref in self._optimizers if (o := ref()) is not None]
+        held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+        return any(id(p) in held for p in parameters)
 
     def clip(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
              max_norm: float, norm_type: float) -> torch.Tensor:
