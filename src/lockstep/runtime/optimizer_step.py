@@ -113,15 +113,18 @@ class OptimizerStep:
             return "their division by the step's num_items"
         if self.replication.in_step:
             return "their average over the replica groups"
-        if any(self.precision.scaled(o) for ref in self._optimizers if (o := ref()) is not None):
+        if any(self.precision.scaled(optimizer) for optimizer in self._live()):
             return "their unscaling (16-mixed)"
         return None
 
     def steps_any(self, parameters: list[torch.Tensor]) -> bool:
         """Whether an optimizer of this Runtime steps one of ``parameters``."""
-        optimizers = [o for ref in self._optimizers if (o := ref()) is not None]
-        held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+        held = {id(p) for p in _parameters_of(self._live())}
         return any(id(p) in held for p in parameters)
+
+    def _live(self) -> list[torch.optim.Optimizer]:
+        """The attached optimizers that still exist."""
+        return [optimizer for ref in self._optimizers if (optimizer := ref()) is not None]
 
     def clip(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
              max_norm: float, norm_type: float) -> torch.Tensor:
@@ -137,7 +140,7 @@ class OptimizerStep:
         with self.watchdog.step("clip_grad_norm_"):
             # the norm over all shards, meshes and pipeline stages, of the parameters these optimizers step: those
             # unscaled (another optimizer's gradients may still be scaled)
-            held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+            held = {id(p) for p in _parameters_of(optimizers)}
             parameters = [p for p in model.parameters() if id(p) in held]
             self._clipping = True
             try:
@@ -192,6 +195,9 @@ class OptimizerStep:
 
     def _reduce_over_replicas(self) -> None:
         """Every attached optimizer's gradients averaged over the replica groups (once a step)."""
-        optimizers = [ref() for ref in self._optimizers]
-        self.replication.reduce_gradients([p for opt in optimizers if opt is not None
-                                        for group in opt.param_groups for p in group["params"]])
+        self.replication.reduce_gradients(_parameters_of(self._live()))
+
+
+def _parameters_of(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every parameter the optimizers step, group by group."""
+    return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]

@@ -239,11 +239,11 @@ def loss_of(outputs: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     the dict's ``"num_items"``: how many items (tokens) the loss is a mean over, or None."""
     if type(outputs) is torch.Tensor:  # the common case, without an abstract-class check per step
         return outputs, None
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if outputs is None:
         raise UsageError("training_step returned None. Lightning skips such a batch; here every rank takes part in "
                          "each step's gradient all-reduce, so a batch cannot be skipped on one rank: return a loss for "
                          "every batch (leave unwanted samples out of the dataset, or weigh their loss by 0).")
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
         raise UsageError("training_step must return the loss tensor or a dict holding 'loss'; "
                          f"got {type(outputs).__name__}.")

@@ -79,10 +79,11 @@ class Loaders:
         if is_stream(dataset):
             batches = global_batches(dataset, opts, shuffle=False, drop_last=False, seed=self.seed)
             return self._loader(dataset, GlobalBatchSampler(batches, members), opts, training=False)
+        samples = dataset_length(dataset)
         if self.evaluation_membership is None:  # every rank makes it (``if rank == 0:`` would see its shard alone)
-            self._check_whole(dataset_length(dataset), type(dataset).__name__, "evaluation")
+            self._check_whole(samples, type(dataset).__name__, "evaluation")
         per_rank = -(-opts.pop("batch_size") // world_size)  # a global batch the ranks do not divide: rounded up
-        sampler = ShardSampler(dataset_length(dataset), per_rank, rank, world_size, equal_steps=self.equal_steps)
+        sampler = ShardSampler(samples, per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
 
     def _check_size(self, samples: int, batch_size: int, drop_last: bool, name: str) -> None:
