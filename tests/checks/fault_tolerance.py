@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+
+def mark_start(marks: str, group: int, rank: str) -> None:
+    """A group's process about to ask for its first quorum leaves a file in ``marks``."""
+    os.makedirs(marks, exist_ok=True)
+    open(os.path.join(marks, f"g{group}-{os.getpid()}-r{rank}"), "w").close()
+
+
+def hold_for_a_replacement(marks: str, timeout: float = 150) -> None:
+    """Until some group's rank 0 has started twice (its replacement asks for its first quorum), at most
+    ``timeout`` seconds: the survivors of a kill wait for it at a step chosen by the test, so that they are
+    still training when it comes, however long it takes to start on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        firsts = [name.split("-")[0] for name in os.listdir(marks) if name.endswith("-r0")]
+        if len(firsts) > len(set(firsts)):
+            return
+        time.sleep(0.05)
 
 
 def committed_steps(tmp: Path, pattern: str = "*.log") -> dict[int, list[int]]:

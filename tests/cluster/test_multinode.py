@@ -344,7 +344,8 @@ def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: 
                "--nodes", "2", "--node-rank", str(node_rank), "--master", f"{two_hosts[0][2]}:{port}",
                "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "10",
                *(["--strategy", "fsdp"] if processes > 1 else []), str(ROOT / "tests" / "scripts" / "ft_replica.py"),
-               str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4"]
+               str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4",
+               "--marks", str(out / "marks"), "--hold-at", "8"]  # node 0 waits at step 8 for node 1 started again
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -71,7 +71,8 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str
 
 @pytest.mark.parametrize("when", ["start", "backward", "allreduce", "random"])
 def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_path, reference, lighthouse, when):
-    slow = ("--slow", "0.4")  # 8 s of steps: the replacement (5 s to start) joins while the others train
+    # the survivors wait at step 5 for the replacement to ask for its quorum (it takes 5-20 s to start)
+    slow = ("--slow", "0.4", "--marks", str(tmp_path / "marks"), "--hold-at", "5")
     groups = [_group(tmp_path, lighthouse, 0, *slow), _group(tmp_path, lighthouse, 1, *slow),
               _group(tmp_path, lighthouse, 2, *slow, "--die-at", "3", "--die-when", when, name="killed")]
     code, out = _finish(groups[2])
@@ -200,7 +201,8 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
     run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "3",
                           "--devices", "3", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
                           str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.6",
-                          "--die-at", "3", "--die-when", "backward", "--die-group", "2"],
+                          "--die-at", "3", "--die-when", "backward", "--die-group", "2",
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     check_exact(tmp_path, reference, ["g0", "g1", "g2"])
@@ -226,7 +228,7 @@ def test_a_slow_group_is_named_as_a_group_and_the_weights_stay_the_one_process_r
     for group in range(3):
         report = torch.load(tmp_path / f"g{group}.pt")["step_times"]
         assert report["group_stragglers"] == {1: "group"} and report["step_time/slowest_group"] == 1.0
-        assert report["step_time/groups_max_over_median"] > 10
+        assert report["step_time/groups_max_over_median"] > 2  # 0.2 s against a few ms; more on a slow machine
 
 
 def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_path, reference):
@@ -237,7 +239,8 @@ def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_p
                           "--devices", "4", "--accelerator", "cpu", "--strategy", "fsdp", "--step-timeout", "10",
                           str(SCRIPT), str(tmp_path / "g{group}r{rank}.pt"),
                           "--log", str(tmp_path / "g{group}r{rank}.log"),
-                          "--slow", "0.4", "--die-at", "3", "--die-when", "backward", "--die-group", "1"],
+                          "--slow", "0.4", "--die-at", "3", "--die-when", "backward", "--die-group", "1",
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
@@ -253,7 +256,8 @@ def test_a_trainer_fit_trains_on_when_a_group_is_killed_and_ends_at_the_one_proc
     assert alone.returncode == 0, alone.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
                           "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(script),
-                          str(tmp_path / "g{group}.pt"), "--slow", "1.0", "--die-at", "3", "--die-group", "1"],
+                          str(tmp_path / "g{group}.pt"), "--slow", "1.0", "--die-at", "3", "--die-group", "1",
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     reference = torch.load(tmp_path / "alone.pt")

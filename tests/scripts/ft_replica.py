@@ -12,6 +12,9 @@ global batch 24, 2 epochs (20 steps), and writes to OUT
 cross-group all-reduce (after sending its part), or at a random moment between the forward and the commit
 vote (a timer thread). ``--slow``: sleep this long per step. ``--log``: append each committed step's
 indices to this JSON-lines file as it goes (a killed group's too), and each share before its vote.
+``--marks DIR``: each process leaves a file there just before its first quorum; with ``--hold-at STEP`` a
+group waits at that step until some group's rank 0 has left two (a replacement is asking to join), so that
+the survivors of a kill are still training when the replacement comes, however long it takes to start.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -28,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lockstep
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import lockstep  # noqa: E402
+from checks.fault_tolerance import hold_for_a_replacement, mark_start  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -43,6 +49,8 @@ parser.add_argument("--slow-group", type=int, default=-1, help="only this replic
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=16)
+parser.add_argument("--marks", default="")
+parser.add_argument("--hold-at", type=int, default=-1)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 rank = os.environ.get("RANK", "0")  # a group of several processes: each rank writes its own files
@@ -56,6 +64,8 @@ if args.slow_group not in (-1, group):
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
 
 
 g = torch.Generator().manual_seed(0)
@@ -85,6 +95,8 @@ model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(data, batch_size=24, shuffle=True)
 state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "random": rt.random_states()}
 total = args.epochs * len(loader)
+if args.marks:
+    mark_start(args.marks, group, rank)
 if args.checkpoints or rt.replication.fault_tolerant:
     rt.resume(args.checkpoints or os.path.join(os.path.dirname(args.out) or ".", "no-checkpoints"), state)
 
@@ -112,6 +124,8 @@ while state["step"] < total:
         step = state["step"]
         if step == args.die_at and args.die_when == "start":
             die()
+        if step == args.hold_at and args.marks:
+            hold_for_a_replacement(args.marks)
         if step == args.die_at and args.die_when == "random":
             timer = threading.Timer(random.uniform(0.0, max(args.slow, 0.005)), die)
             timer.start()

@@ -1,6 +1,7 @@
 """A Trainer fit as one replica group of a fault-tolerant job (or, without LOCKSTEP_FAULT_TOLERANT, the
 one-process reference): 2 epochs of 6 steps; ``--die-at STEP --die-group G`` SIGKILLs group G before
-that step's forward; ``--slow S`` sleeps S seconds per step. Writes OUT ({group} replaced) with the
+that step's forward; ``--slow S`` sleeps S seconds per step; ``--marks DIR --hold-at STEP``: as
+ft_replica.py's. Writes OUT ({group} replaced) with the
 weights and the step count."""
 
 import argparse
@@ -15,12 +16,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lockstep  # noqa: E402
 from checks import dist as checks  # noqa: E402
 from checks import trainer as tc  # noqa: E402
+from checks.fault_tolerance import hold_for_a_replacement, mark_start  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--die-group", type=int, default=-1)
 parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--marks", default="")
+parser.add_argument("--hold-at", type=int, default=-1)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 
@@ -29,6 +33,8 @@ class Chaos(lockstep.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == args.die_at and group == args.die_group:
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == args.hold_at and args.marks:
+            hold_for_a_replacement(args.marks)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         time.sleep(args.slow)
@@ -36,6 +42,8 @@ class Chaos(lockstep.Callback):
 
 module = tc.Classifier()
 trainer = tc.quiet_trainer(max_epochs=2, callbacks=[Chaos()])
+if args.marks:
+    mark_start(args.marks, group, os.environ.get("RANK", "0"))
 trainer.fit(module, checks.make_data(96), batch_size=16)
 if trainer.is_global_zero:
     torch.save({"weights": checks.flat_weights(module), "steps": trainer.global_step},

@@ -98,6 +98,32 @@ def test_a_rank_waiting_for_a_cpu_is_a_busy_host():
     assert "waited 40.0 ms a step for a CPU (against 2.0 ms)" in said[-1]
 
 
+def test_the_cpu_wait_is_read_over_the_judged_steps_and_one_calm_step_clears_no_one():
+    """A rank whose core became busy at step 9: its run-queue time over steps 9-12 (readings at
+    heartbeats, every two steps) names a busy host, where the average since the first step would not;
+    one step at its peers' pace among the slow ones after it neither clears nor names it again."""
+    store, (judge, said) = Store(), judge_of(3)
+
+    def publish_until(last: int) -> None:
+        for rank in range(3):
+            busy = rank == 2
+            readings = [[n, 0.016 + 0.045 * (n - 8) if busy and n > 8 else 0.002 * n] for n in range(0, last + 1, 2)]
+            steps = [step(n, forward=0.030 if busy and n > 8 else 0.010, backward=0.060 if busy and n > 8 else 0.020,
+                          wait=0.005 if busy or n <= 8 else 0.065) for n in range(1, last + 1)]
+            if last >= 13:
+                steps[12] = step(13)  # step 13: every rank at the same pace
+            store.values[f"lockstep/steps/{rank}"] = json.dumps(
+                {"host": "node", "local_rank": rank, "group": 0, "queued": readings, "steps": steps})
+        judge.read(store)
+
+    publish_until(12)
+    assert judge.report()["stragglers"] == {2: "host"}, said
+    assert len(said) == 1 and "steps 9-12" in said[0] and "waited 45.0 ms a step for a CPU" in said[0], said
+    publish_until(13)
+    publish_until(18)
+    assert len(said) == 1 and judge.report()["stragglers"] == {2: "host"}, said
+
+
 def test_short_spikes_and_small_excesses_are_not_named():
     store, (judge, said) = Store(), judge_of()
     for rank in range(4):

@@ -161,7 +161,7 @@ class StepClock:
             self._pending.popleft()
 
     def payload(self, host: str, local_rank: int, group: int, queued: list[tuple[int, float]]) -> str:
-        """What the heartbeat publishes: who this rank is, its two newest run-queue readings (steps counted,
+        """What the heartbeat publishes: who this rank is, its newest run-queue readings (steps counted,
         seconds), its newest steps."""
         steps = [[n, *(round(x, 6) for x in rest)] for n, *rest in list(self.records)]
         return json.dumps({"host": host, "local_rank": local_rank, "group": group, "queued": queued, "steps": steps})
@@ -179,12 +179,12 @@ def _event() -> Any:
 
 
 class _Rank:
-    """What the judge knows of one rank: its published steps and two run-queue readings."""
+    """What the judge knows of one rank: its published steps and run-queue readings."""
 
     def __init__(self) -> None:
         self.steps: dict[int, Times] = {}
         self.host, self.local_rank, self.group = "?", -1, 0
-        self.queued: deque[tuple[int, float]] = deque(maxlen=2)  # (steps counted, run-queue seconds)
+        self.queued: list[tuple[int, float]] = []  # (steps counted, run-queue seconds), oldest first
 
     def take(self, payload: dict[str, Any]) -> None:
         """A rank's published entry, read as untrusted: only bounded numbers and printable text are kept."""
@@ -199,18 +199,24 @@ class _Rank:
         for n in sorted(self.steps)[:-KEPT]:
             del self.steps[n]
         readings = payload.get("queued")
-        if isinstance(readings, list) and len(readings) == 2 and all(
+        if isinstance(readings, list) and 2 <= len(readings) <= KEPT and all(
                 isinstance(r, list) and len(r) == 2 and _count(r[0], -1) >= 0 and _seconds(r[1]) for r in readings):
-            self.queued.clear()
-            self.queued.extend((int(n), float(q)) for n, q in readings)
+            taken = [(int(n), float(q)) for n, q in readings]
+            if all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(taken, taken[1:], strict=False)):
+                self.queued = taken
 
-    def queued_per_step(self) -> float | None:
-        if len(self.queued) < 2:
+    def queued_per_step(self, first: int, last: int) -> float | None:
+        """Run-queue seconds a step over steps ``first``-``last``: between the readings nearest the end of
+        the step before ``first`` and the end of ``last`` (readings come at heartbeats, not at every step)."""
+        before = [r for r in self.queued if r[0] < first] or self.queued[:1]
+        if not before:
             return None
-        (n0, q0), (n1, q1) = self.queued
-        if n1 <= n0:
+        start = before[-1]
+        after = [r for r in self.queued if start[0] < r[0] <= last] or [r for r in self.queued if r[0] > start[0]][:1]
+        if not after:
             return None
-        return (q1 - q0) / (n1 - n0)
+        end = after[-1]
+        return (end[1] - start[1]) / (end[0] - start[0])
 
     def who(self, rank: int) -> str:
         return f"rank {rank} (host {self.host}, local rank {self.local_rank})"
@@ -303,15 +309,12 @@ class StragglerJudge:
 
             newest.append((statistics.median(own[n][index] / peers(n) if peers(n) > 0 else 1.0
                                              for n in common[-PATIENCE:]), rank))
-            run = 0
-            for n in reversed(common):
-                mine = own[n][index]
-                if not (mine > self.factor * peers(n) and mine - peers(n) > max(1e-3, MIN_EXCESS * middle[n][1])):
-                    break
-                run += 1
+            slow = [own[n][index] > self.factor * peers(n)
+                    and own[n][index] - peers(n) > max(1e-3, MIN_EXCESS * middle[n][1]) for n in common]
+            run = len(slow) - next((i + 1 for i in range(len(slow) - 1, -1, -1) if not slow[i]), 0)
             if run >= PATIENCE:
                 self._name(rank, members, common[-run:])
-            elif rank in self.named and run == 0:
+            elif rank in self.named and not any(slow[-PATIENCE:]):  # as many steps in a row to be cleared
                 with self._lock:
                     del self.named[rank]
                 self.say(f"lockstep: {self._who(rank)} keeps up with its peers again (step {common[-1]}).")
@@ -348,8 +351,9 @@ class StragglerJudge:
         (own, own_peers), (data, data_peers), (compute, compute_peers), (forward, forward_peers) = (
             self._means(attrgetter(part), rank, compared, steps) for part in ("own", "data", "compute", "forward"))
         excess = own - own_peers
-        queued = self.ranks[rank].queued_per_step()
-        peers_queued = [q for q in (self.ranks[r].queued_per_step() for r in compared) if q is not None]
+        queued = self.ranks[rank].queued_per_step(steps[0], steps[-1])
+        peers_queued = [q for q in (self.ranks[r].queued_per_step(steps[0], steps[-1]) for r in compared)
+                        if q is not None]
         queued_peers = statistics.median(peers_queued) if peers_queued else None
         parts = {"data": data - data_peers, "compute": compute - compute_peers}
         parts["own code"] = excess - parts["data"] - parts["compute"]
@@ -402,7 +406,7 @@ class Stragglers:
         self._say = say
         self._host = socket.gethostname()
         self._published = -1
-        self._readings: deque[tuple[int, float]] = deque(maxlen=2)  # run-queue readings at the last two beats
+        self._readings: deque[tuple[int, float]] = deque(maxlen=KEPT)  # run-queue readings at the newest beats
         self._next_judgement = 0.0  # monotonic time of rank 0's next judgement
 
     def beat(self, store: Any) -> None:
@@ -414,7 +418,7 @@ class Stragglers:
             self._readings.append((self.clock.count, queued))  # a reading at each beat with new steps
         if self.clock.count != self._published:
             self._published = self.clock.count
-            readings = list(self._readings) if len(self._readings) == 2 else []
+            readings = list(self._readings) if len(self._readings) >= 2 else []
             store.set(f"lockstep/steps/{self.rank}",
                       self.clock.payload(self._host, self.local_rank, self.group, readings))
         if self.judge is not None and time.monotonic() >= self._next_judgement:
