@@ -17,15 +17,13 @@ def mark_start(marks: str, group: int, rank: str) -> None:
     open(os.path.join(marks, f"g{group}-{os.getpid()}-r{rank}"), "w").close()
 
 
-def hold_for_a_replacement(marks: str, timeout: float = 150) -> None:
-    """Until some group's rank 0 has started twice (its replacement asks for its first quorum), at most
-    ``timeout`` seconds: the survivors of a kill wait for it at a step chosen by the test, so that they are
-    still training when it comes, however long it takes to start on a busy machine."""
+def hold_until_started(marks: str, count: int, timeout: float = 150) -> None:
+    """Until ``count`` processes of rank 0 in their groups (the groups' first processes, a replacement's too)
+    have asked for their first quorum, at most ``timeout`` seconds: a test's groups wait for a late one (a
+    replacement, a group started later) at a step it chooses, so that they are still training when it comes,
+    however long it takes to start on a busy machine."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        firsts = [name.split("-")[0] for name in os.listdir(marks) if name.endswith("-r0")]
-        if len(firsts) > len(set(firsts)):
-            return
+    while time.monotonic() < deadline and sum(name.endswith("-r0") for name in os.listdir(marks)) < count:
         time.sleep(0.05)
 
 

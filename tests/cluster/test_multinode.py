@@ -134,12 +134,11 @@ def test_sigkill_of_a_worker_on_node_1_stops_both_nodes_within_10_seconds(two_ho
 FAILURES = [("import", 1, "node fails before creating the Runtime"), ("init", 1, "Gloo connectFullMesh failed"),
             ("collective", 1, "node fails before the first collective"), ("training", 1, "at training step 5"),
             ("import", 0, "node fails before creating the Runtime"), ("init", 0, "Gloo connectFullMesh failed"),
-            ("collective", 0, "node fails before the first collective"), ("training", 0, "at training step 5"),
-            ("import", 1, "node fails before creating the Runtime"), ("init", 0, "Gloo connectFullMesh failed")]
+            ("collective", 0, "node fails before the first collective"), ("training", 0, "at training step 5")]
 
 
 @pytest.mark.timeout(600)
-def test_a_node_that_fails_at_any_stage_stops_every_node_within_the_timeout_ten_times_in_a_row(two_hosts):
+def test_a_node_that_fails_at_any_stage_stops_every_node_within_the_timeout(two_hosts):
     """The job's timeout is 20 s: every node must exit non-zero within 35 s, naming the cause."""
     for run, (stage, failing, cause) in enumerate(FAILURES):
         started = time.monotonic()
@@ -345,7 +344,7 @@ def _fault_tolerant_node(two_hosts, node_rank: int, port: int, out: Path, name: 
                "--replicas", "1", "--devices", str(processes), "--accelerator", "cpu", "--step-timeout", "10",
                *(["--strategy", "fsdp"] if processes > 1 else []), str(ROOT / "tests" / "scripts" / "ft_replica.py"),
                str(out / f"{name}r{{rank}}.pt"), "--log", str(out / f"{name}r{{rank}}.log"), "--slow", "0.4",
-               "--marks", str(out / "marks"), "--hold-at", "8"]  # node 0 waits at step 8 for node 1 started again
+               "--marks", str(out / "marks"), "--hold-at", "8", "--hold-for", "3"]  # waits for node 1 started again
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

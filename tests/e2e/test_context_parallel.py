@@ -6,6 +6,7 @@ on dp4 and on one process; what the ring cannot run is refused by name in second
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,10 +92,11 @@ def test_a_killed_cp2_dp2_trainer_run_resumes_on_dp4_cp4_and_one_process_to_the_
     # up to 1.3).
     assert whole["predictions"].shape == one["predictions"].shape == (13, cc.LENGTH, cc.VOCAB)
     assert torch.allclose(whole["predictions"], one["predictions"], atol=5e-5, rtol=0)
+    killed = _run(tmp_path, "killed", 4, 5, *cp)
+    assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
     for resumed_on, parallel in ((4, ()), (1, ()), (4, ("--parallel", "cp=4"))):  # dp4, one process, cp4
         name = f"killed{resumed_on}{''.join(parallel)}"
-        killed = _run(tmp_path, name, 4, 5, *cp)
-        assert killed.returncode != 0 and "signal SIGKILL" in killed.stderr
+        shutil.copytree(tmp_path / "killed", tmp_path / name)  # each resumes the killed run's checkpoints
         resumed = _run(tmp_path, name, resumed_on, -1, *parallel)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "resumed from" in resumed.stdout and "after step 4." in resumed.stdout

@@ -59,6 +59,10 @@ def _group(tmp: Path, house: Lighthouse | str, index: int, *extra: str, name: st
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -72,7 +76,7 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str
 @pytest.mark.parametrize("when", ["start", "backward", "allreduce", "random"])
 def test_three_groups_train_on_when_one_is_killed_and_a_replacement_joins(tmp_path, reference, lighthouse, when):
     # the survivors wait at step 5 for the replacement to ask for its quorum (it takes 5-20 s to start)
-    slow = ("--slow", "0.4", "--marks", str(tmp_path / "marks"), "--hold-at", "5")
+    slow = ("--slow", "0.4", "--marks", str(tmp_path / "marks"), "--hold-at", "5", "--hold-for", "4")
     groups = [_group(tmp_path, lighthouse, 0, *slow), _group(tmp_path, lighthouse, 1, *slow),
               _group(tmp_path, lighthouse, 2, *slow, "--die-at", "3", "--die-when", when, name="killed")]
     code, out = _finish(groups[2])
@@ -153,7 +157,13 @@ def test_a_group_started_with_another_seed_is_refused_by_name_and_the_others_tra
 
 
 def test_a_group_with_another_model_cannot_take_the_live_state_and_says_so(tmp_path, reference, lighthouse):
-    groups = [_group(tmp_path, lighthouse, 0, "--slow", "0.2"), _group(tmp_path, lighthouse, 1, "--hidden", "32")]
+    """Group 1 (a wider model) starts once group 0 has committed a step; group 0 waits for it at step 3."""
+    marks = ("--marks", str(tmp_path / "marks"))
+    groups = [_group(tmp_path, lighthouse, 0, "--slow", "0.2", *marks, "--hold-at", "3", "--hold-for", "2")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and '"committed": true' not in _read(tmp_path / "g0.log"):
+        time.sleep(0.1)
+    groups.append(_group(tmp_path, lighthouse, 1, "--hidden", "32", *marks))
     (code0, out0), (code1, out1) = _finish(groups[0]), _finish(groups[1])
     assert code1 != 0 and "replica group 1 could not load the state of a live group" in out1, out1[-3000:]
     assert "size mismatch" in out1, out1[-3000:]
@@ -202,7 +212,7 @@ def test_lockstep_run_fault_tolerant_replaces_a_killed_group_and_the_others_trai
                           "--devices", "3", "--accelerator", "cpu", "--step-timeout", "10", str(SCRIPT),
                           str(tmp_path / "g{group}.pt"), "--log", str(tmp_path / "g{group}.log"), "--slow", "0.6",
                           "--die-at", "3", "--die-when", "backward", "--die-group", "2",
-                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5", "--hold-for", "4"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     check_exact(tmp_path, reference, ["g0", "g1", "g2"])
@@ -240,7 +250,7 @@ def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_p
                           str(SCRIPT), str(tmp_path / "g{group}r{rank}.pt"),
                           "--log", str(tmp_path / "g{group}r{rank}.log"),
                           "--slow", "0.4", "--die-at", "3", "--die-when", "backward", "--die-group", "1",
-                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5", "--hold-for", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     check_exact(tmp_path, reference, ["g0r0", "g0r1", "g1r0", "g1r1"])
@@ -257,7 +267,7 @@ def test_a_trainer_fit_trains_on_when_a_group_is_killed_and_ends_at_the_one_proc
     run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
                           "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(script),
                           str(tmp_path / "g{group}.pt"), "--slow", "1.0", "--die-at", "3", "--die-group", "1",
-                          "--marks", str(tmp_path / "marks"), "--hold-at", "5"],
+                          "--marks", str(tmp_path / "marks"), "--hold-at", "5", "--hold-for", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     reference = torch.load(tmp_path / "alone.pt")

@@ -110,22 +110,18 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     assert divergence is not None and divergence.startswith("nothing was compared: the gradients were zero")
 
 
+# Each bug once or twice, each layout twice: the trace's code is the same for every bug on a layout (14 cases
+# took 10.5 minutes of test time on a 2-core CI machine; these 8 about 6).
 @pytest.mark.parametrize(("mode", "layout", "devices", "line"), [
     ("rank-scale", "ddp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
-    ("rank-scale", "fsdp", 2, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
     ("rank-scale", "tp", 4, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
-    ("rank-scale", "pp", 4, "first difference: forward blocks.1.mlp (Mlp) at step 1"),
-    ("batch-stats", "ddp", 2, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
-    ("batch-stats", "tp", 4, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
     ("batch-stats", "pp", 4, "first difference: forward blocks.1 (Block), in its own code before blocks.1.mlp.up"),
     ("dropout", "fsdp", 2, "first difference: forward blocks.1.drop (Dropout) at step 1"),
     ("dropout", "tp", 4, "first difference: forward blocks.1.drop (Dropout) at step 1"),
-    ("token-mean", "ddp", 2, "first difference: the loss at step"),
     ("token-mean", "pp", 4, "first difference: the loss at step"),
     ("grad-edit", "ddp", 2, "first difference: the gradient of blocks.1.mlp.up.weight after the gradients' reduction "
                             "(DDP's all-reduce of the gradient buckets)"),
     ("grad-hook", "fsdp", 2, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
-    ("grad-hook", "pp", 4, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
 ])
 def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mode, layout, devices, line):
     """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier

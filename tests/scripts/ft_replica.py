@@ -12,9 +12,10 @@ global batch 24, 2 epochs (20 steps), and writes to OUT
 cross-group all-reduce (after sending its part), or at a random moment between the forward and the commit
 vote (a timer thread). ``--slow``: sleep this long per step. ``--log``: append each committed step's
 indices to this JSON-lines file as it goes (a killed group's too), and each share before its vote.
-``--marks DIR``: each process leaves a file there just before its first quorum; with ``--hold-at STEP`` a
-group waits at that step until some group's rank 0 has left two (a replacement is asking to join), so that
-the survivors of a kill are still training when the replacement comes, however long it takes to start.
+``--marks DIR``: each process leaves a file there just before its first quorum; with ``--hold-at STEP
+--hold-for N`` a group waits at that step until N processes of rank 0 have (the replacement of a killed
+group, a group started later is asking to join), so that the others are still training when it comes,
+however long it takes to start.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 import lockstep  # noqa: E402
-from checks.fault_tolerance import hold_for_a_replacement, mark_start  # noqa: E402
+from checks.fault_tolerance import hold_until_started, mark_start  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -51,6 +52,7 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=16)
 parser.add_argument("--marks", default="")
 parser.add_argument("--hold-at", type=int, default=-1)
+parser.add_argument("--hold-for", type=int, default=0)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 rank = os.environ.get("RANK", "0")  # a group of several processes: each rank writes its own files
@@ -125,7 +127,7 @@ while state["step"] < total:
         if step == args.die_at and args.die_when == "start":
             die()
         if step == args.hold_at and args.marks:
-            hold_for_a_replacement(args.marks)
+            hold_until_started(args.marks, args.hold_for)
         if step == args.die_at and args.die_when == "random":
             timer = threading.Timer(random.uniform(0.0, max(args.slow, 0.005)), die)
             timer.start()

@@ -1,7 +1,7 @@
 """A Trainer fit as one replica group of a fault-tolerant job (or, without LOCKSTEP_FAULT_TOLERANT, the
 one-process reference): 2 epochs of 6 steps; ``--die-at STEP --die-group G`` SIGKILLs group G before
-that step's forward; ``--slow S`` sleeps S seconds per step; ``--marks DIR --hold-at STEP``: as
-ft_replica.py's. Writes OUT ({group} replaced) with the
+that step's forward; ``--slow S`` sleeps S seconds per step; ``--marks DIR --hold-at STEP --hold-for N``:
+as ft_replica.py's. Writes OUT ({group} replaced) with the
 weights and the step count."""
 
 import argparse
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lockstep  # noqa: E402
 from checks import dist as checks  # noqa: E402
 from checks import trainer as tc  # noqa: E402
-from checks.fault_tolerance import hold_for_a_replacement, mark_start  # noqa: E402
+from checks.fault_tolerance import hold_until_started, mark_start  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -25,6 +25,7 @@ parser.add_argument("--die-group", type=int, default=-1)
 parser.add_argument("--slow", type=float, default=0.0)
 parser.add_argument("--marks", default="")
 parser.add_argument("--hold-at", type=int, default=-1)
+parser.add_argument("--hold-for", type=int, default=0)
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 
@@ -34,7 +35,7 @@ class Chaos(lockstep.Callback):
         if trainer.global_step == args.die_at and group == args.die_group:
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_step == args.hold_at and args.marks:
-            hold_for_a_replacement(args.marks)
+            hold_until_started(args.marks, args.hold_for)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         time.sleep(args.slow)
