@@ -68,8 +68,6 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-
-
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g)
 data = torch.utils.data.TensorDataset(torch.arange(240), x, y)

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import takewhile
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -311,7 +312,7 @@ class StragglerJudge:
                                              for n in common[-PATIENCE:]), rank))
             slow = [own[n][index] > self.factor * peers(n)
                     and own[n][index] - peers(n) > max(1e-3, MIN_EXCESS * middle[n][1]) for n in common]
-            run = len(slow) - next((i + 1 for i in range(len(slow) - 1, -1, -1) if not slow[i]), 0)
+            run = sum(1 for _ in takewhile(bool, reversed(slow)))  # the newest slow steps in a row
             if run >= PATIENCE:
                 self._name(rank, members, common[-run:])
             elif rank in self.named and not any(slow[-PATIENCE:]):  # as many steps in a row to be cleared
