@@ -22,6 +22,7 @@ from lockstep.env.settings import PREEMPTED_EXIT
 from lockstep.errors import StateError
 from lockstep.runtime.comm.network import host_store
 from lockstep.runtime.faults.root_cause import lost_a_peer
+from lockstep.runtime.launch.fork_server import SERVERS, ForkServer, forked_workers
 from lockstep.runtime.launch.node_watch import NodeWatch
 
 
@@ -127,7 +128,7 @@ def stop_local_workers(verdict: str, since_s: float) -> None:
     it was still there, so that the agent restarts them and the rendezvous re-forms the group from
     the nodes still there. Workers the agent started since (it may have restarted them already,
     when a collective failed first) are left alone."""
-    stale = [pid for pid, age in _children(os.getpid()).items() if age > since_s]
+    stale = [pid for pid, age in _children(os.getpid()).items() if age > since_s and pid not in SERVERS]
     if stale:
         print(f"lockstep: {verdict}; restarting this node's workers to re-form the job without it.",
               file=sys.stderr, flush=True)
@@ -261,6 +262,7 @@ def self_launch(nproc: int) -> NoReturn:
             "--monitor-interval", "0.1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
             "--master-port", str(port), "--node-rank", "0", *target, *sys.argv[1:]]
     sys.stdout.flush()
-    code = run_elastic(args)
+    with forked_workers(ForkServer.start()):  # one import of torch for the workers, not one each
+        code = run_elastic(args)
     del store
     sys.exit(code)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from lockstep.env import RUNTIME_VARIABLES, job_secret_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.launch.elastic import run_elastic, stop_local_workers, stop_this_node, threads_per_process
+from lockstep.runtime.launch.fork_server import ForkServer, forked_workers
 from lockstep.runtime.launch.node_watch import NodeWatch
 from lockstep.runtime.launch.plan import Plan, ReplicaPlan, plan, plan_replica_groups
 from lockstep.runtime.launch.request import RunRequest, check_script
@@ -81,18 +82,28 @@ class TorchElastic:
     def __init__(self, checks: TrainingChecks, say: Say) -> None:
         self.checks, self.say = checks, say
 
-    def plan(self, request: RunRequest) -> tuple[RunRequest, Plan]:
+    def plan(self, request: RunRequest) -> tuple[RunRequest, Plan, ForkServer | None]:
         _refuse_fault_tolerance_options(request)
         _refuse_ray_options(request)
         assert request.devices is not None, "with_orchestrator_defaults fills the devices"
         devices = request.devices
         parallel = request.parallel
-        return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
-                             lambda: self.checks.devices(devices, request.accelerator),
-                             lambda world: self.checks.layout(parallel, world) if parallel else None)
+        server = ForkServer.start()  # its import of torch runs beside this process's own (the checks')
+        try:
+            return request, plan(request, lambda: self.checks.names(request.strategy, request.precision),
+                                 lambda: self.checks.devices(devices, request.accelerator),
+                                 lambda world: self.checks.layout(parallel, world) if parallel else None), server
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
 
-    def run(self, job: tuple[RunRequest, Plan]) -> int:
-        request, planned = job
+    def run(self, job: tuple[RunRequest, Plan, ForkServer | None]) -> int:
+        request, planned, server = job
+        with forked_workers(server):
+            return self._run(request, planned)
+
+    def _run(self, request: RunRequest, planned: Plan) -> int:
         for name, value in request.runtime_choices().items():  # the workers inherit it: the documented contract
             os.environ[RUNTIME_VARIABLES[name]] = value
         if planned.visible_devices is not None:

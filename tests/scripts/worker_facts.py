@@ -1,0 +1,23 @@
+"""Writes what a worker sees of its start to FOLDER/RANK.json: its arguments, ``__main__``, import path, threads,
+environment, standard input; its parent's command line apart (a fork server's worker, or not)."""
+
+import json
+import os
+import sys
+
+import torch
+
+rank = os.environ["RANK"]
+facts = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
+         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+         "python_exec": os.environ.get("PYTHON_EXEC"), "world": os.environ["WORLD_SIZE"],
+         "stdin": sys.stdin.readline() if rank == "0" else "", "session": os.getsid(0) == os.getpid(),
+         "stdout_tty": sys.stdout.isatty(), "main_spec": getattr(sys.modules["__main__"], "__spec__", None) is None}
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
+    forked = b"fork_server" in parent.read()
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as out:
+    json.dump({"facts": facts, "forked": forked}, out)
+print(f"rank {rank} wrote its facts", end="")
+print(" and ends", flush=False)
+if len(sys.argv) > 2:
+    sys.exit(int(sys.argv[2]))
