@@ -188,10 +188,12 @@ def test_a_node_with_no_route_to_the_master_is_refused_before_the_rendezvous_nam
     assert "Set GLOO_SOCKET_IFNAME" in runtime.stderr
 
 
-def _elastic_node(two_hosts, node: int, port: int, folder: Path) -> subprocess.Popen:
-    """`lockstep run --nodes 1:2` on host ``node``; the rendezvous is on host 0."""
+def _elastic_node(two_hosts, node: int, port: int, folder: Path, hold_at: int = 0) -> subprocess.Popen:
+    """`lockstep run --nodes 1:2` on host ``node``; the rendezvous is on host 0. ``hold_at``: a run on 2
+    processes waits at that step for a node to join (tests/scripts/elastic_train.py)."""
     namespace = two_hosts[node][0]
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env["ELASTIC_HOLD_AT"] = str(hold_at)
     command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lockstep.cli.main", "run",
                "--nodes", "1:2", "--master", f"{two_hosts[0][2]}:{port}", "--devices", "2", "--accelerator", "cpu",
                "--rdzv-conf", "last_call_timeout=3", "tests/scripts/elastic_train.py", str(folder / "ckpt"),
@@ -257,7 +259,7 @@ def test_elastic_job_loses_a_node_goes_on_with_the_other_and_ends_at_the_uninter
 
 @pytest.mark.timeout(150)
 def test_elastic_job_admits_a_node_that_starts_later_and_ends_at_the_uninterrupted_weights(two_hosts, tmp_path):
-    jobs = [_elastic_node(two_hosts, 0, 29561, tmp_path)]
+    jobs = [_elastic_node(two_hosts, 0, 29561, tmp_path, hold_at=7)]
     try:
         _wait_for_step(tmp_path, 4, 2, jobs)
         jobs.append(_elastic_node(two_hosts, 1, 29561, tmp_path))

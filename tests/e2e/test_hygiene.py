@@ -54,10 +54,12 @@ def _none_left_within(seconds: float, before: set[int]) -> dict[int, str]:
 
 @pytest.mark.parametrize("mode", ["ok", "raise"])
 def test_a_piped_launch_with_loader_workers_reaches_the_end_of_its_output(mode):
-    code, out, took = _piped([sys.executable, "tests/scripts/launch_loader.py", mode])
+    # 16-22 s alone on a 2-core machine, up to 58 s beside another test: a pipe kept open for good (the
+    # processes that held it never end) runs into the 100 s limit
+    code, out, took = _piped([sys.executable, "tests/scripts/launch_loader.py", mode], timeout=100)
     assert (code == 0) == (mode == "ok"), out
     assert ("samples of rank 0: 32" in out) if mode == "ok" else ("rank 1 fails with its loader workers" in out)
-    assert took < 40, f"the pipe stayed open {took:.1f}s"
+    assert took < 90, f"the pipe stayed open {took:.1f}s"
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])

@@ -19,11 +19,17 @@ epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 
 
 class Pace(lockstep.Callback):
+    """0.3 s a step; with ELASTIC_HOLD_AT=STEP a job of 2 processes waits at that step (at most 90 s) for a node
+    that joins, whose arrival restarts it on 4 (a joining node's start outlasts the run on a busy machine)."""
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.is_global_zero:
             with open(progress, "a") as handle:
                 handle.write(f"{trainer.global_step} {trainer.runtime.world_size} {time.time():.1f}\n")
         time.sleep(0.3)
+        hold = int(os.environ.get("ELASTIC_HOLD_AT", "0"))
+        if trainer.global_step == hold and trainer.runtime.world_size == 2:
+            time.sleep(90)
 
 
 module = tc.Classifier()

@@ -8,8 +8,23 @@ import sys
 import torch
 
 rank = os.environ["RANK"]
+
+
+def blas_threads() -> int | None:
+    """The threads of numpy's OpenBLAS (None where it is not found)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    for library in libraries:
+        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads"):
+            if hasattr(ctypes.CDLL(library), name):
+                return int(getattr(ctypes.CDLL(library), name)())
+    return None
+
+
 facts = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
-         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+         "threads": torch.get_num_threads(), "blas_threads": blas_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
          "python_exec": os.environ.get("PYTHON_EXEC"), "world": os.environ["WORLD_SIZE"],
          "stdin": sys.stdin.readline() if rank == "0" else "", "session": os.getsid(0) == os.getpid(),
          "stdout_tty": sys.stdout.isatty(), "main_spec": getattr(sys.modules["__main__"], "__spec__", None) is None}

@@ -95,7 +95,7 @@ class TorchElastic:
                                  lambda world: self.checks.layout(parallel, world) if parallel else None), server
         except BaseException:
             if server is not None:
-                server.stop()
+                server.stop(at_once=True)
             raise
 
     def run(self, job: tuple[RunRequest, Plan, ForkServer | None]) -> int:

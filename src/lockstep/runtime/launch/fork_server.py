@@ -46,6 +46,11 @@ PRELOADED = ("torch.distributed", "torch.distributed.fsdp", "torch.distributed.t
 SERVERS: set[int] = set()
 
 
+class _Unanswered(Exception):
+    """Between a client and the server: a message cut short or not as expected (never leaves this module: the
+    server lets the client go, the client runs the interpreter itself)."""
+
+
 class ForkServer:
     """The server of one agent: ``with forked_workers(ForkServer.start()): run_elastic(...)``."""
 
@@ -54,15 +59,23 @@ class ForkServer:
 
     @classmethod
     def start(cls) -> ForkServer | None:
-        """A server, or None where the user chose the workers' interpreter (``PYTHON_EXEC``): it is started
-        as torchrun starts it."""
-        if "PYTHON_EXEC" in os.environ:
+        """A server, or None where the workers are started as torchrun starts them: where the user chose their
+        interpreter (``PYTHON_EXEC``), off Linux, or where the temporary folder cannot hold the client (mounted
+        ``noexec``, or too deep for a Unix socket's path)."""
+        if "PYTHON_EXEC" in os.environ or not sys.platform.startswith("linux"):
             return None
         folder = tempfile.mkdtemp(prefix="lockstep-workers-")  # 0700: only this user reaches the socket
+        if len(os.path.join(folder, "socket")) > 100 or os.statvfs(folder).f_flag & os.ST_NOEXEC:
+            os.rmdir(folder)
+            return None
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listening before any client can start
+        listener.bind(os.path.join(folder, "socket"))
+        listener.listen(128)
         root = str(Path(__file__).resolve().parents[3])  # where lockstep is imported from
-        serve = f"import sys; sys.path.insert(0, {root!r}); from {__name__} import serve; serve({folder!r})"
+        serve = f"import sys; sys.path[0] = {root!r}; from {__name__} import serve; serve({listener.fileno()})"
         process = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, pass_fds=[listener.fileno()])
+        listener.close()
         client = f"import sys; sys.path.insert(0, {root!r}); from {__name__} import client; client({folder!r})"
         shim = Path(folder, "python")
         shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(client)} \"$@\"\n")
@@ -81,19 +94,27 @@ class ForkServer:
             del os.environ["PYTHON_EXEC"]
             self.stop()
 
-    def stop(self) -> None:
+    def stop(self, at_once: bool = False) -> None:
+        """End the server: it kills the workers still running; ``at_once`` (no worker ever started) kills it."""
         SERVERS.discard(self.process.pid)
+        if at_once:
+            self.process.kill()
         if self.process.stdin is not None and not self.process.stdin.closed:
             self.process.stdin.close()  # the server kills what is left and ends
-        try:
-            self.process.wait(timeout=10)
+        try:  # at once where it serves; a server still importing torch has no worker to end
+            self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        for name in ("socket", "python"):
-            Path(self.folder, name).unlink(missing_ok=True)
-        os.rmdir(self.folder)
+        _remove(self.folder)
 
+
+def _remove(folder: str) -> None:
+    for name in ("socket", "python"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def forked_workers(server: ForkServer | None) -> contextlib.AbstractContextManager[None]:
@@ -101,13 +122,13 @@ def forked_workers(server: ForkServer | None) -> contextlib.AbstractContextManag
     return server.serving() if server is not None else contextlib.nullcontext()
 
 
-def serve(folder: str) -> None:
-    """The server: listen first (clients wait in the backlog), import torch and lockstep's runtime, then
-    fork a worker per client until standard input closes. A forked worker leaves this function by its
-    script's ``SystemExit``, as the interpreter of ``python SCRIPT`` would."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(os.path.join(folder, "socket"))
-    listener.listen(128)
+def serve(listening: int) -> None:
+    """The server, on the listening socket its launcher made (clients wait in the backlog while it imports
+    torch and lockstep's runtime): fork a worker per client until standard input closes, then kill what is
+    left and remove the folder. A forked worker leaves this function by its script's ``SystemExit``, as the
+    interpreter of ``python SCRIPT`` would."""
+    listener = socket.socket(fileno=listening)
+    folder = os.path.dirname(listener.getsockname())
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # a terminal's or a scheduler's signal is the agent's to handle
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     import importlib
@@ -118,54 +139,70 @@ def serve(folder: str) -> None:
         importlib.import_module(name)
     if torch.cuda.is_initialized():  # a forked worker could not use CUDA: the clients run the interpreter instead
         return
-
     woken, wake = os.pipe()  # a worker's end wakes the loop at once: its client ends as soon as it did
     for end in (woken, wake):
         os.set_blocking(end, False)
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda number, frame: None)
     workers: dict[int, socket.socket] = {}  # pid -> its client's connection
-    own = (listener, sys.stdin, woken)
+    dying: set[int] = set()  # killed with their client: no worker starts until they are gone (their GPU, ports)
     while True:
-        readable, _, _ = select.select([*own, *workers.values()], [], [], 1.0)
+        waiting = [listener] if not dying else []
+        readable, _, _ = select.select([*waiting, sys.stdin, woken, *workers.values()], [], [], 1.0)
         if woken in readable:
             os.read(woken, 4096)
-        _reap(workers)
+        dying -= _reap(workers)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
             break
         for gone in [c for c in readable if isinstance(c, socket.socket) and c is not listener]:
-            _client_gone(gone, workers)
+            dying |= _client_gone(gone, workers)
         if listener in readable:
-            connection, _ = listener.accept()
-            pid = _fork_worker(connection, (listener, woken, wake), workers)
-            if pid:
-                workers[pid] = connection
+            _accept(listener, (listener, woken, wake), workers)
     for pid in workers:
         _kill_group(pid, signal.SIGKILL)
+    _remove(folder)
 
 
-def _reap(workers: dict[int, socket.socket]) -> None:
-    """Tell each client whose worker ended how it ended."""
+def _accept(listener: socket.socket, own: tuple[socket.socket, int, int], workers: dict[int, socket.socket]) -> None:
+    """A client's worker forked; a client whose request cannot be met (no fd or process left) is let go: it runs
+    the interpreter itself."""
+    try:
+        connection, _ = listener.accept()
+    except OSError:
+        return
+    pid = _fork_worker(connection, own, workers)
+    if pid:
+        workers[pid] = connection
+    else:
+        connection.close()
+
+
+def _reap(workers: dict[int, socket.socket]) -> set[int]:
+    """Tell each client whose worker ended how it ended; the pids of the workers that ended."""
+    ended: set[int] = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return ended
         if pid == 0:
-            return
+            return ended
+        ended.add(pid)
         connection = workers.pop(pid, None)
         if connection is not None:
             _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
             connection.close()
 
 
-def _client_gone(connection: socket.socket, workers: dict[int, socket.socket]) -> None:
-    """A client's connection is readable only when it closed: the client was killed; so is its worker."""
-    for pid, held in list(workers.items()):
-        if held is connection:
-            _kill_group(pid, signal.SIGKILL)
-            connection.close()
-            del workers[pid]  # reaped by the next waitpid(-1)
+def _client_gone(connection: socket.socket, workers: dict[int, socket.socket]) -> set[int]:
+    """A client's connection is readable only when it closed: the client was killed; so is its worker (the
+    pids killed, reaped by a later waitpid)."""
+    killed = {pid for pid, held in workers.items() if held is connection}
+    for pid in killed:
+        _kill_group(pid, signal.SIGKILL)
+        del workers[pid]
+    connection.close()
+    return killed
 
 
 def _kill_group(pid: int, number: int) -> None:
@@ -177,39 +214,41 @@ def _kill_group(pid: int, number: int) -> None:
 
 def _fork_worker(connection: socket.socket, own: tuple[socket.socket, int, int],
                  workers: dict[int, socket.socket]) -> int:
-    """Fork the worker a client asks for; its pid (0 where the request was not readable). ``own``: the server's
-    listener and its wake-up pipe, closed in the worker."""
+    """Fork the worker a client asks for; its pid (0 where the request was not readable or no process could be
+    made). ``own``: the server's listener and its wake-up pipe, closed in the worker."""
     try:
         request, streams = _receive(connection)
-    except (OSError, ValueError):
-        connection.close()
+    except (OSError, ValueError, _Unanswered):
         return 0
-    pid = os.fork()
-    if pid:
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = 0
+    if pid or not streams:
         for stream in streams:
             os.close(stream)
-        _send(connection, {"pid": pid})
         return pid
     listener, woken, wake = own
     folder = os.path.dirname(listener.getsockname())
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for held in (listener, connection, *workers.values()):
+    for held in (listener, *workers.values()):
         held.close()
     os.close(woken)
     os.close(wake)
-    _become_worker(request, streams, folder)  # never returns
+    _become_worker(request, streams, folder, connection)  # never returns
     return 0
 
 
-def _become_worker(request: dict[str, Any], streams: list[int], folder: str) -> None:
+def _become_worker(request: dict[str, Any], streams: list[int], folder: str, connection: socket.socket) -> None:
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # the server's, undone first
+        signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
     os.setsid()  # its own process group, as the agent's Popen(start_new_session=True) gives
     _die_with_parent()
-    for number, stream in enumerate(streams):
-        os.dup2(stream, number)
+    _send(connection, {"pid": os.getpid()})  # from here a signal the client passes on reaches the script
+    connection.close()
+    for standard, stream in enumerate(streams):
+        os.dup2(stream, standard)
         os.close(stream)
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -224,7 +263,7 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str) -> 
     whole_lines()  # what `import lockstep` does in a rank: its lines whole, with the prefix and ranks asked for
     module, target, args = request["module"], request["target"], request["args"]
     sys.argv = [target, *args]
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(target))  # was the server's root
     try:
         _run(module, target)
     except SystemExit:
@@ -234,6 +273,8 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str) -> 
         while trace is not None and trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
             trace = trace.tb_next
         error = error.with_traceback(trace or error.__traceback__)
+        if isinstance(error, KeyboardInterrupt):
+            raise error from None  # the interpreter ends by SIGINT, as it would have
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(1) from None
     raise SystemExit(0)
@@ -246,6 +287,9 @@ def _run(module: bool, target: str) -> None:
 
     path = os.path.abspath(target)
     if module:
+        import types
+
+        sys.modules["__main__"] = types.ModuleType("__main__")  # not the server's: the module runs in its own
         runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]  # what `-m` calls
     elif not os.path.isfile(path) or zipfile.is_zipfile(path):  # a folder or an archive with a __main__.py
         runpy.run_path(target, run_name="__main__")
@@ -276,8 +320,21 @@ def _match_threads() -> None:
     import torch
 
     value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
-        torch.set_num_threads(int(value))
+    if not (value.isdigit() and int(value) > 0):
+        return
+    torch.set_num_threads(int(value))
+    import ctypes
+
+    with open("/proc/self/maps") as maps:  # numpy's OpenBLAS (torch imports numpy) read it at its load too
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    for library in libraries:
+        with contextlib.suppress(OSError):
+            loaded = ctypes.CDLL(library)
+            for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
+                         "openblas_set_num_threads64_", "scipy_openblas_set_num_threads"):
+                if hasattr(loaded, name):
+                    getattr(loaded, name)(ctypes.c_int(int(value)))
+                    break
 
 
 def _text(fd: int, mode: str) -> io.TextIOWrapper:
@@ -301,7 +358,7 @@ def _read_exactly(connection: socket.socket, size: int) -> bytes:
     while len(data) < size:
         chunk = connection.recv(size - len(data))
         if not chunk:
-            raise ValueError("the connection closed")
+            raise _Unanswered("the connection closed")
         data += chunk
     return data
 
@@ -317,7 +374,7 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if len(message) != _HEADER.size or len(streams) != 3:
         for stream in streams:
             os.close(stream)
-        raise ValueError("not a client's request")
+        raise _Unanswered("not a client's request")
     (size,) = _HEADER.unpack(message)
     request = json.loads(_read_exactly(connection, size))
     connection.settimeout(None)
@@ -350,7 +407,7 @@ def client(folder: str) -> None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if parsed is None:
-            raise OSError("not a script's command line")
+            raise _Unanswered("not a script's command line")
         connection.connect(os.path.join(folder, "socket"))
         module, target, args = parsed
         data = json.dumps({"module": module, "target": target, "args": args, "cwd": os.getcwd(),
@@ -359,18 +416,31 @@ def client(folder: str) -> None:
                                                         array.array("i", [0, 1, 2]))])
         connection.sendall(data)
         worker.append(_answer(connection)["pid"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, _Unanswered):
+        if pending:  # stopped before any worker started: nothing to run
+            _end_as(-pending[0])
         os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     for waiting in pending:
         _kill_group(worker[0], waiting)
     try:
         code = int(_answer(connection)["exit"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, _Unanswered):
         code = 1  # the server ended before its worker did
-    if code < 0:  # ended by a signal: so does the client, for the agent's report
-        if -code in PASSED_ON:
+    _end_as(code)
+
+
+def _end_as(code: int) -> None:
+    """Exit with ``code``; a negative one, by that signal (without a core file of the client's own), as the
+    worker ended, for the agent's report."""
+    if code < 0:
+        import resource
+
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal that does not end a process (SIGPIPE ignored ...): as a shell says it
     os._exit(code)
 
 
