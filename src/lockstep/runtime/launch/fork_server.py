@@ -222,12 +222,12 @@ def _fork_worker(connection: socket.socket, own: tuple[socket.socket, int, int],
         return 0
     try:
         pid = os.fork()
-    except OSError:
-        pid = 0
-    if pid or not streams:
+    except OSError:  # no process left to make: the client runs the interpreter itself
+        pid = -1
+    if pid:
         for stream in streams:
             os.close(stream)
-        return pid
+        return max(pid, 0)
     listener, woken, wake = own
     folder = os.path.dirname(listener.getsockname())
     signal.set_wakeup_fd(-1)
