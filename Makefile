@@ -1,5 +1,5 @@
 # The Quickstart targets. Each creates .venv when it is missing and works on a fresh clone.
-#   make test   lint + the unit and 2-rank tiers (tests/unit, tests/dist): under 5 minutes on 2 cores
+#   make test   lint + every tier collected + the unit and 2-rank tiers (tests/unit, tests/dist): under 5 minutes on 2 cores
 #   make check  lint + every tier (unit, dist, e2e, cluster, gpu); GPU tests skip without a GPU. CI runs it.
 # `make test TORCH=2.14.1` (or check) runs on another torch, in its own .venv-torch2.14.1.
 PYTHON ?= python3
@@ -33,7 +33,9 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Every tier collected first: a test file that fails to import (or shares a name with another tier's) ends `make test` too.
 test: lint
+	@out=$$($(BIN)/python -m pytest --collect-only -q tests 2>&1) || { echo "$$out" | tail -40; exit 1; }
 	$(BIN)/python -m pytest tests/unit tests/dist
 
 # Two passes (tests/conftest.py): the tests on two workers, then those marked `alone`, one at a time.
