@@ -110,6 +110,26 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
     assert divergence is not None and divergence.startswith("nothing was compared: the gradients were zero")
 
 
+def _gaps(kept: Path) -> str:
+    """Every traced module's largest forward difference between the two kept runs, and its ratio to the
+    tolerance: what a failure of the test below shows, to tell a planted bug's effect from another."""
+    from lockstep.cli.first_difference import _Trace
+
+    if not (kept / "one-trace").is_dir() or not (kept / "many-trace").is_dir():
+        return "\n(no traces kept)"
+    one, many = _Trace(kept / "one-trace"), _Trace(kept / "many-trace")
+    lines = ["", "module, which, max difference, worst difference / tolerance:"]
+    for name, _ in one.order:
+        for which in ("input", "output"):
+            expected = one.joined(name, which)
+            got = many.joined(name, which, expected.shape[-1] if expected is not None and expected.dim() else None)
+            if expected is not None and got is not None and expected.shape == got.shape:
+                gap = (got - expected).abs()
+                lines.append(f"  {name} {which} {float(gap.max()):.3g} "
+                             f"{float((gap / (1e-6 + 1e-4 * expected.abs())).max()):.3g}")
+    return "\n".join(lines)
+
+
 # Each bug once or twice, each layout twice: the trace's code is the same for every bug on a layout (14 cases
 # took 10.5 minutes of test time on a 2-core CI machine; these 8 about 6).
 @pytest.mark.parametrize(("mode", "layout", "devices", "line"), [
@@ -123,7 +143,7 @@ def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():
                             "(DDP's all-reduce of the gradient buckets)"),
     ("grad-hook", "fsdp", 2, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
 ])
-def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mode, layout, devices, line):
+def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mode, layout, devices, line, tmp_path):
     """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier
     one: a rank-dependent scale in its MLP; a mean over this rank's rows in the block's own code (named as the
     block, before its MLP's first layer); dropout; a per-rank token mean, at the loss with the num_items hint; a
@@ -131,9 +151,9 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     gradient multiplied by the world size after the backward, at that parameter's reduced gradient.
     On DDP, FSDP, dp2 x tp2 (the MLPs' outputs joined over the tensor-parallel peers) and pp2 x dp2 (a stage's
     micro-batches joined in order; the schedule's shape-inference forward at the first step left out)."""
-    done = _verify(devices, "tests/scripts/verify_where.py", mode, layout)
+    done = _verify(devices, "--keep", str(tmp_path), "tests/scripts/verify_where.py", mode, layout)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert line in done.stderr, done.stderr
+    assert line in done.stderr, done.stderr + _gaps(tmp_path)
     hints = {"rank-scale": "code in blocks.1.mlp's own forward computes something per rank",
              "batch-stats": "code in blocks.1's own forward", "dropout": "dropout: each rank draws the masks",
              "token-mean": "rt.backward(loss, num_items=n)", "grad-hook": "a gradient hook (tensor.register_hook)",

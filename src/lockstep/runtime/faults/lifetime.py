@@ -64,6 +64,16 @@ def alive(pid: int) -> bool:
     return True
 
 
+def on_parent_death(signum: int) -> None:
+    """Deliver ``signum`` to this process when its parent ends (Linux's ``PR_SET_PDEATHSIG``), in a child just
+    started: a ``preexec_fn``, a forked worker. A parent already gone (this process adopted) sends it at once."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signum)
+
+
 class DieWithParent:
     """A DataLoader ``worker_init_fn`` that first makes the worker die with the process that created
     the loader (its rank), then calls the user's own ``worker_init_fn``. Picklable, for any start method."""

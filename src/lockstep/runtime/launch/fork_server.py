@@ -243,7 +243,9 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str, con
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # the server's, undone first
         signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
     os.setsid()  # its own process group, as the agent's Popen(start_new_session=True) gives
-    _die_with_parent()
+    from lockstep.runtime.faults.lifetime import on_parent_death
+
+    on_parent_death(signal.SIGKILL)
     _send(connection, {"pid": os.getpid()})  # from here a signal the client passes on reaches the script
     connection.close()
     for standard, stream in enumerate(streams):
@@ -305,14 +307,6 @@ def _run(module: bool, target: str) -> None:
         with open(path, "rb") as source:
             code = compile(source.read(), path, "exec", dont_inherit=True)
         exec(code, main.__dict__)
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the server ended between the fork and the prctl
-        os._exit(1)
 
 
 def _match_threads() -> None:

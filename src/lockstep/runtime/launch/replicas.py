@@ -22,6 +22,7 @@ from lockstep.env.fault_tolerance import (
     import_torchft,
 )
 from lockstep.errors import PreflightError
+from lockstep.runtime.faults.lifetime import on_parent_death
 
 
 class Lighthouse:
@@ -47,14 +48,6 @@ class Lighthouse:
 
     def shutdown(self) -> None:
         self._server.shutdown()
-
-
-def _die_with_parent() -> None:
-    """In a group's agent, before it runs: SIGTERM when the supervisor dies (the agent then stops its
-    workers, which also die with it)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 #: A group's exit status when SIGINT or SIGTERM stopped it (its agent exits with 128 + the signal).
@@ -144,7 +137,13 @@ class ReplicaGroupsRun:
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
                        ENV_LIGHTHOUSE: lighthouse, ENV_MIN_REPLICAS: str(self.config.min_replicas),
                        ENV_STEP_TIMEOUT: str(self.config.step_timeout), ENV_START_WITH: str(start_with)}
-        return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_die_with_parent)
+        return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_agent_dies_with_supervisor)
+
+
+def _agent_dies_with_supervisor() -> None:
+    """In a group's agent, before it runs: SIGTERM when the supervisor dies (the agent then stops its
+    workers, which also die with it)."""
+    on_parent_death(signal.SIGTERM)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
