@@ -265,6 +265,7 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str, con
     whole_lines()  # what `import lockstep` does in a rank: its lines whole, with the prefix and ranks asked for
     module, target, args = request["module"], request["target"], request["args"]
     sys.argv = [target, *args]
+    sys.orig_argv = [sys.executable, "-u", *(["-m"] if module else []), target, *args]  # not the server's
     sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(target))  # was the server's root
     try:
         _run(module, target)
