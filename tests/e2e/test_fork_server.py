@@ -32,7 +32,8 @@ def _facts(folder: Path, environment: dict[str, str], *args: str) -> tuple[subpr
 def test_a_forked_worker_sees_what_a_worker_started_as_a_new_interpreter_sees(tmp_path):
     """The same script under the fork server and with the interpreter torchrun starts (``PYTHON_EXEC``): the
     same arguments, ``__main__``, import path, working folder, threads, environment, standard input and
-    session; only the parent differs. An exit code passes through the client to the agent's report."""
+    session; only the parent differs; each rank draws its own seeds (torch's, numpy's, Python's). An exit code
+    passes through the client to the agent's report."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHON_EXEC"}
     forked_run, forked = _facts(tmp_path, environment)
     started_run, started = _facts(tmp_path, {**environment, "PYTHON_EXEC": sys.executable})
@@ -46,6 +47,8 @@ def test_a_forked_worker_sees_what_a_worker_started_as_a_new_interpreter_sees(tm
     assert forked["0"]["facts"]["stdin"] == "a line for rank 0\n" and forked["0"]["facts"]["threads"] == 1
     assert forked["0"]["facts"]["blas_threads"] in (None, 1)  # numpy's, loaded in the server before the count was set
     assert sorted(forked_run.stdout.splitlines()) == sorted(started_run.stdout.splitlines())
+    for runs in (forked, started):  # unseeded draws differ by rank, as each new interpreter draws its own seeds
+        assert all(a != b for a, b in zip(runs["0"]["draws"], runs["1"]["draws"], strict=True)), runs
     failed, _ = _facts(tmp_path, environment, "3")
     assert failed.returncode == 1 and "failed with exit code 3" in failed.stderr, failed.stderr
 

@@ -1,10 +1,13 @@
 """Writes what a worker sees of its start to FOLDER/RANK.json: its arguments, ``__main__``, import path, threads,
-environment, standard input; its parent's command line apart (a fork server's worker, or not)."""
+environment, standard input; its parent's command line apart (a fork server's worker, or not); and its first
+unseeded draws of torch, Python and numpy, apart."""
 
 import json
 import os
+import random
 import sys
 
+import numpy
 import torch
 
 rank = os.environ["RANK"]
@@ -32,7 +35,8 @@ facts = {"argv": sys.argv, "orig_argv": sys.orig_argv, "name": __name__, "file":
 with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
     forked = b"fork_server" in parent.read()
 with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as out:
-    json.dump({"facts": facts, "forked": forked}, out)
+    json.dump({"facts": facts, "forked": forked, "draws": [torch.initial_seed(), torch.rand(()).item(),
+                                                          random.random(), numpy.random.rand()]}, out)
 print(f"rank {rank} wrote its facts", end="")
 print(" and ends", flush=False)
 if len(sys.argv) > 2:
