@@ -27,7 +27,8 @@ def blas_threads() -> int | None:
 
 
 facts = {"argv": sys.argv, "orig_argv": sys.orig_argv, "name": __name__, "file": __file__, "path0": sys.path[0],
-         "cwd": os.getcwd(),
+         "cwd": os.getcwd(), "streams": [(stream.encoding.lower(), stream.errors)
+                                         for stream in (sys.stdin, sys.stdout, sys.stderr)],
          "threads": torch.get_num_threads(), "blas_threads": blas_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
          "python_exec": os.environ.get("PYTHON_EXEC"), "world": os.environ["WORLD_SIZE"],
          "stdin": sys.stdin.readline() if rank == "0" else "", "session": os.getsid(0) == os.getpid(),

@@ -256,9 +256,9 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str, con
     os.environ.update(request["env"])
     if os.path.dirname(os.environ.get("PYTHON_EXEC", "")) == folder:  # the agent's, not the script's
         del os.environ["PYTHON_EXEC"]
-    sys.stdin = sys.__stdin__ = _text(0, "r")  # type: ignore[misc]
-    sys.stdout = sys.__stdout__ = _text(1, "w")  # type: ignore[misc]
-    sys.stderr = sys.__stderr__ = _text(2, "w")  # type: ignore[misc]
+    sys.stdin = sys.__stdin__ = _text(0, "r", sys.__stdin__)  # type: ignore[misc]
+    sys.stdout = sys.__stdout__ = _text(1, "w", sys.__stdout__)  # type: ignore[misc]
+    sys.stderr = sys.__stderr__ = _text(2, "w", sys.__stderr__)  # type: ignore[misc]
     _match_threads()
     _fresh_draws()
     from lockstep.env.lines import whole_lines
@@ -347,12 +347,16 @@ def _match_threads() -> None:
                     break
 
 
-def _text(fd: int, mode: str) -> io.TextIOWrapper:
-    """A standard stream as ``python -u`` makes it: unbuffered bytes under the text, written through."""
+def _text(fd: int, mode: str, like: Any) -> io.TextIOWrapper:
+    """A standard stream as ``python -u`` makes it: unbuffered bytes under the text, written through, with the
+    encoding and error handler the interpreter chose for the server's own stream ``like`` (from the locale and
+    ``PYTHONIOENCODING``, which the agent leaves as they were)."""
     raw = io.FileIO(fd, mode, closefd=False)
+    encoding = getattr(like, "encoding", None)
+    errors = getattr(like, "errors", None) or ("backslashreplace" if fd == 2 else None)
     if mode == "r":
-        return io.TextIOWrapper(io.BufferedReader(raw))
-    return io.TextIOWrapper(raw, write_through=True, errors="backslashreplace" if fd == 2 else None)
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
+    return io.TextIOWrapper(raw, write_through=True, encoding=encoding, errors=errors)
 
 
 def _send(connection: socket.socket, message: dict[str, Any]) -> None:
