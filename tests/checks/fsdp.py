@@ -72,6 +72,21 @@ def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float
     return full_weights(model)
 
 
+def built_unseeded(strategy: str, depth: int = 3) -> dict:
+    """Each rank builds the model from a seed of its own (as a script that seeds nothing does): the weights after
+    setup, gathered whole, and rank 0's before it."""
+    import torch.distributed as dist
+
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy))
+    torch.manual_seed(100 + rt.rank)
+    model = Stack(depth=depth)
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    dist.all_gather(everyone, mine)
+    model = rt.setup(model)
+    return {"after": full_weights(model), "rank0_before": everyone[0], "mine_before": mine}
+
+
 def bf16_against_plain_fsdp2(precision: str = "bf16-mixed") -> float:
     """lockstep ``bf16-mixed`` (or ``float8``) under FSDP against a hand-written FSDP2 loop with the
     same policy (and torchao's float8 conversion of the Linears whose sizes divide by 16)."""

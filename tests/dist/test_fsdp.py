@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lockstep
 from checks import fsdp as fc
 from lockstep.testing import run_ranks
 
@@ -18,6 +19,16 @@ def test_bf16_mixed_equals_a_hand_written_fsdp2_loop_with_the_same_policy():
 def test_float8_under_fsdp_equals_a_hand_written_fsdp2_loop_over_torchao():
     pytest.importorskip("torchao.float8")
     assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2, "float8")) <= 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", lockstep.Parallel(replicate=2)], ids=["ddp", "fsdp", "hsdp"])
+def test_ranks_that_build_the_model_from_different_seeds_start_from_rank_0s_weights(strategy):
+    """DDP broadcasts rank 0's weights; FSDP (and replicate x shard) would shard each rank's own initialisation,
+    a model no rank built: all ranks start from rank 0's, as under DDP."""
+    results = run_ranks(fc.built_unseeded, 4, strategy)
+    assert not torch.equal(results[0]["mine_before"], results[1]["mine_before"])  # the ranks did build differently
+    for result in results:
+        assert torch.equal(result["after"], results[0]["rank0_before"])
 
 
 def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():

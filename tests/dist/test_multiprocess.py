@@ -204,6 +204,21 @@ def test_tcp_init_method():
     assert run_ranks(over_tcp, 2, free_port()) == [3, 3]
 
 
+def _unseeded_draws() -> list[float]:
+    import random
+
+    import numpy
+
+    return [torch.initial_seed(), float(torch.rand(())), float(numpy.random.rand()), random.random()]
+
+
+def test_ranks_that_seed_nothing_draw_differently_as_new_interpreters_do():
+    """lockstep.launch's ranks are forked from a server that imported torch: each draws its own seeds anew
+    (torch's, numpy's, Python's), as the processes of torch.multiprocessing.spawn or torchrun do."""
+    first, second = run_ranks(_unseeded_draws, 2)
+    assert all(a != b for a, b in zip(first, second, strict=True)), (first, second)
+
+
 def test_per_sample_rng_gives_each_sample_the_same_augmentation_on_any_world_size_and_workers():
     torch.manual_seed(11)
     untouched = float(torch.rand(()))

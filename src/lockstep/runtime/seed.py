@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,19 @@ def seed_everything(seed: int) -> int:
         pass
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def draw_fresh_seeds() -> None:
+    """In a process forked from a server that imported torch (``lockstep run``'s fork server,
+    ``lockstep.launch``'s forkserver): the seeds a new interpreter draws as it starts, drawn again. Each
+    would otherwise keep the server's, and a script that seeds nothing would draw the same numbers on every
+    rank. torch's CPU generator (the CUDA ones start from a fixed seed when CUDA starts, in the worker);
+    numpy's global one where the server loaded ``numpy.random``; Python's ``random`` draws anew at every fork
+    by itself. The string hash seed cannot be drawn again: it stays the server's, the same on every rank."""
+    torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def set_determinism(deterministic: bool, benchmark: bool | None) -> None:

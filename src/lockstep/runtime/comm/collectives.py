@@ -96,6 +96,32 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
                 tensor.copy_(values.view_as(tensor))
 
 
+def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device) -> bool:
+    """Where the ranks of ``group`` hold different values in ``tensors`` (each compared bit for bit by one
+    ``torch.hash_tensor``), every rank takes the group's first rank's values; whether they differed. Where they
+    agree (a seeded or loaded model) it costs two collectives of a number per tensor. ``device``: where the
+    group's collectives run (a CPU-offloaded tensor travels through it)."""
+    if not active() or dist.get_world_size(group) < 2:
+        return False
+    first = dist.get_global_rank(group, 0)
+    empty = torch.zeros((), dtype=torch.uint64, device=device)
+    mine = torch.stack([torch.hash_tensor(t.detach().reshape(-1)).to(device) if t.numel() else empty
+                        for t in tensors]).view(torch.int64)
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=first, group=group)
+    differs = (theirs != mine).any().to(torch.int32).reshape(1)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+    if not int(differs.item()):
+        return False
+    with torch.no_grad():
+        for tensor in tensors:
+            sent = tensor.detach().to(device)
+            dist.broadcast(sent, src=first, group=group)
+            if sent.data_ptr() != tensor.data_ptr():
+                tensor.copy_(sent)
+    return True
+
+
 @dataclass(frozen=True)
 class _TensorSlot:
     """Where a tensor sits in data sent as a skeleton: its shape and dtype, not its values."""

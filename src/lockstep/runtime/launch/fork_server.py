@@ -260,7 +260,9 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str, con
     sys.stdout = sys.__stdout__ = _text(1, "w", sys.__stdout__)  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = _text(2, "w", sys.__stderr__)  # type: ignore[misc]
     _match_threads()
-    _fresh_draws()
+    from lockstep.runtime.seed import draw_fresh_seeds
+
+    draw_fresh_seeds()
     from lockstep.env.lines import whole_lines
 
     whole_lines()  # what `import lockstep` does in a rank: its lines whole, with the prefix and ranks asked for
@@ -309,20 +311,6 @@ def _run(module: bool, target: str) -> None:
         with open(path, "rb") as source:
             code = compile(source.read(), path, "exec", dont_inherit=True)
         exec(code, main.__dict__)
-
-
-def _fresh_draws() -> None:
-    """The seeds a new interpreter draws as it starts, drawn again: each worker forked from the server would
-    otherwise share the server's, and a script that seeds nothing would draw the same numbers on every rank.
-    torch's CPU generator (the CUDA ones start from a fixed seed, in the worker); numpy's global one where the
-    server loaded it; Python's ``random`` draws anew at every fork by itself. The string hash seed cannot be
-    drawn again: it stays the server's, the same on every rank."""
-    import torch
-
-    torch.default_generator.seed()
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed()
 
 
 def _match_threads() -> None:

@@ -41,6 +41,7 @@ from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S, destroy_proce
 from lockstep.runtime.faults.lifetime import die_with, exit_now
 from lockstep.runtime.files import write_atomic
 from lockstep.runtime.launch.elastic import threads_per_process
+from lockstep.runtime.seed import draw_fresh_seeds
 
 GRACE_S = 2.0
 #: A worker's exit status when it found ``lockstep.launch`` called while it imported the script.
@@ -114,6 +115,7 @@ def _child(
     keep_all: bool, caller: _Caller,
 ) -> None:
     caller.adopt()
+    draw_fresh_seeds()  # forked from the forkserver: its seeds, not a new interpreter's
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
