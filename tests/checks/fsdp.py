@@ -72,19 +72,21 @@ def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float
     return full_weights(model)
 
 
-def built_unseeded(strategy: str, depth: int = 3) -> dict:
-    """Each rank builds the model from a seed of its own (as a script that seeds nothing does): the weights after
-    setup, gathered whole, and rank 0's before it."""
+def built_unseeded(strategy) -> dict:
+    """Each rank builds the model from a seed of its own (as a script that seeds nothing does): rank 0's weights
+    before setup, and the weights this rank holds after it (gathered whole), by name."""
     import torch.distributed as dist
 
     rt = lockstep.Runtime(accelerator="cpu", **layout(strategy))
     torch.manual_seed(100 + rt.rank)
-    model = Stack(depth=depth)
-    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    everyone = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    dist.all_gather(everyone, mine)
+    model = Stack()
+    mine = {name: p.detach().clone() for name, p in model.named_parameters()}
+    everyone: list = [None] * rt.world_size
+    dist.all_gather_object(everyone, mine)
     model = rt.setup(model)
-    return {"after": full_weights(model), "rank0_before": everyone[0], "mine_before": mine}
+    after = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for name, p in lockstep.unwrap(model).named_parameters()}
+    return {"after": after, "rank0_before": everyone[0], "mine_before": mine}
 
 
 def bf16_against_plain_fsdp2(precision: str = "bf16-mixed") -> float:

@@ -21,14 +21,17 @@ def test_float8_under_fsdp_equals_a_hand_written_fsdp2_loop_over_torchao():
     assert max(run_ranks(fc.bf16_against_plain_fsdp2, 2, "float8")) <= 1e-6
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", lockstep.Parallel(replicate=2)], ids=["ddp", "fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", lockstep.Parallel(replicate=2), ("ddp", lockstep.Parallel(pp=2))],
+                         ids=["ddp", "fsdp", "hsdp", "pp"])
 def test_ranks_that_build_the_model_from_different_seeds_start_from_rank_0s_weights(strategy):
-    """DDP broadcasts rank 0's weights; FSDP (and replicate x shard) would shard each rank's own initialisation,
-    a model no rank built: all ranks start from rank 0's, as under DDP."""
+    """DDP broadcasts rank 0's weights; FSDP would shard each rank's own initialisation, and pipeline stages
+    keep each their own rank's modules: a model no rank built. Every rank starts from rank 0's, as under DDP."""
     results = run_ranks(fc.built_unseeded, 4, strategy)
-    assert not torch.equal(results[0]["mine_before"], results[1]["mine_before"])  # the ranks did build differently
-    for result in results:
-        assert torch.equal(result["after"], results[0]["rank0_before"])
+    assert not torch.equal(results[0]["mine_before"]["embed.weight"], results[1]["mine_before"]["embed.weight"])
+    for rank, result in enumerate(results):
+        assert result["after"], rank
+        for name, value in result["after"].items():
+            assert torch.equal(value, results[0]["rank0_before"][name]), (rank, name)
 
 
 def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():

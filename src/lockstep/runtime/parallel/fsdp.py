@@ -19,8 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import StateError
-from lockstep.runtime._torch_compat import to_local
-from lockstep.runtime.comm.collectives import agree_with_first
 from lockstep.runtime.parallel.devices import Placement
 from lockstep.runtime.parallel.mesh import Mesh, refuses_degrees
 from lockstep.runtime.parallel.meta_init import is_empty, materialize
@@ -76,8 +74,6 @@ class FSDP:
         if self.cpu_offload or placement.device.type == "cpu":
             give_back_freed_buffers()
         _make_contiguous(module)
-        if not is_empty(module):  # built on every rank: each shard is cut from its own rank's values
-            _start_as_first_rank(module, mesh.data_mesh(), placement.device)
         for block in self.blocks(module):
             fully_shard(block, **options)
         fully_shard(module, **options)
@@ -155,15 +151,6 @@ def give_back_freed_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(-3, _MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
-
-
-def _start_as_first_rank(module: nn.Module, data_mesh: Any, device: torch.device) -> None:
-    """The first data-parallel rank's parameters and buffers on every data-parallel rank, as DDP broadcasts
-    rank 0's: ``fully_shard`` keeps each rank's own shard of its own values, so a model built without a seed
-    (or with one per rank) would be sharded from as many different initialisations."""
-    tensors = [to_local(tensor) for tensor in (*module.parameters(), *module.buffers())]
-    for dim in range(data_mesh.ndim):
-        agree_with_first(tensors, data_mesh.get_group(dim), device)
 
 
 def _make_contiguous(module: nn.Module) -> None:

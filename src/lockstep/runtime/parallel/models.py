@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
+from lockstep.runtime._torch_compat import to_local
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
@@ -93,6 +94,8 @@ def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kin
     tools = kind.tools
     strategy, mesh = tools.strategy, tools.mesh
     before = dict(model.named_parameters())
+    if not is_empty(model):  # 0. built on every rank: rank 0's values on all (unseeded, each rank built its own)
+        _start_as_rank_0(model, tools.placement.device)
     kind.cut(model)  # 1. pipeline stages: the other stages' modules dropped
     module = tools.precision.convert_module(model)  # 2. precision
     if is_empty(module) and not strategy.collective_forward:  # nothing shards it: allocated whole, now
@@ -113,6 +116,18 @@ def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kin
             strategy.materialize(view, tools.placement, tools.seed, mesh)
     repoint_optimizers(before, module, optimizers, elsewhere=kind.elsewhere)
     return wrapped, released
+
+
+def _start_as_rank_0(model: nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every rank, where they differ (compared bit for bit, sent only then):
+    DDP would broadcast them, but ``fully_shard`` cuts each rank's shard from its own values, and pipeline
+    stages keep each their own rank's modules, so a model built unseeded (or seeded per rank, or loaded on
+    rank 0 only) would become one that no rank built."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        tensors = [to_local(tensor) for tensor in (*model.parameters(), *model.buffers())]
+        collectives.agree_with_first(tensors, dist.group.WORLD, device)
 
 
 class WholeModel:
