@@ -48,3 +48,24 @@ def test_no_sync_refuses_a_model_that_did_not_come_from_setup():
     with rt.no_sync(rt.setup(torch.nn.Linear(2, 2))):
         pass
 
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(7.0), torch.arange(9.0).reshape(3, 3).t(), torch.tensor([True, False, True]),
+    torch.arange(9.0).to(torch.float8_e4m3fn), torch.arange(5.0).to(torch.complex64),
+    torch.arange(5, dtype=torch.int32).to(torch.uint16), torch.arange(10.0)[1:6], torch.tensor(3.0),
+    torch.arange(5.0).to(torch.bfloat16), torch.arange(3, dtype=torch.int8)],
+    ids=["float32", "transposed", "bool", "float8", "complex", "uint16", "offset-view", "scalar", "bf16", "int8"])
+def test_a_fingerprint_is_equal_for_equal_bytes_and_differs_where_one_element_does(tensor):
+    """What rt.setup compares to tell whether the ranks built the same weights: any dtype (torch.hash_tensor
+    alone has no kernel for float8, complex or unsigned types), any layout, any size."""
+    from lockstep.runtime.comm.collectives import fingerprint
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(fingerprint(a).view(torch.int64) == fingerprint(b).view(torch.int64))
+
+    assert same(tensor, tensor.clone()) and same(tensor, tensor.contiguous())
+    changed = tensor.clone().reshape(-1)
+    changed.view(torch.uint8)[0] ^= 1  # one bit of the first element
+    assert not same(tensor, changed)
+    assert same(torch.zeros(0), torch.zeros(0))

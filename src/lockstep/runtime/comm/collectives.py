@@ -96,17 +96,28 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
                 tensor.copy_(values.view_as(tensor))
 
 
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """One ``torch.hash_tensor`` (uint64) of a tensor's bytes taken as 64-bit words, whatever its dtype (the
+    hash has no kernel for float8, complex or unsigned types): equal for equal bytes; 0 for no element."""
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    try:
+        words = raw.view(torch.int64)
+    except RuntimeError:  # a size or an offset that is not a whole number of words: a padded copy
+        words = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)]).view(torch.int64)
+    if not words.numel():
+        return torch.zeros((), dtype=torch.uint64, device=tensor.device)
+    return torch.hash_tensor(words)
+
+
 def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device) -> bool:
-    """Where the ranks of ``group`` hold different values in ``tensors`` (each compared bit for bit by one
-    ``torch.hash_tensor``), every rank takes the group's first rank's values; whether they differed. Where they
+    """Where the ranks of ``group`` hold different values in ``tensors`` (each compared bit for bit by its
+    ``fingerprint``), every rank takes the group's first rank's values; whether they differed. Where they
     agree (a seeded or loaded model) it costs two collectives of a number per tensor. ``device``: where the
     group's collectives run (a CPU-offloaded tensor travels through it)."""
     if not active() or dist.get_world_size(group) < 2:
         return False
     first = dist.get_global_rank(group, 0)
-    empty = torch.zeros((), dtype=torch.uint64, device=device)
-    mine = torch.stack([torch.hash_tensor(t.detach().reshape(-1)).to(device) if t.numel() else empty
-                        for t in tensors]).view(torch.int64)
+    mine = torch.stack([fingerprint(tensor).to(device) for tensor in tensors]).view(torch.int64)
     theirs = mine.clone()
     dist.broadcast(theirs, src=first, group=group)
     differs = (theirs != mine).any().to(torch.int32).reshape(1)
