@@ -97,16 +97,15 @@ def broadcast_in_place(tensors: list[torch.Tensor], src: int, group: Any = None)
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """One ``torch.hash_tensor`` (uint64) of a tensor's bytes taken as 64-bit words, whatever its dtype (the
-    hash has no kernel for float8, complex or unsigned types): equal for equal bytes; 0 for no element."""
+    """A tensor's bytes taken as 64-bit words and summed (wrapping, so in any order and on any device the same):
+    equal for equal bytes, and for two tensors that differ anywhere equal only by a chance of 2**-64 (what
+    swapped words would leave alike, a model's two initialisations do not). Any dtype, layout or torch."""
     raw = tensor.detach().reshape(-1).view(torch.uint8)
     try:
         words = raw.view(torch.int64)
     except RuntimeError:  # a size or an offset that is not a whole number of words: a padded copy
         words = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)]).view(torch.int64)
-    if not words.numel():
-        return torch.zeros((), dtype=torch.uint64, device=tensor.device)
-    return torch.hash_tensor(words)
+    return words.sum()
 
 
 def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device) -> bool:
@@ -114,10 +113,10 @@ def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.devi
     ``fingerprint``), every rank takes the group's first rank's values; whether they differed. Where they
     agree (a seeded or loaded model) it costs two collectives of a number per tensor. ``device``: where the
     group's collectives run (a CPU-offloaded tensor travels through it)."""
-    if not active() or dist.get_world_size(group) < 2:
+    if not tensors or not active() or dist.get_world_size(group) < 2:
         return False
     first = dist.get_global_rank(group, 0)
-    mine = torch.stack([fingerprint(tensor).to(device) for tensor in tensors]).view(torch.int64)
+    mine = torch.stack([fingerprint(tensor).to(device) for tensor in tensors])
     theirs = mine.clone()
     dist.broadcast(theirs, src=first, group=group)
     differs = (theirs != mine).any().to(torch.int32).reshape(1)
