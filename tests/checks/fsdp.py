@@ -89,6 +89,12 @@ def built_unseeded(strategy) -> dict:
     return {"after": after, "rank0_before": everyone[0], "mine_before": mine}
 
 
+def built_other_shapes(strategy) -> None:
+    """Rank 1 builds a wider model than rank 0 (a rank-dependent layer): rt.setup must refuse it on every rank."""
+    rt = lockstep.Runtime(accelerator="cpu", **layout(strategy))
+    rt.setup(Stack(width=32 if rt.rank == 0 else 16))
+
+
 def bf16_against_plain_fsdp2(precision: str = "bf16-mixed") -> float:
     """lockstep ``bf16-mixed`` (or ``float8``) under FSDP against a hand-written FSDP2 loop with the
     same policy (and torchao's float8 conversion of the Linears whose sizes divide by 16)."""

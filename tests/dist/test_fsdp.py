@@ -7,7 +7,7 @@ import torch
 
 import lockstep
 from checks import fsdp as fc
-from lockstep.testing import run_ranks
+from lockstep.testing import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,6 +32,15 @@ def test_ranks_that_build_the_model_from_different_seeds_start_from_rank_0s_weig
         assert result["after"], rank
         for name, value in result["after"].items():
             assert torch.equal(value, results[0]["rank0_before"][name]), (rank, name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_that_build_models_of_other_shapes_are_all_told_so_before_any_hang(strategy):
+    outcomes = rank_outcomes(fc.built_other_shapes, 2, strategy, timeout=60)
+    for outcome in outcomes:
+        assert not outcome.ok and "differs between the ranks in the number or shapes of its parameters" in str(
+            outcome.error), outcome.error
+        assert "rank 0: 10 tensors, 3588 elements; rank 1: 10 tensors, 1028 elements" in str(outcome.error)
 
 
 def test_a_model_built_empty_allocates_only_its_shards_and_initialises_them():

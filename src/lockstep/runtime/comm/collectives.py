@@ -108,21 +108,34 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return words.sum()
 
 
-def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device) -> bool:
-    """Where the ranks of ``group`` hold different values in ``tensors`` (each compared bit for bit by its
-    ``fingerprint``), every rank takes the group's first rank's values; whether they differed. Where they
-    agree (a seeded or loaded model) it costs two collectives of a number per tensor. ``device``: where the
-    group's collectives run (a CPU-offloaded tensor travels through it)."""
-    if not tensors or not active() or dist.get_world_size(group) < 2:
+def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device, what: str) -> bool:
+    """Every rank of ``group`` given the first rank's values in ``tensors`` where any rank's differ (compared by
+    their ``fingerprint``s, weighed by position); whether they differed. One all-gather of four numbers where
+    they agree (a seeded or loaded model). Raises ConfigError, on every rank, where the ranks hold tensors of
+    other shapes (``what``: the tensors' owner, for the message). ``device``: where the group's collectives
+    run (a CPU-offloaded tensor travels through it)."""
+    if not active() or dist.get_world_size(group) < 2:
+        return False
+    import hashlib
+
+    shapes = hashlib.blake2b(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode(), digest_size=8)
+    values = torch.zeros((), dtype=torch.int64, device=device)
+    for position, tensor in enumerate(tensors):  # wrapping sums: any order, any device
+        values += fingerprint(tensor).to(device) * (2 * position + 1)
+    layout = [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(shapes.digest(), "little", signed=True)]
+    mine = torch.cat([torch.tensor(layout, dtype=torch.int64, device=device), values.reshape(1)])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(theirs[:3], everyone[0][:3]) for theirs in everyone):
+        ranks = "; ".join(f"rank {dist.get_global_rank(group, index)}: {int(theirs[0])} tensors, {int(theirs[1])} "
+                          "elements" for index, theirs in enumerate(everyone))
+        raise ConfigError(f"{what} differs between the ranks in the number or shapes of its parameters and buffers "
+                          f"({ranks}): every rank must build the same model (the same class and arguments; a "
+                          "layer added on some ranks only, or a checkpoint of another shape loaded on one rank, "
+                          "makes them differ).")
+    if all(torch.equal(theirs, everyone[0]) for theirs in everyone):
         return False
     first = dist.get_global_rank(group, 0)
-    mine = torch.stack([fingerprint(tensor).to(device) for tensor in tensors])
-    theirs = mine.clone()
-    dist.broadcast(theirs, src=first, group=group)
-    differs = (theirs != mine).any().to(torch.int32).reshape(1)
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-    if not int(differs.item()):
-        return False
     with torch.no_grad():
         for tensor in tensors:
             sent = tensor.detach().to(device)

@@ -128,7 +128,7 @@ def _start_as_rank_0(model: nn.Module, device: torch.device) -> None:
     if dist.is_initialized():
         tensors = [to_local(tensor) for tensor in (*model.parameters(), *model.buffers())]
         tensors = [tensor for tensor in tensors if type(tensor.detach()) is torch.Tensor]  # a subclass: its own
-        collectives.agree_with_first(tensors, dist.group.WORLD, device)
+        collectives.agree_with_first(tensors, dist.group.WORLD, device, "the model given to rt.setup")
 
 
 class WholeModel:
