@@ -54,8 +54,9 @@ def test_no_sync_refuses_a_model_that_did_not_come_from_setup():
     torch.arange(7.0), torch.arange(9.0).reshape(3, 3).t(), torch.tensor([True, False, True]),
     torch.arange(9.0).to(torch.float8_e4m3fn), torch.arange(5.0).to(torch.complex64),
     torch.arange(5, dtype=torch.int32).to(torch.uint16), torch.arange(10.0)[1:6], torch.tensor(3.0),
-    torch.arange(5.0).to(torch.bfloat16), torch.arange(3, dtype=torch.int8)],
-    ids=["float32", "transposed", "bool", "float8", "complex", "uint16", "offset-view", "scalar", "bf16", "int8"])
+    torch.arange(5.0).to(torch.bfloat16), torch.arange(3, dtype=torch.int8), torch.arange(10.0)[::2]],
+    ids=["float32", "transposed", "bool", "float8", "complex", "uint16", "offset-view", "scalar", "bf16", "int8",
+         "strided-1d"])
 def test_a_fingerprint_is_equal_for_equal_bytes_and_differs_where_one_element_does(tensor):
     """What rt.setup compares to tell whether the ranks built the same weights: any dtype (float8, complex,
     unsigned too), any layout, any size."""

@@ -100,7 +100,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes taken as 64-bit words and summed (wrapping, so in any order and on any device the same):
     equal for equal bytes, and for two tensors that differ anywhere equal only by a chance of 2**-64 (what
     swapped words would leave alike, a model's two initialisations do not). Any dtype, layout or torch."""
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     try:
         words = raw.view(torch.int64)
     except RuntimeError:  # a size or an offset that is not a whole number of words: a padded copy
@@ -108,37 +108,41 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return words.sum()
 
 
-def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device, what: str) -> bool:
+def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.device, what: str,
+                     readable: bool = True) -> bool:
     """Every rank of ``group`` given the first rank's values in ``tensors`` where any rank's differ (compared by
     their ``fingerprint``s, weighed by position); whether they differed. One all-gather of four numbers where
     they agree (a seeded or loaded model). Raises ConfigError, on every rank, where the ranks hold tensors of
     other shapes (``what``: the tensors' owner, for the message). ``device``: where the group's collectives
-    run (a CPU-offloaded tensor travels through it)."""
+    run (a CPU-offloaded tensor travels through it). ``readable``: False where this rank's tensors hold no
+    values yet (the meta device): their shapes are compared, and no values where any rank's are not."""
     if not active() or dist.get_world_size(group) < 2:
         return False
     import hashlib
 
     shapes = hashlib.blake2b(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode(), digest_size=8)
     values = torch.zeros((), dtype=torch.int64, device=device)
-    for position, tensor in enumerate(tensors):  # wrapping sums: any order, any device
+    for position, tensor in enumerate(tensors if readable else []):  # wrapping sums: any order, any device
         values += fingerprint(tensor).to(device) * (2 * position + 1)
-    layout = [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(shapes.digest(), "little", signed=True)]
+    layout = [len(tensors), sum(t.numel() for t in tensors), int.from_bytes(shapes.digest(), "little", signed=True),
+              int(readable)]
     mine = torch.cat([torch.tensor(layout, dtype=torch.int64, device=device), values.reshape(1)])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if any(not torch.equal(theirs[:3], everyone[0][:3]) for theirs in everyone):
         ranks = "; ".join(f"rank {dist.get_global_rank(group, index)}: {int(theirs[0])} tensors, {int(theirs[1])} "
                           "elements" for index, theirs in enumerate(everyone))
-        raise ConfigError(f"{what} differs between the ranks in the number or shapes of its parameters and buffers "
+        raise ConfigError(f"{what} differs between the ranks in the number, shapes or dtypes of its parameters and "
+                          "buffers "
                           f"({ranks}): every rank must build the same model (the same class and arguments; a "
                           "layer added on some ranks only, or a checkpoint of another shape loaded on one rank, "
                           "makes them differ).")
-    if all(torch.equal(theirs, everyone[0]) for theirs in everyone):
+    if not all(int(theirs[3]) for theirs in everyone) or all(torch.equal(theirs, everyone[0]) for theirs in everyone):
         return False
     first = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in tensors:
-            sent = tensor.detach().to(device)
+            sent = tensor.detach().to(device).contiguous()
             dist.broadcast(sent, src=first, group=group)
             if sent.data_ptr() != tensor.data_ptr():
                 tensor.copy_(sent)

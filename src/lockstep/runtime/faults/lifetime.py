@@ -64,13 +64,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-def on_parent_death(signum: int) -> None:
+def on_parent_death(signum: int, parent: int) -> None:
     """Deliver ``signum`` to this process when its parent ends (Linux's ``PR_SET_PDEATHSIG``), in a child just
-    started: a ``preexec_fn``, a forked worker. A parent already gone (this process adopted) sends it at once."""
+    started: a ``preexec_fn``, a forked worker. ``parent``: its pid, read before the fork; a parent already gone
+    (this process adopted by another) sends it at once. A parent that is pid 1 (a container's entrypoint) is
+    one too."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    if os.getppid() != parent:
         os.kill(os.getpid(), signum)
 
 

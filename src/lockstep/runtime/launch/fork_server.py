@@ -220,6 +220,7 @@ def _fork_worker(connection: socket.socket, own: tuple[socket.socket, int, int],
         request, streams = _receive(connection)
     except (OSError, ValueError, _Unanswered):
         return 0
+    server = os.getpid()
     try:
         pid = os.fork()
     except OSError:  # no process left to make: the client runs the interpreter itself
@@ -235,17 +236,18 @@ def _fork_worker(connection: socket.socket, own: tuple[socket.socket, int, int],
         held.close()
     os.close(woken)
     os.close(wake)
-    _become_worker(request, streams, folder, connection)  # never returns
+    _become_worker(request, streams, folder, connection, server)  # never returns
     return 0
 
 
-def _become_worker(request: dict[str, Any], streams: list[int], folder: str, connection: socket.socket) -> None:
+def _become_worker(request: dict[str, Any], streams: list[int], folder: str, connection: socket.socket,
+                   server: int) -> None:
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # the server's, undone first
         signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
     os.setsid()  # its own process group, as the agent's Popen(start_new_session=True) gives
     from lockstep.runtime.faults.lifetime import on_parent_death
 
-    on_parent_death(signal.SIGKILL)
+    on_parent_death(signal.SIGKILL, server)
     _send(connection, {"pid": os.getpid()})  # from here a signal the client passes on reaches the script
     connection.close()
     for standard, stream in enumerate(streams):

@@ -4,6 +4,7 @@ one dies, while the others train on."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -137,13 +138,11 @@ class ReplicaGroupsRun:
         environment = {**os.environ, **self.group_environment(index), ENV_ON: "1", ENV_GROUP: str(index),
                        ENV_LIGHTHOUSE: lighthouse, ENV_MIN_REPLICAS: str(self.config.min_replicas),
                        ENV_STEP_TIMEOUT: str(self.config.step_timeout), ENV_START_WITH: str(start_with)}
-        return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=_agent_dies_with_supervisor)
+        # the agent gets SIGTERM when the supervisor dies (it then stops its workers, which also die with it)
+        dies_with_supervisor = functools.partial(on_parent_death, signal.SIGTERM, os.getpid())
+        return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=dies_with_supervisor)
 
 
-def _agent_dies_with_supervisor() -> None:
-    """In a group's agent, before it runs: SIGTERM when the supervisor dies (the agent then stops its
-    workers, which also die with it)."""
-    on_parent_death(signal.SIGTERM)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError, UsageError
-from lockstep.runtime._torch_compat import to_local
 from lockstep.runtime.comm import collectives
 from lockstep.runtime.faults.watchdog import Watchdog
 from lockstep.runtime.parallel.activation_checkpointing import Policy, checkpoint_activations
@@ -94,8 +93,7 @@ def prepare(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], kin
     tools = kind.tools
     strategy, mesh = tools.strategy, tools.mesh
     before = dict(model.named_parameters())
-    if not is_empty(model):  # 0. built on every rank: rank 0's values on all (unseeded, each rank built its own)
-        _start_as_rank_0(model, tools.placement.device)
+    _start_as_rank_0(model, tools.placement.device)  # 0. rank 0's values on all (unseeded, each rank built its own)
     kind.cut(model)  # 1. pipeline stages: the other stages' modules dropped
     module = tools.precision.convert_module(model)  # 2. precision
     if is_empty(module) and not strategy.collective_forward:  # nothing shards it: allocated whole, now
@@ -126,9 +124,10 @@ def _start_as_rank_0(model: nn.Module, device: torch.device) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        tensors = [to_local(tensor) for tensor in (*model.parameters(), *model.buffers())]
-        tensors = [tensor for tensor in tensors if type(tensor.detach()) is torch.Tensor]  # a subclass: its own
-        collectives.agree_with_first(tensors, dist.group.WORLD, device, "the model given to rt.setup")
+        tensors = [tensor for tensor in (*model.parameters(), *model.buffers())  # a subclass, a sparse one: its own
+                   if type(tensor.detach()) is torch.Tensor and tensor.layout == torch.strided]
+        collectives.agree_with_first(tensors, dist.group.WORLD, device, "the model given to rt.setup",
+                                     readable=not is_empty(model))
 
 
 class WholeModel:
