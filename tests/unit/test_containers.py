@@ -49,7 +49,6 @@ def test_no_sync_refuses_a_model_that_did_not_come_from_setup():
         pass
 
 
-
 @pytest.mark.parametrize("tensor", [
     torch.arange(7.0), torch.arange(9.0).reshape(3, 3).t(), torch.tensor([True, False, True]),
     torch.arange(9.0).to(torch.float8_e4m3fn), torch.arange(5.0).to(torch.complex64),

@@ -7,6 +7,7 @@ group, or with one rank, each is the identity.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,8 +119,6 @@ def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.devi
     values yet (the meta device): their shapes are compared, and no values where any rank's are not."""
     if not active() or dist.get_world_size(group) < 2:
         return False
-    import hashlib
-
     shapes = hashlib.blake2b(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode(), digest_size=8)
     values = torch.zeros((), dtype=torch.int64, device=device)
     for position, tensor in enumerate(tensors if readable else []):  # wrapping sums: any order, any device
@@ -133,8 +132,7 @@ def agree_with_first(tensors: list[torch.Tensor], group: Any, device: torch.devi
         ranks = "; ".join(f"rank {dist.get_global_rank(group, index)}: {int(theirs[0])} tensors, {int(theirs[1])} "
                           "elements" for index, theirs in enumerate(everyone))
         raise ConfigError(f"{what} differs between the ranks in the number, shapes or dtypes of its parameters and "
-                          "buffers "
-                          f"({ranks}): every rank must build the same model (the same class and arguments; a "
+                          f"buffers ({ranks}): every rank must build the same model (the same class and arguments; a "
                           "layer added on some ranks only, or a checkpoint of another shape loaded on one rank, "
                           "makes them differ).")
     if not all(int(theirs[3]) for theirs in everyone) or all(torch.equal(theirs, everyone[0]) for theirs in everyone):

@@ -143,8 +143,6 @@ class ReplicaGroupsRun:
         return subprocess.Popen(self.group_command(index), env=environment, preexec_fn=dies_with_supervisor)
 
 
-
-
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
