@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,26 +22,41 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _run_job(script: str, *args: str, timeout_env: str | None = None, debug: bool = False, devices: str = "2"
-             ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``lockstep run`` of a failure script: the failed job, and its seconds; nothing may be left running."""
+             ) -> tuple[subprocess.CompletedProcess[str], float, list[tuple[float, str]]]:
+    """``lockstep run`` of a failure script: the failed job, its seconds and its stderr's lines, each with the
+    wall time it came at; nothing may be left running."""
     env = {**os.environ}
     if timeout_env:
         env["LOCKSTEP_TIMEOUT"] = timeout_env
     if debug:
         env["LOCKSTEP_DEBUG"] = "1"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices, "--accelerator",
-                           "cpu", f"tests/failures/{script}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=100)
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli.main", "run", "--devices", devices, "--accelerator",
+                             "cpu", f"tests/failures/{script}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    lines: list[tuple[float, str]] = []
+    readers = [threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),  # type: ignore[arg-type]
+               threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr),  # type: ignore[union-attr]
+                                daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout=100)
+    finally:
+        proc.kill()
+        for reader in readers:
+            reader.join(timeout=10)
     elapsed = time.monotonic() - start
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(line for _, line in lines))
     leftover = [cmd for cmd in session_processes().values() if f"tests/failures/{script}" in cmd]
     assert leftover == [], f"processes left behind: {leftover}"
     assert done.returncode != 0
-    return done, elapsed
+    return done, elapsed, lines
 
 
 def _job(script: str, *args: str, **options) -> tuple[str, float]:
-    done, elapsed = _run_job(script, *args, **options)
+    done, elapsed, _ = _run_job(script, *args, **options)
     return done.stderr, elapsed
 
 
@@ -94,10 +110,15 @@ def test_5b_a_rank_spinning_in_python_while_the_others_wait():
 def test_10_a_rank_stuck_in_its_own_code_while_the_other_waits_in_the_steps_collectives(strategy, api):
     """DDP's gradient all-reduce and FSDP's all-gather fail inside autograd or a module hook, as plain
     RuntimeErrors: the report still names the rank that did not come, its mark and the line it is on."""
-    done, _ = _run_job("stuck_in_step.py", strategy, api, timeout_env="10")
-    ended, stderr = time.time(), done.stderr
+    done, elapsed, lines = _run_job("stuck_in_step.py", strategy, api, timeout_env="10")
+    stderr = done.stderr
     stuck_since = float(done.stdout.split("stuck since ", 1)[1].split()[0])
-    assert ended - stuck_since < 10 + 10  # the report within the timeout plus 10 s of the hang
+    reported = min(at for at, line in lines if "CollectiveError: rank 0: " in line)
+    # the report within the timeout plus 8 s of the hang; the job's end (the stuck rank stopped, the launcher
+    # gone) follows within the test's bound, as in every case here
+    print(f"reported {reported - stuck_since:.1f} s after the hang; the job ended after {elapsed:.1f} s")
+    assert reported - stuck_since < 10 + 8, (reported - stuck_since, elapsed)
+    assert elapsed < 60
     assert "CollectiveError: rank 0: " in stderr and "Timed out" in stderr, stderr
     mark = "my_data" if api == "runtime" else "training_step"
     assert "rank 1: last at backward #" in stderr or "rank 1: last at forward #" in stderr, stderr

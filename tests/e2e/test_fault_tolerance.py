@@ -134,7 +134,8 @@ def test_groups_waiting_for_one_that_never_starts_train_on_after_the_step_timeou
 def test_every_group_killed_then_started_again_resumes_from_the_newest_checkpoint(tmp_path, reference, lighthouse):
     saving = ("--checkpoints", str(tmp_path / "ckpt"), "--save-every", "4", "--slow", "0.1")
     first = [_group(tmp_path, lighthouse, i, *saving, "--die-at", "10", name=f"first{i}") for i in range(2)]
-    assert [_finish(g)[0] for g in first] == [-9, -9]
+    killed = [_finish(g) for g in first]
+    assert [code for code, _ in killed] == [-9, -9], killed
     again = [_group(tmp_path, lighthouse, i, *saving, name=f"again{i}") for i in range(2)]
     outs = [_finish(g) for g in again]
     assert [code for code, _ in outs] == [0, 0], outs
@@ -143,7 +144,10 @@ def test_every_group_killed_then_started_again_resumes_from_the_newest_checkpoin
     assert min(min(r["record"]) for r in results if r["record"]) == 8
     before = committed_steps(tmp_path, "first*.log")  # steps 8 and 9 were committed before the kill, and again after
     assert sorted(before) == list(range(10))
-    assert all(sorted(before[step]) == sorted(reference["record"][step]) for step in before)
+    wrong = [step for step in before if sorted(before[step]) != sorted(reference["record"][step])]
+    assert wrong == [], {"wrong steps": wrong, "logs": {log.name: log.read_text() for log in tmp_path.glob("*.log")},
+                         "reference": {step: sorted(reference["record"][step]) for step in wrong},
+                         "said": [out[-3000:] for _, out in killed + outs]}
 
 
 def test_a_group_started_with_another_seed_is_refused_by_name_and_the_others_train_on(tmp_path, reference,
