@@ -81,14 +81,15 @@ def test_reduce_on_plateau_follows_torchs_own_scheduler_fed_the_logged_values():
 def test_reduce_on_plateau_by_steps_steps_with_the_monitored_value_each_due_step():
     """interval="step": after each due optimizer step, with the monitored value as logged so far (train_loss,
     logged every step here): with a relative threshold of 1.0 no value counts as better, not even the first, so
-    each due step (2 and 4) halves the rate; the others leave it."""
+    each due step (2 and 4) halves the rate; the others leave it. As in Lightning, it steps after the step's
+    on_train_batch_end (where the rate is read): the halving at step 2 is seen at step 3."""
     def plateau(optimizer):
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=1.0)
         return {"lr_scheduler": {"scheduler": scheduler, "monitor": "train_loss", "interval": "step",
                                  "frequency": 2}}
 
     module = fit(plateau, epochs=1, lr=0.1, log_every_n_steps=1)
-    assert module.lrs == pytest.approx([0.1, 0.05, 0.05, 0.025])  # read after steps 1 to 4
+    assert module.lrs == pytest.approx([0.1, 0.1, 0.05, 0.05])  # read at steps 1 to 4
 
 
 def test_a_missing_monitor_is_an_error_or_with_strict_false_a_warning():

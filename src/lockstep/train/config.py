@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from numbers import Integral
+from numbers import Integral, Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,10 @@ class TrainerConfig:
                             "fraction of an epoch is not taken: for half of an epoch of N steps, pass N // 2."
                             if name == "val_check_interval" and isinstance(value, float) else "")
                 raise ConfigError(f"{name}={value!r}: must be a whole number, at least 1.{fraction}")
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, Real) or not clip >= 0):
+            raise ConfigError(f"gradient_clip_val={clip!r}: the largest total norm of the gradients, a number above "
+                              "0 (0 or None: no clipping).")
         if self.resume is not None and str(self.resume) == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
 

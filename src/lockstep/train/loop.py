@@ -26,7 +26,7 @@ class LoopState:
     at_step_boundary: bool = False  # the current batch ends an accumulation: the optimizer steps after it
     epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
     plateau_due: bool = False  # the epoch's end ran up to its plateau schedulers' step, not yet taken (resume takes it)
-    batch_samples: int = 0  # this rank's samples in the current batch: the weight of self.log
+    batch_samples: int | None = None  # this rank's samples in the current batch, self.log's weight (None: no batch)
     batch_global_samples: int = 0  # the samples of the current batch over all ranks
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
     resume_batches: int = 0  # where the next epoch's pass starts (a resumed epoch)
@@ -40,11 +40,14 @@ class LoopState:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
         start, self.resume_batches = self.resume_batches, 0
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
+        self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start
 
-    def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int) -> None:
+    def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int, last: bool
+                    ) -> None:
+        """Batch ``batch_idx`` begins (``last``: the pass's last; a short accumulation steps there too)."""
         self.batch_samples, self.batch_global_samples = local_samples, global_samples
-        self.at_step_boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.steps_per_epoch
+        self.at_step_boundary = (batch_idx + 1) % accumulate == 0 or last
 
     def end_batch(self, batch_idx: int) -> int | None:
         """The batch is done; at a step boundary, the samples of the step's batches (else None)."""

@@ -42,8 +42,10 @@ class MetricStore:
         An in-place float64 add costs a tensor operation per step and name; keeping costs two list
         operations, and the sum of 256 kept values costs about what 30 adds would.
         """
-        if value.requires_grad:  # a plain tensor's .data costs less than detach (no dispatch, no view)
-            value = value.data if type(value) is torch.Tensor else value.detach()
+        if value.grad_fn is not None and not value._is_view():  # an operation's result (the loss): kept as it is
+            value = value.data if type(value) is torch.Tensor else value.detach()  # .data: no dispatch, no view
+        else:  # a parameter or buffer (or a view) may change in place before the sum: its value now
+            value = value.detach().clone()
         by_weight = self._kept.get(name)  # not setdefault: its default would be built on every call
         if by_weight is None:
             by_weight = self._kept[name] = {}
@@ -140,6 +142,13 @@ class TrainingMetrics:
         self.epoch.reset()
         self.routes.clear()
 
+    def start_epoch(self) -> None:
+        """A new epoch's sums. The logging window goes on: the steps since the last logging step are in the
+        next one's values, also across an epoch's end."""
+        self.recent.reset()
+        self.epoch.reset()
+        self.routes.clear()
+
     def route(self, name: str, on_step: bool | None, on_epoch: bool | None) -> None:
         """Where ``self.log(name, on_step=, on_epoch=)`` sends the value: ``on_step=False`` keeps it out of
         the logged steps' window, ``on_epoch=False`` out of the epoch's value. Values logged before a
@@ -175,11 +184,13 @@ class TrainingMetrics:
 
     def load_state_dict(self, runtime: Any, state: dict[str, Any], mid_epoch: bool) -> None:
         """Every rank's saved sums go to rank 0: the next reduce adds them up anyway, so the first
-        values logged after resuming mid-epoch are exact. At an epoch start there is nothing to keep."""
+        values logged after resuming are exact. At an epoch start the epoch's sums are new; the logging
+        window goes on."""
         self.reset()
-        if runtime.is_global_zero and mid_epoch:
-            self.epoch.merge(state.get("epoch_metrics", []), runtime.device)
+        if runtime.is_global_zero:
             self.window.merge(state.get("window_metrics", []), runtime.device)
+            if mid_epoch:
+                self.epoch.merge(state.get("epoch_metrics", []), runtime.device)
 
 
 def weighted_value(name: str, value: float | torch.Tensor, weight: float | torch.Tensor,

@@ -224,6 +224,12 @@ def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], S
     if isinstance(result, torch.optim.Optimizer):
         return [result], Schedules()
     if isinstance(result, dict):
+        unknown = sorted(set(result) - {"optimizer", "lr_scheduler", "monitor"}, key=str)
+        if unknown or "optimizer" not in result:
+            raise UsageError(f"configure_optimizers() returned a dict with the keys {sorted(result, key=str)}: it "
+                             "takes 'optimizer' (needed), 'lr_scheduler' and 'monitor'. A scheduler's own keys "
+                             "('interval', 'frequency', ...) go in the lr_scheduler dict: {'optimizer': opt, "
+                             "'lr_scheduler': {'scheduler': sched, 'interval': 'step'}}.")
         optimizers, schedulers = [result["optimizer"]], [result["lr_scheduler"]] if "lr_scheduler" in result else []
         monitor = result.get("monitor")
     elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):

@@ -64,8 +64,8 @@ class Recorder:
                              "trainer.log_metrics({...}).")
         if (on_step is not None or on_epoch is not None or self.metrics.routes) and sink is self.metrics.recent:
             self.metrics.route(name, on_step, on_epoch)  # training's two sums: the flags of this value
-        rows = self.loop.batch_samples
-        weight = batch_size if batch_size is not None else rows
+        rows = self.loop.batch_samples  # None outside a batch (an epoch-start hook): each call weighs 1
+        weight = batch_size if batch_size is not None else rows if rows is not None else 1
         # a rank's zero-row batch (its shard ended, a stream's end) logs nothing, whatever batch_size says: its
         # step ran on a stand-in row (a forward that is a collective, FSDP's) or on no row (0 / 0)
         if rows == 0 or (type(weight) is int and weight == 0):

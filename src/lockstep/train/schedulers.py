@@ -59,6 +59,10 @@ class Scheduled:
 class Schedules(list[Scheduled]):
     """A fit's schedulers (``trainer.lr_schedulers``)."""
 
+    def due(self, interval: str, count: int, on_plateau: bool) -> bool:
+        """Whether any scheduler that reduces on a plateau (``on_plateau``), or any other, steps now."""
+        return any(scheduled.on_plateau == on_plateau and scheduled.due(interval, count) for scheduled in self)
+
     def step(self, interval: str, count: int, metrics: Mapping[str, float], on_plateau: bool | None = None) -> None:
         """Step those due ``count`` optimizer steps or epochs into the fit (``on_plateau``: only those that
         reduce on a plateau, or only the others; at an epoch's end the former wait for its validation)."""

@@ -28,12 +28,13 @@ class WholeModelStep:
         outputs = t._call("training_step", t._wrapped, "training_step", batch, batch_idx)
         loss, items = loss_of(outputs)
         t.recorder.loss(loss, items)
-        t.fire("on_before_backward", loss)
+        scaled = loss / k if k > 1 and items is None else loss  # what the backward gets (Lightning's hook gets it too)
+        t.fire("on_before_backward", scaled)
         backward = t._runtime.backward  # type: ignore[union-attr]  # set up: the Runtime exists
         if items is not None:
             t._call("backward", backward, loss, items)
         else:
-            t._call("backward", backward, loss / k if k > 1 else loss)
+            t._call("backward", backward, scaled)
         return outputs
 
 

@@ -158,8 +158,8 @@ class Trainer:
 
     @property
     def local_batch_samples(self) -> int:
-        """This rank's samples in the current batch."""
-        return self.loop.batch_samples
+        """This rank's samples in the current batch (0 outside a batch)."""
+        return self.loop.batch_samples or 0
 
     @property
     def is_logging_step(self) -> bool:
@@ -216,6 +216,7 @@ class Trainer:
                               "validate, test and predict need neither.")
         rt = self._start(module, with_optimizers=True)
         self.recorder.start_fit()
+        self.metrics.reset()  # a fit's own sums (a checkpoint resumed below restores its own)
         options = self._loader_options(loader_options)
         self._make_train_loader(train_data, batch_size, options)
         if val_data is not None:
@@ -372,7 +373,7 @@ class Trainer:
             position = {"epoch": self.current_epoch, "batches_done": start}
         loader.load_state_dict(position)
         if start == 0:
-            self.metrics.reset()
+            self.metrics.start_epoch()
         self.metrics.commits = self.runtime.replication.fault_tolerant  # a step's values count once it commits
         self.recorder.sink = self.metrics.recent
         self.fire("on_train_epoch_start")
@@ -383,7 +384,9 @@ class Trainer:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
         loop, loader = self.loop, self.train_loader
         assert loader is not None
-        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches)
+        steps = loop.steps_per_epoch  # None: a stream without __len__, whose loader draws a batch ahead to know
+        last = batch_idx + 1 == steps if steps is not None else loader.last_batch
+        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches, last)
         self.fire("on_train_batch_start", batch, batch_idx)
         if loop.at_step_boundary:
             outputs = self._forward_backward(batch, batch_idx)
@@ -418,15 +421,15 @@ class Trainer:
         taken nowhere, its batches come again)."""
         rt, clip = self._runtime, self.config.gradient_clip_val
         assert rt is not None
-        if clip is not None:  # the total norm of every optimizer's gradients, each unscaled first (16-mixed)
+        if clip:  # the total norm of every optimizer's gradients, each unscaled first (16-mixed); 0: none (Lightning's)
             rt.clip_grad_norm_(self._wrapped, self.optimizers, clip)
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if not rt.step_committed:
             return False
-        if self.lr_schedulers:
-            self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics)  # the step, once taken
+        if self.lr_schedulers:  # the step, once taken; those that reduce on a plateau wait for its values
+            self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics, on_plateau=False)
         return True
 
     def _after_step(self) -> bool:
@@ -442,13 +445,24 @@ class Trainer:
         interval = self.config.val_check_interval  # Evaluation.due_after, inline on this per-step path
         if interval and self.global_step % interval == 0 and self._val_loader is not None:
             self.evaluation.during_fit()
+        if self.lr_schedulers and self.lr_schedulers.due("step", self.global_step, on_plateau=True):
+            self._refresh_step_values()  # as in Lightning: after the step's validation, with this step's values
+            self.lr_schedulers.step("step", self.global_step, self.callback_metrics, on_plateau=True)
         return self.loop.finished(self.config.max_epochs, self.config.max_steps)
+
+    def _refresh_step_values(self) -> None:
+        """The step's values settled; between two logging steps, ``callback_metrics`` given the values logged
+        since the last one (their mean over the ranks and those steps, as the next logging step will write
+        it; a collective), for a monitor that acts now (a plateau scheduler on steps, an epoch's end)."""
+        self.metrics.settle()
+        if not self.is_logging_step:  # else this step's logging reduced them already
+            self.callback_metrics.update(self.metrics.window.reduce(self.runtime))
 
     def _end_epoch(self) -> None:
         # a checkpoint from here on resumes at the next epoch's start, first stepping the plateau schedulers if due
         self.epoch_ended = self.loop.plateau_due = True
         self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=False)
-        self.metrics.settle()
+        self._refresh_step_values()  # the names logged on steps alone hold their newest value, for the monitors
         epoch_values = self.metrics.epoch.reduce(self.runtime)
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
         # The names logged in training_step hold the epoch's value once it ends (as in Lightning), also

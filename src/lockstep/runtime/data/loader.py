@@ -315,6 +315,8 @@ class DistributedLoader:
         self.device = device
         self._observer = observer
         self._epoch, self._batches_done, self._started, self._pass_start = 0, 0, False, 0
+        self._last = False  # a stream's: the batch handed out last ends the pass
+        self._handed_state: Any = None  # a stream's own state after the batch handed out last (one is drawn ahead)
         self.wait_s = 0.0  # time spent waiting for batches (data loading not hidden behind compute)
         self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
         self._workers: weakref.finalize | None = None  # shuts down persistent workers: see __iter__
@@ -357,6 +359,12 @@ class DistributedLoader:
         """How many batches of the current pass have been handed out: the last one is batch
         ``batches_done - 1`` (a step drawn again in a fault-tolerant job keeps its number)."""
         return self._batches_done
+
+    @property
+    def last_batch(self) -> bool:
+        """Whether the batch handed out last is the pass's last (of a stream without ``__len__`` too: there, the
+        next batch is drawn before this one is handed out)."""
+        return self._last if self._stream is not None else self._batches_done >= len(self)
 
     def global_batch_size(self, step: int) -> int:
         """How many samples batch ``step`` holds over all ranks (less than batch_size when short).
@@ -442,8 +450,11 @@ class DistributedLoader:
             # reference cycle, e.g. with its Runtime), the DataLoader would find its queues to them
             # closed already and wait 5 s for each: this shuts them down first, while they answer.
             self._workers = weakref.finalize(self, shutdown_workers, batches)
-        stream, gate, clock = self._stream, self._gate, time.perf_counter
-        member = getattr(self.sampler, "membership", None) if stream is None and self.loader.num_workers else None
+        if self._stream is not None:  # a stream has no fault tolerance (refused) and no membership change
+            yield from self._stream_draws(batches, step)
+            return
+        gate, clock = self._gate, time.perf_counter
+        member = getattr(self.sampler, "membership", None) if self.loader.num_workers else None
         drawn_for = (member.rank, member.size) if member is not None else None
         while True:
             again = False
@@ -457,12 +468,32 @@ class DistributedLoader:
             waited = clock()
             batch = next(batches, _END)
             self.wait_s += clock() - waited
-            if stream is not None:
-                batch = self._stream_batch(step, batch)
             if batch is _END:
                 return
             yield step, batch
             step += 1
+
+    def _stream_draws(self, batches: Iterator[Any], step: int) -> Iterator[tuple[int, Any]]:
+        """A stream's batches through its pass, each drawn one ahead of the one handed out: whether that one
+        is the pass's last (``last_batch``) is then known before its backward, as a gradient accumulation
+        that the stream's end cuts short needs (its last micro-batch synchronises the gradients)."""
+        clock, keeps_state = time.perf_counter, self._saves_stream_state()
+        self._handed_state = None
+
+        def draw(at: int) -> Any:
+            waited = clock()
+            item = next(batches, _END)
+            self.wait_s += clock() - waited
+            return self._stream_batch(at, item)
+
+        batch = draw(step)
+        while batch is not _END:
+            # what a checkpoint saves of a stream that keeps its own position: where it stood after this batch
+            self._handed_state = self.dataset.state_dict() if keeps_state else None
+            following = draw(step + 1)
+            self._last = following is _END
+            yield step, batch
+            batch, step = following, step + 1
 
     def rewind(self, step: int) -> None:
         """The position is ``step`` batches into the current pass (a step drawn again is not done)."""
@@ -537,9 +568,15 @@ class DistributedLoader:
         batches = getattr(self.sampler, "batches", None)
         state = {"epoch": epoch, "batches_done": done, "batch_size": getattr(self.sampler, "batch_size", None),
                  "order": batches.kind if batches is not None else "shards"}
-        if self._stream is not None and self.loader.num_workers == 0 and restores_its_position(self.dataset):
-            state["stream"] = self.dataset.state_dict() if self._pending is None else self._stream_state
+        if self._saves_stream_state():
+            live = self._handed_state if self._handed_state is not None else self.dataset.state_dict()
+            state["stream"] = live if self._pending is None else self._stream_state
         return state
+
+    def _saves_stream_state(self) -> bool:
+        """A stream read in this process (no workers) that restores its own exact position: a checkpoint keeps
+        that position (else a resumed pass reads the stream from its start and drops what was trained on)."""
+        return self._stream is not None and self.loader.num_workers == 0 and restores_its_position(self.dataset)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``'s position at the next ``iter()``."""
