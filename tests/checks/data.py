@@ -143,6 +143,14 @@ def global_batches(rt: lockstep.Runtime, loader, epochs: int = 1) -> list[list[i
     return seen
 
 
+def seeded_per_rank() -> dict:
+    """``Runtime(seed=42 + rank)``, a DDP script's habit: the global batches of a shuffled pass, a draw of torch's
+    generator, and the seed the data order took."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=42 + int(os.environ.get("RANK", "0")))
+    loader = rt.loader(Indexed(99), batch_size=8, shuffle=True, num_workers=0)
+    return {"batches": global_batches(rt, loader), "draw": torch.rand(1).item(), "seed": rt.seed}
+
+
 def train_on(rt: lockstep.Runtime, loader, checkpoint: str | None = None, kill_after: int = 0) -> dict:
     """SGD on the loader's batches, resuming from ``checkpoint`` when it exists and saving it after
     every step; SIGKILL this process after ``kill_after`` steps (0: never). Returns the weights and

@@ -44,6 +44,17 @@ def test_samplers_and_streams_give_the_same_global_batches_on_any_world_size(wor
             assert torch.equal(result["gathered"][key], expected), key
 
 
+def test_ranks_seeded_each_with_its_own_seed_share_one_data_order_and_keep_their_own_draws():
+    """Runtime(seed=42 + rank): the order is rank 0's (every sample once, the global batches of the one-process run
+    with seed 42); each rank's generator keeps its own seed."""
+    reference = checks.seeded_per_rank()
+    assert sorted(i for batch in reference["batches"] for i in batch) == list(range(99))
+    results = run_ranks(checks.seeded_per_rank, 3)
+    for result in results:
+        assert result["seed"] == 42 and result["batches"] == reference["batches"]
+    assert results[0]["draw"] == reference["draw"] and len({result["draw"] for result in results}) == 3
+
+
 def test_outputs_of_a_shuffled_training_pass_on_3_processes_come_back_in_dataset_order():
     for gathered in run_ranks(checks.shuffled_gather, 3):
         for key, expected in _expected_gather().items():

@@ -210,6 +210,16 @@ def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuff
         def __iter__(self):
             return iter([0] * self.num_samples)
 
+    class EvenOnly(torch.utils.data.RandomSampler):  # a RandomSampler subclass that chooses its samples itself
+        def __iter__(self):
+            return iter([i for i in super().__iter__() if i % 2 == 0])
+
+    for chooser in (EvenOnly(data), type("Evens", (torch.utils.data.SequentialSampler,),
+                                         {"__iter__": lambda self: iter(range(0, 30, 2))})(data)):
+        kept = rt.loader(DataLoader(data, batch_size=5, sampler=chooser), num_workers=0)  # torch's order replaced it
+        assert sorted(i for index, _, _ in kept for i in index.tolist()) == list(range(0, 30, 2))
+        with pytest.raises(ValueError, match="chooses which samples to take"):
+            rt.eval_loader(DataLoader(data, batch_size=5, sampler=chooser))
     own = OwnSplit(data, num_replicas=1, rank=0)
     for given in (dict(data=DataLoader(data, batch_size=6, sampler=own)), dict(data=data, batch_size=6, sampler=own)):
         with pytest.raises(ValueError, match="OwnSplit is a DistributedSampler with its own __iter__"):
@@ -299,6 +309,17 @@ def test_a_stream_with_persistent_workers_moves_to_a_loaded_position():
     loader.load_state_dict({"epoch": 1, "batches_done": 2, "batch_size": 8, "order": "stream"})
     assert [index[0].item() for index, _, _ in loader] == [16, 24, 32]
     assert [index[0].item() for index, _, _ in loader] == [0, 8, 16, 24, 32]  # the next epoch starts at 0
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("stream", ["IndexedStream", "SeekableRecords"])
+def test_a_stream_resumed_at_any_step_with_workers_comes_in_order(stream, workers):
+    """The DataLoader asks worker 0 first at every pass: from a resumed pass's first step on, whatever its
+    number (at step 1 of 2 workers, worker 0 took step 2 and the batches came out of order)."""
+    for done in range(1, 5):
+        loader = runtime().loader(getattr(checks, stream)(40), batch_size=8, num_workers=workers)
+        loader.load_state_dict({"epoch": 0, "batches_done": done, "batch_size": 8, "order": "stream"})
+        assert [index[0].item() for index, _, _ in loader] == list(range(8 * done, 40, 8))
 
 
 def test_persistent_workers_of_a_loader_freed_by_the_garbage_collector_stop_at_once():

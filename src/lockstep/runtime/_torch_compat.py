@@ -93,11 +93,13 @@ def mark_wrapped_by_lr_scheduler(original: Any, replacement: Any) -> None:
 
 def is_plain_random_sampler(sampler: Any) -> bool:
     """A ``RandomSampler`` that shuffles the whole dataset once per epoch (no replacement, no
-    ``num_samples``): lockstep's own global shuffle replaces it. ``num_samples`` (public) returns the
-    dataset's length when unset; only ``_num_samples`` tells whether it was set."""
+    ``num_samples``, and no ``__iter__`` of a subclass's own, which may choose other samples): lockstep's own
+    global shuffle replaces it. ``num_samples`` (public) returns the dataset's length when unset; only
+    ``_num_samples`` tells whether it was set."""
     from torch.utils.data import RandomSampler
 
-    return isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
+    return (isinstance(sampler, RandomSampler) and type(sampler).__iter__ is RandomSampler.__iter__
+            and not sampler.replacement and sampler._num_samples is None)
 
 
 def shutdown_workers(batches: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import gc
 import logging
 import warnings
@@ -45,7 +46,7 @@ from lockstep.runtime.parallel.pipeline.staged import StagedModel
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.wrappers import STATISTICS_MOVED, WrappedModule, unwrap
-from lockstep.runtime.seed import RandomStates, seed_everything, set_determinism
+from lockstep.runtime.seed import RandomStates, order_seed, seed_everything, set_determinism
 from lockstep.runtime.trace import ModuleTrace
 from lockstep.runtime.verify import StepRecorder
 
@@ -128,8 +129,9 @@ class Runtime:
         self.mesh = Mesh(layout, self.rank, self.device.type)  # the degrees, the DeviceMesh, the data-parallel ranks
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
-        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(),  # not a collective of the script's:
-                          lambda text: collectives.all_gather(text, self.device), self.world_size)  # uncounted
+        gather = functools.partial(collectives.all_gather, device=self.device)  # not a collective of the script's
+        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(), gather, self.world_size)
+        self.seed = order_seed(self.seed, gather, self.world_size, self.print)
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)

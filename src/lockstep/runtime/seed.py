@@ -34,6 +34,23 @@ def seed_everything(seed: int) -> int:
     return seed
 
 
+def order_seed(seed: int, all_gather: Callable[[Any], list[Any]], world_size: int,
+               say: Callable[[str], None]) -> int:
+    """The seed of the data order, rank 0's: every rank must cut its share out of one order. A seed given
+    per rank (``seed=42 + rank``, a habit of DDP scripts, where a sampler keeps a seed of its own) has
+    seeded each rank's generators (dropout, augmentations) with its own; rank 0 says that the order follows
+    its seed. One small all-gather, when the Runtime is made."""
+    if world_size == 1:
+        return seed
+    seeds = [int(s) for s in all_gather(seed)]
+    if len(set(seeds)) > 1:
+        shown = ", ".join(f"rank {rank}: {s}" for rank, s in enumerate(seeds[:8])) + (", ..." if len(seeds) > 8 else "")
+        say(f"lockstep: the ranks were given different seeds ({shown}): each rank's random generators are seeded "
+            f"with its own; the data order follows rank 0's ({seeds[0]}), one order that every rank takes its share "
+            "of.")
+    return seeds[0]
+
+
 def draw_fresh_seeds() -> None:
     """In a process forked from a server that imported torch (``lockstep run``'s fork server,
     ``lockstep.launch``'s forkserver): the seeds a new interpreter draws as it starts, drawn again. Each

@@ -68,7 +68,7 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
         return loader.dataset, options
     if is_plain_random_sampler(sampler):
         options["shuffle"] = True
-    elif isinstance(sampler, SequentialSampler):
+    elif _ordered_as_torchs(sampler, SequentialSampler):
         options["shuffle"] = False
     else:  # a DistributedSampler too: resolve_loader_options makes it shuffle (training) or drops it (evaluation)
         options["sampler"] = sampler
@@ -78,14 +78,15 @@ def options_of(loader: DataLoader[Any]) -> tuple[Any, dict[str, Any]]:
 def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
     """The samples an evaluation DataLoader chose (its sampler, or its batch sampler's), each once, as the
     dataset an evaluation loader takes in order: all of them for a sampler that orders them
-    (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler`` and its subclasses);
+    (``SequentialSampler`` and ``RandomSampler`` with torch's own ``__iter__``, ``DistributedSampler`` and its
+    subclasses: an evaluation split over the ranks, which lockstep's replaces);
     ``Subset(dataset, sampler.indices)`` for a subset's sampler (``SubsetRandomSampler``); anything else,
     which could choose, repeat or weigh samples, is refused by name rather than dropped."""
     if isinstance(batch_sampler, BatchSampler):
         sampler, batch_sampler = batch_sampler.sampler, None
     chooser = batch_sampler if batch_sampler is not None else sampler
-    if chooser is None or isinstance(chooser, (SequentialSampler, DistributedSampler)) or \
-            is_plain_random_sampler(chooser):
+    if chooser is None or isinstance(chooser, DistributedSampler) or _ordered_as_torchs(chooser, SequentialSampler) \
+            or is_plain_random_sampler(chooser):
         return dataset  # every sample once (a DistributedSampler of any kind: over the ranks)
     indices = getattr(chooser, "indices", None) if batch_sampler is None else None
     if isinstance(indices, (Sequence, torch.Tensor)) and not isinstance(indices, (str, bytes)):
@@ -94,6 +95,12 @@ def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
                       f"({type(chooser).__name__}) chooses which samples to take, and an evaluation loader takes "
                       "every sample of its dataset once, in dataset order: give Subset(dataset, indices) for part "
                       "of it, or the dataset itself.")
+
+
+def _ordered_as_torchs(sampler: Any, kind: type) -> bool:
+    """A ``kind`` whose order is torch's own: a subclass with an ``__iter__`` of its own may choose, repeat or
+    leave out samples, and is kept as the sampler it is (or refused where that cannot be)."""
+    return isinstance(sampler, kind) and type(sampler).__iter__ is kind.__iter__
 
 
 def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:

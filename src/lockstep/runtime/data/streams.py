@@ -162,24 +162,29 @@ class StreamShard(IterableDataset[Any]):
         self.start_step = self.skip = 0
         reader.drop(skip)  # what was trained on
         steps = itertools.count(first)
-        if reader.skip is not None and self.length is not None:
-            return self._skipping(reader, steps, worker, workers)
-        return self._reading(reader, steps, worker, workers)
+        # the DataLoader asks worker 0 first at every pass, then each in turn: worker w makes the pass's
+        # batches w, w + k, ... (from where the pass starts, a resumed one too)
+        def turn(step: int) -> bool:
+            return (step - first) % workers == worker
 
-    def _reading(self, reader: _Reader, steps: Iterator[int], worker: int, workers: int
+        if reader.skip is not None and self.length is not None:
+            return self._skipping(reader, steps, turn)
+        return self._reading(reader, steps, turn)
+
+    def _reading(self, reader: _Reader, steps: Iterator[int], turn: Callable[[int], bool]
                  ) -> Iterator[tuple[int, int, Any]]:
         """Read every item; keep this rank's share of this worker's batches."""
         for step in steps:
             items = reader.take(self.batch_size)
             if not items or (self.drop_last and len(items) < self.batch_size):
                 return
-            if step % workers == worker:
+            if turn(step):
                 start, stop = split_evenly(len(items), self.membership.size, self.membership.rank)
                 yield step, len(items), self._collate(items[start:stop] or items[:1], empty=start == stop)
             if len(items) < self.batch_size:
                 return
 
-    def _skipping(self, reader: _Reader, steps: Iterator[int], worker: int, workers: int
+    def _skipping(self, reader: _Reader, steps: Iterator[int], turn: Callable[[int], bool]
                   ) -> Iterator[tuple[int, int, Any]]:
         """Read this rank's items of this worker's batches, skip the rest (sizes follow from ``__len__``)."""
         assert self.length is not None
@@ -187,7 +192,7 @@ class StreamShard(IterableDataset[Any]):
             size = min(self.batch_size, self.length - step * self.batch_size)
             if size <= 0 or (self.drop_last and size < self.batch_size):
                 return
-            if step % workers != worker:
+            if not turn(step):
                 if reader.drop(size) < size:
                     raise self._ended_early(step)
                 continue
