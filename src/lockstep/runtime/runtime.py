@@ -163,7 +163,7 @@ class Runtime:
                                         sharded=self.strategy.collective_forward)
         self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
-        self.seed = 0 if config.seed is None else seed_everything(config.seed)
+        self.seed: int = 0 if config.seed is None else seed_everything(config.seed)
         self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,
             sharded=self.strategy.collective_forward and env.world_size > 1))

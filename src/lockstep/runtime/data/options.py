@@ -100,7 +100,7 @@ def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
 def _ordered_as_torchs(sampler: Any, kind: type) -> bool:
     """A ``kind`` whose order is torch's own: a subclass with an ``__iter__`` of its own may choose, repeat or
     leave out samples, and is kept as the sampler it is (or refused where that cannot be)."""
-    return isinstance(sampler, kind) and type(sampler).__iter__ is kind.__iter__
+    return isinstance(sampler, kind) and getattr(type(sampler), "__iter__", None) is getattr(kind, "__iter__", None)
 
 
 def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:
