@@ -129,9 +129,8 @@ class Runtime:
         self.mesh = Mesh(layout, self.rank, self.device.type)  # the degrees, the DeviceMesh, the data-parallel ranks
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
-        gather = functools.partial(collectives.all_gather, device=self.device)  # not a collective of the script's
-        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(), gather, self.world_size)
-        self.seed = order_seed(self.seed, gather, self.world_size, self.print)
+        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(),  # not a collective of the script's:
+                          functools.partial(collectives.all_gather, device=self.device), self.world_size)  # uncounted
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)
@@ -163,10 +162,12 @@ class Runtime:
                                         sharded=self.strategy.collective_forward)
         self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
-        self.seed: int = 0 if config.seed is None else seed_everything(config.seed)
+        seed = 0 if config.seed is None else seed_everything(config.seed)
         self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,
             sharded=self.strategy.collective_forward and env.world_size > 1))
+        self.seed = order_seed(seed, functools.partial(collectives.all_gather, device=self.device), env.world_size,
+                               self.print)
         return layout
 
     def _current_batch(self) -> tuple[float, object]:
