@@ -84,6 +84,35 @@ def test_a_streams_end_that_cuts_an_accumulation_short_steps_there(data):
     assert trainer.loop.samples_seen == 10 + 8
 
 
+class Packed:
+    """A batch sampler of 24 items whose number of batches changes with the epoch (token-budget packing's way):
+    8 batches of 3 in even epochs, 6 of 4 in odd ones."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        size = 3 if self.epoch % 2 == 0 else 4
+        return iter([list(range(i, i + size)) for i in range(0, 24, size)])
+
+
+def test_an_accumulation_steps_at_each_epochs_last_batch_when_the_number_of_batches_changes():
+    module = Linear()
+    trainer = tc.quiet_trainer(max_epochs=2, accumulate_grad_batches=4)
+    trainer.fit(module, torch.utils.data.DataLoader(Listed24(), batch_sampler=Packed()))
+    # epoch 1: items 1-12, 13-24; epoch 2: items 1-16, then 17-24 in its last 2 batches (a short accumulation)
+    assert trainer.global_step == 4
+    assert float(module.w) == -(78 + 222 + 136 + 164) / 4
+
+
+class Listed24(Listed):
+    def __len__(self):
+        return 24
+
+
 class Counted(torch.utils.data.IterableDataset):
     """Numbers that keeps its own position (the torchdata convention): a checkpoint holds where it stands."""
 

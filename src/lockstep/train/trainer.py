@@ -362,7 +362,7 @@ class Trainer:
         if start == 0 and self.batches_done_in_epoch == 0:  # else a stream that is empty would loop forever
             raise ConfigError(f"the training data yielded no batch in epoch {self.current_epoch + 1}: an empty "
                               "stream trains nothing. Check the stream's source, filter or split.")
-        if not stopped or self.batches_done_in_epoch == self.steps_per_epoch:  # the epoch's data is done
+        if not stopped or self.train_loader.last_batch:  # the epoch's data is done
             self._end_epoch()
 
     def _start_epoch(self, loader: DistributedLoader) -> int:
@@ -384,9 +384,9 @@ class Trainer:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
         loop, loader = self.loop, self.train_loader
         assert loader is not None
-        steps = loop.steps_per_epoch  # None: a stream without __len__, whose loader draws a batch ahead to know
-        last = batch_idx + 1 == steps if steps is not None else loader.last_batch
-        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches, last)
+        # last: of this epoch's pass (a stream's loader draws a batch ahead to know; a batch sampler's count may change)
+        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches,
+                         loader.last_batch)
         self.fire("on_train_batch_start", batch, batch_idx)
         if loop.at_step_boundary:
             outputs = self._forward_backward(batch, batch_idx)

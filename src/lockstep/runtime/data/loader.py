@@ -478,7 +478,7 @@ class DistributedLoader:
         is the pass's last (``last_batch``) is then known before its backward, as a gradient accumulation
         that the stream's end cuts short needs (its last micro-batch synchronises the gradients)."""
         clock, keeps_state = time.perf_counter, self._saves_stream_state()
-        self._handed_state = None
+        self._handed_state, self._last = None, False
 
         def draw(at: int) -> Any:
             waited = clock()
@@ -562,12 +562,12 @@ class DistributedLoader:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out; with the
         global batch size and the kind of order (which the position only means something with)."""
         if self._pending is not None:
-            epoch, done = self._pending
-        else:
-            epoch, done = self._epoch, self._batches_done
+            epoch, done, ended = *self._pending, False
+        else:  # ended: the pass's last batch was handed out (a stream's, or a batch sampler's of this epoch's count)
+            epoch, done, ended = self._epoch, self._batches_done, self._started and self.last_batch
         batches = getattr(self.sampler, "batches", None)
         state = {"epoch": epoch, "batches_done": done, "batch_size": getattr(self.sampler, "batch_size", None),
-                 "order": batches.kind if batches is not None else "shards"}
+                 "order": batches.kind if batches is not None else "shards", "ended": ended}
         if self._saves_stream_state():
             live = self._handed_state if self._handed_state is not None else self.dataset.state_dict()
             state["stream"] = live if self._pending is None else self._stream_state
@@ -596,10 +596,12 @@ class DistributedLoader:
                     "point at other samples. Resume with the same dataset length, shuffle and sampler "
                     "(docs/data.md, 'Checkpoint format')."
                 )
-        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        epoch, done, ended = int(state["epoch"]), int(state["batches_done"]), state.get("ended")
+        if ended is None:  # a checkpoint from before the flag: a pass of map-style data of that length ended there
+            ended = self._stream is None and done >= self.sampler.steps_per_epoch()
         if self._stream is not None:
             self._stream_state = state.get("stream") if restores_its_position(self.dataset) else None
-        elif done >= self.sampler.steps_per_epoch():
+        if ended is True:  # the next pass starts (a stream, or a batch sampler whose count changes, cannot tell)
             epoch, done = epoch + 1, 0
         self._pending = (epoch, done)
 
