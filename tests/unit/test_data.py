@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import time
 
 import pytest
@@ -356,6 +357,47 @@ def test_a_state_saved_at_a_passs_end_resumes_at_the_next_epochs_start(data):
     resumed.load_state_dict(saved.state_dict())
     assert [[index.tolist() for index, _, _ in resumed] for _ in range(2)] == passes[1:]
     assert resumed.epoch == 2
+
+
+class ShuffledByEpoch(torch.utils.data.IterableDataset):
+    """24 items in an order drawn from the epoch that set_epoch gave."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = list(range(24))
+        random.Random(self.epoch).shuffle(order)
+        return iter(torch.tensor([i]) for i in order)
+
+
+def test_a_streams_set_epoch_reaches_its_persistent_workers_copies():
+    """Each persistent worker holds a copy of the stream made when it started: set_epoch is called on that copy
+    at each pass (it reached the main process's alone: every epoch repeated the first one's order), and a
+    position in another epoch starts new workers."""
+    def passes(workers: int, moved_to: int | None = None) -> list[list[list[int]]]:
+        loader = runtime().loader(ShuffledByEpoch(), batch_size=4, num_workers=workers)
+        seen = []
+        for number in range(3):
+            if number == 1 and moved_to is not None:
+                loader.load_state_dict({"epoch": moved_to, "batches_done": 0, "batch_size": 4, "order": "stream"})
+            seen.append([batch.flatten().tolist() for batch in loader])
+        return seen
+
+    alone = passes(0)
+    assert alone[0] != alone[1] != alone[2]
+    assert passes(2) == alone
+    assert passes(2, moved_to=5) == passes(0, moved_to=5) != alone
+
+
+def test_a_one_shot_iterator_trains_one_pass_and_a_second_pass_is_refused_by_name():
+    loader = runtime().loader((torch.tensor([float(i)]) for i in range(12)), batch_size=4, num_workers=0)
+    assert [batch.flatten().tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    with pytest.raises(ValueError, match="is a one-shot iterator .* pass 2 would find it empty"):
+        next(iter(loader))  # it gave an empty pass, and a hand-written loop trained on nothing
 
 
 def test_persistent_workers_of_a_loader_freed_by_the_garbage_collector_stop_at_once():

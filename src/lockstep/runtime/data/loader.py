@@ -317,6 +317,7 @@ class DistributedLoader:
         self._epoch, self._batches_done, self._started, self._pass_start = 0, 0, False, 0
         self._last = False  # a stream's: the batch handed out last ends the pass
         self._handed_state: Any = None  # a stream's own state after the batch handed out last (one is drawn ahead)
+        self._workers_next_epoch = 0
         self.wait_s = 0.0  # time spent waiting for batches (data loading not hidden behind compute)
         self._pending: tuple[int, int] | None = None  # a position loaded from a checkpoint
         self._workers: weakref.finalize | None = None  # shuts down persistent workers: see __iter__
@@ -509,16 +510,22 @@ class DistributedLoader:
 
     def _start_stream(self, epoch: int, start: int, workers_started: bool) -> None:
         assert self._stream is not None
+        if workers_started and isinstance(self.dataset, Iterator):
+            raise ConfigError(f"the stream ({type(self.dataset).__name__}) is a one-shot iterator (a generator, an "
+                              f"open file): the first pass read it, and pass {epoch + 1} would find it empty. Give an "
+                              "IterableDataset whose __iter__ starts the stream anew (opens the file, calls the "
+                              "generator function) at each pass.")
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(epoch)
-        if start and self.loader.persistent_workers and workers_started:
-            # Persistent workers hold a copy of the stream made when they started, at pass 0 of their
-            # own: a mid-epoch position needs new workers, which copy it.
+        if (start or epoch != self._workers_next_epoch) and self.loader.persistent_workers and workers_started:
+            # Persistent workers hold a copy of the stream made when they started, which counts the passes
+            # (each its epoch's) on from there: a mid-epoch position, or another epoch, needs new workers.
             if self._workers is not None:
                 self._workers()
                 self._workers = None
             self.loader = self._stream_loader()
-        self._stream.start_step, self._stream.skip = start, start * self._stream.batch_size
+        self._stream.start_step, self._stream.skip, self._stream.epoch = start, start * self._stream.batch_size, epoch
+        self._workers_next_epoch = epoch + 1  # where persistent workers' copies will be after this pass
         state, self._stream_state = self._stream_state, None
         if state is not None and start:
             self.dataset.load_state_dict(state)  # the stream continues where the checkpoint left it

@@ -146,6 +146,7 @@ class StreamShard(IterableDataset[Any]):
         self.membership = membership  # read per batch: in DataLoader workers, as it was when the pass began
         self.drop_last, self.collate_fn, self.pad_empty = drop_last, collate_fn, pad_empty
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
+        self.epoch = 0  # the next pass's; a persistent worker's copy counts its own passes on from where it began
 
     def _collate(self, items: list[Any], empty: bool) -> Any:
         """This rank's share collated. An empty share brings the batch's first item instead: collated,
@@ -156,6 +157,9 @@ class StreamShard(IterableDataset[Any]):
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        if callable(getattr(self.stream, "set_epoch", None)):  # here: a worker's copy of the stream too
+            self.stream.set_epoch(epoch)
         reader = _Reader(self.stream)
         # A position applies to one pass: persistent workers iterate this same copy again next epoch.
         first, skip = self.start_step, self.skip
