@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import functools
 import gc
 import logging
 import warnings
@@ -27,7 +26,8 @@ from lockstep.runtime.checkpoint.ray_record import RayRecord
 from lockstep.runtime.comm import collectives, process_group
 from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
-from lockstep.runtime.data.loader import CurrentBatch, DistributedLoader
+from lockstep.runtime.data.current import CurrentBatch
+from lockstep.runtime.data.loader import DistributedLoader
 from lockstep.runtime.fault_tolerance.replication import NoReplicas, Replication
 from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption, ReclaimNotice
@@ -101,8 +101,7 @@ class Runtime:
     """
 
     def __init__(
-        self,
-        *,
+        self, *,
         accelerator: str | None = None,
         devices: Devices = "auto",
         strategy: str | Strategy | None = None,
@@ -130,7 +129,7 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
         check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(),  # not a collective of the script's:
-                          functools.partial(collectives.all_gather, device=self.device), self.world_size)  # uncounted
+                          lambda text: collectives.all_gather(text, self.device), self.world_size)  # uncounted
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)
@@ -162,12 +161,11 @@ class Runtime:
                                         sharded=self.strategy.collective_forward)
         self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)
         set_determinism(config.deterministic, config.benchmark)
-        seed = 0 if config.seed is None else seed_everything(config.seed)
         self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,
             sharded=self.strategy.collective_forward and env.world_size > 1))
-        self.seed = order_seed(seed, functools.partial(collectives.all_gather, device=self.device), env.world_size,
-                               self.print)
+        self.seed = order_seed(0 if config.seed is None else seed_everything(config.seed),  # rank 0's orders the data
+                               lambda mine: collectives.all_gather(mine, self.device), env.world_size, self.print)
         return layout
 
     def _current_batch(self) -> tuple[float, object]:

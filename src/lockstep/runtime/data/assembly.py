@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from lockstep.errors import ConfigError
-from lockstep.runtime.data.loader import BatchObserver, DistributedLoader
+from lockstep.runtime.data.current import BatchObserver
+from lockstep.runtime.data.loader import DistributedLoader
 from lockstep.runtime.data.options import dataset_length, resolve_loader_options
 from lockstep.runtime.data.order import (
     Arange,
