@@ -270,6 +270,33 @@ def test_the_logging_window_goes_on_across_an_epochs_end_and_monitors_see_its_ne
     assert epochs == {2: 1.0, 4: 2.0, 6: 3.0}  # logged before each epoch's first batch, weighing 1
 
 
+def test_on_train_batch_start_returning_minus_1_skips_the_rest_of_the_epoch():
+    """Lightning's: the batch and the rest of its epoch are not trained, the epoch's end runs; the micro-batch of
+    an accumulation it cut short is dropped (items 1-8 in order: epochs of batches 1, 2, 3 then -1 at the fourth)."""
+    class Skips(Linear):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends = 0
+
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 3 else None
+
+        def on_train_epoch_end(self):
+            self.ends += 1
+
+    module = Skips()
+    trainer = tc.quiet_trainer(max_epochs=2, accumulate_grad_batches=2)
+    trainer.fit(module, torch.utils.data.DataLoader(Listed8(), batch_size=1))
+    assert trainer.global_step == 2 and module.ends == 2 and trainer.current_epoch == 2
+    assert float(module.w) == -2 * (1 + 2) / 2  # batch 3 (item 3) waited for a fourth that was skipped
+    assert module.w.grad is None
+
+
+class Listed8(Listed):
+    def __len__(self):
+        return 8
+
+
 def test_on_before_backward_gets_the_loss_the_backward_gets():
     class Seen(tc.Classifier):
         def __init__(self) -> None:

@@ -351,15 +351,18 @@ class Trainer:
         """One pass over the training data, from where a resumed run left off."""
         assert self.train_loader is not None
         start = self._start_epoch(self.train_loader)
-        stopped = False
+        stopped = skipped = False
         # A checkpoint saved at an epoch's last batch resumes with only the epoch's end left to run.
         batches = self.train_loader if start != self.steps_per_epoch else ()
         for batch in batches:
             stepped = self._train_batch(batch, self.train_loader.batches_done - 1)  # a batch drawn again keeps it
+            if stepped is None:  # the module's on_train_batch_start returned -1: the rest of the epoch is skipped
+                skipped = True
+                break
             if stepped and self._after_step():
                 stopped = True
                 break
-        if start == 0 and self.batches_done_in_epoch == 0:  # else a stream that is empty would loop forever
+        if start == 0 and self.batches_done_in_epoch == 0 and not skipped:  # else an empty stream would loop forever
             raise ConfigError(f"the training data yielded no batch in epoch {self.current_epoch + 1}: an empty "
                               "stream trains nothing. Check the stream's source, filter or split.")
         if not stopped or self.train_loader.last_batch:  # the epoch's data is done
@@ -380,14 +383,19 @@ class Trainer:
         self._wrapped.train()
         return start
 
-    def _train_batch(self, batch: Any, batch_idx: int) -> bool:
-        """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped."""
+    def _train_batch(self, batch: Any, batch_idx: int) -> bool | None:
+        """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped; None
+        when the module's ``on_train_batch_start`` returned -1 (Lightning's: skip the rest of the epoch; an
+        accumulation it cuts short is dropped, as its step is not taken)."""
         loop, loader = self.loop, self.train_loader
         assert loader is not None
         # last: of this epoch's pass (a stream's loader draws a batch ahead to know; a batch sampler's count may change)
         loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches,
                          loader.last_batch)
-        self.fire("on_train_batch_start", batch, batch_idx)
+        if self.fire("on_train_batch_start", batch, batch_idx) == -1:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return None
         if loop.at_step_boundary:
             outputs = self._forward_backward(batch, batch_idx)
         else:  # an accumulation micro-step: the gradients stay on this rank
@@ -486,17 +494,21 @@ class Trainer:
         run = self._run_hook
         return fn(*args) if run is None else run(name, fn, *args)
 
-    def fire(self, hook: str, *args: Any) -> None:
+    def fire(self, hook: str, *args: Any) -> Any:
         """Call ``hook`` on the module and the callbacks that define it (``hooks_defining``; a per-step call
-        costs a dict lookup otherwise)."""
+        costs a dict lookup otherwise). Returns what the module's own hook returned (None without one)."""
         callbacks, module = self._callbacks, self._module
         if callbacks.changes != self._hooked_at:  # changed in place: the hooks are found again
             self._hooked_at, self._defining = callbacks.changes, {}
         defined = self._defining.get(hook)
         if defined is None:  # once per hook and module
             defined = self._defining[hook] = hooks_defining(hook, callbacks, module)
+        returned = None
         for name, method in defined:
-            self._call(name, method, self, module, *args)
+            result = self._call(name, method, self, module, *args)
+            if method is defined[0][1] and name == f"{type(module).__name__}.{hook}":  # the module's: it comes first
+                returned = result
+        return returned
 
     def _report_final_checkpoint(self) -> None:
         """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
