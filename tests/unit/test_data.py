@@ -393,6 +393,40 @@ def test_a_streams_set_epoch_reaches_its_persistent_workers_copies():
     assert passes(2, moved_to=5) == passes(0, moved_to=5) != alone
 
 
+class Positioned(torch.utils.data.IterableDataset):
+    """Keeps its own position, as a live dict its state_dict returns, and rewinds to its start in set_epoch."""
+
+    def __init__(self) -> None:
+        self.state = {"at": 0}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.state = {"at": 0}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+    def __iter__(self):
+        while self.state["at"] < 10:
+            self.state["at"] += 1
+            yield torch.tensor([float(self.state["at"])])
+
+
+def test_a_stream_that_keeps_its_own_position_resumes_after_the_batch_handed_out():
+    """The loader draws a batch ahead: what it saves is the stream's position after the batch handed out (a copy,
+    the live dict moves on), and a resumed pass loads it after set_epoch, which would rewind the stream."""
+    loader = runtime().loader(Positioned(), batch_size=2, num_workers=0)
+    batches = iter(loader)
+    assert [next(batches).flatten().tolist() for _ in range(2)] == [[1, 2], [3, 4]]
+    saved = loader.state_dict()
+    assert saved["stream"] == {"at": 4} and saved["batches_done"] == 2
+    resumed = runtime().loader(Positioned(), batch_size=2, num_workers=0)
+    resumed.load_state_dict(saved)
+    assert [batch.flatten().tolist() for batch in resumed] == [[5, 6], [7, 8], [9, 10]]
+
+
 def test_a_one_shot_iterator_trains_one_pass_and_a_second_pass_is_refused_by_name():
     loader = runtime().loader((torch.tensor([float(i)]) for i in range(12)), batch_size=4, num_workers=0)
     assert [batch.flatten().tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

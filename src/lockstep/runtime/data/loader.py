@@ -8,6 +8,7 @@ evenly as possible. Every rank has the same number of steps. Evaluation: rank ``
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 import weakref
@@ -308,7 +309,7 @@ class DistributedLoader:
         batch = draw(step)
         while batch is not _END:
             # what a checkpoint saves of a stream that keeps its own position: where it stood after this batch
-            self._handed_state = self.dataset.state_dict() if keeps_state else None
+            self._handed_state = copy.deepcopy(self.dataset.state_dict()) if keeps_state else None  # not live
             following = draw(step + 1)
             self._last = following is _END
             yield step, batch

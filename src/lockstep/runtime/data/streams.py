@@ -158,8 +158,8 @@ class StreamShard(IterableDataset[Any]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, self.epoch = self.epoch, self.epoch + 1
-        if callable(getattr(self.stream, "set_epoch", None)):  # here: a worker's copy of the stream too
-            self.stream.set_epoch(epoch)
+        if info is not None and callable(getattr(self.stream, "set_epoch", None)):  # a worker's own copy (the
+            self.stream.set_epoch(epoch)  # loader sets the main process's before loading a saved position)
         reader = _Reader(self.stream)
         # A position applies to one pass: persistent workers iterate this same copy again next epoch.
         first, skip = self.start_step, self.skip
