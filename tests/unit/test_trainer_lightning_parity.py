@@ -186,6 +186,23 @@ def test_a_plateau_scheduler_on_steps_reads_the_values_of_its_step(values):
     assert module.lrs == pytest.approx(expected)  # falling means: never cut; the other values: cut 5 times
 
 
+def test_a_plateau_scheduler_on_steps_resumed_from_a_checkpoint_of_its_step_takes_that_step(tmp_path):
+    """The checkpoint of step 3 is written at its batch's end, before the step's plateau step: the resumed fit
+    takes it (with the values logged since the last logging step, restored), and ends at the uninterrupted
+    fit's rate."""
+    values = [float(v) for v in (5, 4, 6, 7, 3, 8, 9)]
+
+    def fit(max_steps, **options):
+        module = Falling(values, _plateau)
+        tc.quiet_trainer(max_steps=max_steps, log_every_n_steps=4, **options).fit(module, tc.checks.make_data(128),
+                                                                                  batch_size=16)
+        return module.trainer.optimizers[0].param_groups[0]["lr"]
+
+    uninterrupted = fit(6)
+    fit(3, checkpoint_dir=tmp_path, callbacks=[lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None)])
+    assert fit(6, checkpoint_dir=tmp_path, resume="auto") == uninterrupted < 0.1
+
+
 def test_a_plateau_scheduler_on_steps_monitoring_validation_reads_that_steps_validation():
     seen = []
 
@@ -271,25 +288,27 @@ def test_the_logging_window_goes_on_across_an_epochs_end_and_monitors_see_its_ne
 
 
 def test_on_train_batch_start_returning_minus_1_skips_the_rest_of_the_epoch():
-    """Lightning's: the batch and the rest of its epoch are not trained, the epoch's end runs; the micro-batch of
-    an accumulation it cut short is dropped (items 1-8 in order: epochs of batches 1, 2, 3 then -1 at the fourth)."""
+    """Lightning's: the batch and the rest of its epoch are not trained, the epoch's end runs (items 1-8 in order:
+    epochs of batches 1, 2, 3, 4 then -1 at the fifth); inside an accumulation it is refused by name."""
     class Skips(Linear):
-        def __init__(self) -> None:
+        def __init__(self, at: int) -> None:
             super().__init__()
-            self.ends = 0
+            self.ends, self.at = 0, at
 
         def on_train_batch_start(self, batch, batch_idx):
-            return -1 if batch_idx == 3 else None
+            return -1 if batch_idx == self.at else None
 
         def on_train_epoch_end(self):
             self.ends += 1
 
-    module = Skips()
+    module = Skips(4)
     trainer = tc.quiet_trainer(max_epochs=2, accumulate_grad_batches=2)
     trainer.fit(module, torch.utils.data.DataLoader(Listed8(), batch_size=1))
-    assert trainer.global_step == 2 and module.ends == 2 and trainer.current_epoch == 2
-    assert float(module.w) == -2 * (1 + 2) / 2  # batch 3 (item 3) waited for a fourth that was skipped
-    assert module.w.grad is None
+    assert trainer.global_step == 4 and module.ends == 2 and trainer.current_epoch == 2
+    assert float(module.w) == -2 * (1 + 2 + 3 + 4) / 2
+    with pytest.raises(TypeError, match="returned -1 .* at batch 3, inside a gradient accumulation"):
+        tc.quiet_trainer(max_epochs=1, accumulate_grad_batches=2).fit(
+            Skips(3), torch.utils.data.DataLoader(Listed8(), batch_size=1))
 
 
 class Listed8(Listed):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
+from lockstep.errors import UsageError
+
 T = TypeVar("T")
 
 
@@ -26,6 +28,7 @@ class LoopState:
     at_step_boundary: bool = False  # the current batch ends an accumulation: the optimizer steps after it
     epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
     plateau_due: bool = False  # the epoch's end ran up to its plateau schedulers' step, not yet taken (resume takes it)
+    step_plateau_due: bool = False  # the same for a step's (they step after its batch's end and its validation)
     batch_samples: int | None = None  # this rank's samples in the current batch, self.log's weight (None: no batch)
     batch_global_samples: int = 0  # the samples of the current batch over all ranks
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
@@ -48,6 +51,18 @@ class LoopState:
         """Batch ``batch_idx`` begins (``last``: the pass's last; a short accumulation steps there too)."""
         self.batch_samples, self.batch_global_samples = local_samples, global_samples
         self.at_step_boundary = (batch_idx + 1) % accumulate == 0 or last
+
+    def check_skip(self, batch_idx: int, fault_tolerant: bool) -> None:
+        """The module's ``on_train_batch_start`` returned -1 (skip the rest of the epoch): refused inside an
+        accumulation (its micro-batches' gradients and item counts would go into the next step) and in a
+        fault-tolerant fit (the live groups took this step's quorum)."""
+        where = ("inside a gradient accumulation (its first micro-batches ran): return it at a batch that begins "
+                 "one (batch_idx % accumulate_grad_batches == 0)" if self.step_samples else
+                 "in a fault-tolerant fit, whose live replica groups agreed on this step: give data of the epoch's "
+                 "length instead" if fault_tolerant else None)
+        if where is not None:
+            raise UsageError(f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {batch_idx}, "
+                             f"{where}.")
 
     def end_batch(self, batch_idx: int) -> int | None:
         """The batch is done; at a step boundary, the samples of the step's batches (else None)."""
@@ -72,13 +87,15 @@ class LoopState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
-                "plateau_due": self.plateau_due, "validated_at": self.validated_at}
+                "plateau_due": self.plateau_due, "step_plateau_due": self.step_plateau_due,
+                "validated_at": self.validated_at}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
         validated = loop.get("validated_at")  # None in checkpoints written before it was kept
         self.validated_at = int(validated) if isinstance(validated, int) else None
         self.plateau_due = loop.get("plateau_due") is True
+        self.step_plateau_due = loop.get("step_plateau_due") is True
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in

@@ -168,6 +168,12 @@ class TrainingMetrics:
             if not no_epoch:
                 self.epoch.add(name, total, count)
 
+    def newest(self, runtime: Any, reduce: bool) -> dict[str, float]:
+        """The recent values settled; with ``reduce``, the window's values so far (their mean over the ranks
+        and the steps since the last logging step, as it will write them; a collective), the window kept."""
+        self.settle()
+        return self.window.reduce(runtime) if reduce else {}
+
     def end_step(self, committed: bool) -> None:
         if committed:
             self.settle()

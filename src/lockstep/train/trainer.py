@@ -233,6 +233,8 @@ class Trainer:
             self.fire("on_fit_start")
             self.fire("on_train_start")
             self.evaluation.after_resume()
+            if self.loop.step_plateau_due:  # resumed from a checkpoint of a step whose plateau schedulers are due
+                self._step_plateau_schedulers()
             while not self.loop.finished(self.config.max_epochs, self.config.max_steps):
                 self._train_epoch()
             self.evaluation.at_fit_end()
@@ -385,16 +387,14 @@ class Trainer:
 
     def _train_batch(self, batch: Any, batch_idx: int) -> bool | None:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped; None
-        when the module's ``on_train_batch_start`` returned -1 (Lightning's: skip the rest of the epoch; an
-        accumulation it cuts short is dropped, as its step is not taken)."""
+        when the module's ``on_train_batch_start`` returned -1 (Lightning's: skip the rest of the epoch)."""
         loop, loader = self.loop, self.train_loader
         assert loader is not None
         # last: of this epoch's pass (a stream's loader draws a batch ahead to know; a batch sampler's count may change)
         loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches,
                          loader.last_batch)
         if self.fire("on_train_batch_start", batch, batch_idx) == -1:
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
+            loop.check_skip(batch_idx, self.runtime.replication.fault_tolerant)
             return None
         if loop.at_step_boundary:
             outputs = self._forward_backward(batch, batch_idx)
@@ -438,6 +438,7 @@ class Trainer:
             return False
         if self.lr_schedulers:  # the step, once taken; those that reduce on a plateau wait for its values
             self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics, on_plateau=False)
+            self.loop.step_plateau_due = self.lr_schedulers.due("step", self.global_step + 1, on_plateau=True)
         return True
 
     def _after_step(self) -> bool:
@@ -453,24 +454,24 @@ class Trainer:
         interval = self.config.val_check_interval  # Evaluation.due_after, inline on this per-step path
         if interval and self.global_step % interval == 0 and self._val_loader is not None:
             self.evaluation.during_fit()
-        if self.lr_schedulers and self.lr_schedulers.due("step", self.global_step, on_plateau=True):
-            self._refresh_step_values()  # as in Lightning: after the step's validation, with this step's values
-            self.lr_schedulers.step("step", self.global_step, self.callback_metrics, on_plateau=True)
+        if self.loop.step_plateau_due:  # as in Lightning: after the step's validation, with this step's values
+            self._step_plateau_schedulers()
         return self.loop.finished(self.config.max_epochs, self.config.max_steps)
 
-    def _refresh_step_values(self) -> None:
-        """The step's values settled; between two logging steps, ``callback_metrics`` given the values logged
-        since the last one (their mean over the ranks and those steps, as the next logging step will write
-        it; a collective), for a monitor that acts now (a plateau scheduler on steps, an epoch's end)."""
-        self.metrics.settle()
-        if not self.is_logging_step:  # else this step's logging reduced them already
-            self.callback_metrics.update(self.metrics.window.reduce(self.runtime))
+    def _step_plateau_schedulers(self) -> None:
+        """The plateau schedulers due at this step (a checkpoint written before, at the batch's end or its
+        validation's, keeps them due: the resumed fit takes them); between two logging steps, with the values
+        logged since the last one (``TrainingMetrics.newest``)."""
+        self.callback_metrics.update(self.metrics.newest(self.runtime, reduce=not self.is_logging_step))
+        self.lr_schedulers.step("step", self.global_step, self.callback_metrics, on_plateau=True)
+        self.loop.step_plateau_due = False
 
     def _end_epoch(self) -> None:
         # a checkpoint from here on resumes at the next epoch's start, first stepping the plateau schedulers if due
         self.epoch_ended = self.loop.plateau_due = True
         self.lr_schedulers.step("epoch", self.current_epoch + 1, self.callback_metrics, on_plateau=False)
-        self._refresh_step_values()  # the names logged on steps alone hold their newest value, for the monitors
+        # the names logged on steps alone hold their newest values (since the last logging step), for the monitors
+        self.callback_metrics.update(self.metrics.newest(self.runtime, reduce=not self.is_logging_step))
         epoch_values = self.metrics.epoch.reduce(self.runtime)
         self.log_metrics({f"{name}_epoch": value for name, value in epoch_values.items()})
         # The names logged in training_step hold the epoch's value once it ends (as in Lightning), also
