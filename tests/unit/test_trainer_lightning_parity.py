@@ -116,12 +116,15 @@ class Listed24(Listed):
 class Counted(torch.utils.data.IterableDataset):
     """Numbers that keeps its own position (the torchdata convention): a checkpoint holds where it stands."""
 
+    reads = 0
+
     def __init__(self) -> None:
         self.at = 0
 
     def __iter__(self):
         while self.at < 10:
             self.at += 1
+            Counted.reads += 1
             yield torch.tensor([float(self.at)])
         self.at = 0
 
@@ -142,6 +145,20 @@ def test_a_stream_that_keeps_its_own_position_resumes_at_the_batch_handed_out_no
     tc.quiet_trainer(max_steps=6, checkpoint_dir=tmp_path, resume="auto").fit(resumed, Counted(), batch_size=1)
     assert float(whole.w) == -(1 + 2 + 3 + 4 + 5 + 6)
     assert float(resumed.w) == float(whole.w)
+
+
+def test_a_fit_resumed_after_a_streams_last_batch_runs_the_epochs_end_without_reading_the_stream_again(tmp_path):
+    """Saved at the epoch's last batch, before its end: the resumed fit runs that end and the next epoch, and reads
+    only the next epoch's items (it read the whole epoch again to find the stream's end)."""
+    whole = Linear()
+    tc.quiet_trainer(max_steps=14).fit(whole, Counted(), batch_size=1)
+    tc.quiet_trainer(max_steps=10, checkpoint_dir=tmp_path, callbacks=[
+        lockstep.ModelCheckpoint(every_n_steps=10, every_n_epochs=None)]).fit(Linear(), Counted(), batch_size=1)
+    Counted.reads = 0
+    resumed = Linear()
+    tc.quiet_trainer(max_steps=14, checkpoint_dir=tmp_path, resume="auto").fit(resumed, Counted(), batch_size=1)
+    assert float(resumed.w) == float(whole.w) == -(55 + 1 + 2 + 3 + 4)
+    assert Counted.reads == 5  # the next epoch's 4 batches and the one drawn ahead
 
 
 class Falling(tc.Classifier):

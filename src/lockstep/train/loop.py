@@ -34,6 +34,8 @@ class LoopState:
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
     resume_batches: int = 0  # where the next epoch's pass starts (a resumed epoch)
     validated_at: int | None = None  # the step of the last validation in this fit
+    pass_over: bool = False  # resumed after the pass's last batch (a stream's, whose length is unknown)
+    only_end_left: bool = False  # the current epoch's pass has no batch left, only its end to run
 
     def finished(self, max_epochs: int | None, max_steps: int | None) -> bool:
         return (self.should_stop or (max_steps is not None and self.global_step >= max_steps)
@@ -42,6 +44,7 @@ class LoopState:
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
         start, self.resume_batches = self.resume_batches, 0
+        self.only_end_left, self.pass_over = self.pass_over or start == self.steps_per_epoch, False
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start
@@ -112,6 +115,9 @@ class LoopState:
             epoch, done = epoch + 1, 0
         self.current_epoch = epoch
         self.resume_at(done)
+        # saved after the pass's last batch, before the epoch's end: the pass is not read again (a stream's would
+        # be, to find its end)
+        self.pass_over = done > 0 and position is not None and position.get("ended") is True
 
 
 class LoopCounter(Generic[T]):

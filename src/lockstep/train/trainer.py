@@ -355,7 +355,7 @@ class Trainer:
         start = self._start_epoch(self.train_loader)
         stopped = skipped = False
         # A checkpoint saved at an epoch's last batch resumes with only the epoch's end left to run.
-        batches = self.train_loader if start != self.steps_per_epoch else ()
+        batches = () if self.loop.only_end_left else self.train_loader
         for batch in batches:
             stepped = self._train_batch(batch, self.train_loader.batches_done - 1)  # a batch drawn again keeps it
             if stepped is None:  # the module's on_train_batch_start returned -1: the rest of the epoch is skipped
