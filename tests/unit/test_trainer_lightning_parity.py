@@ -161,6 +161,30 @@ def test_a_fit_resumed_after_a_streams_last_batch_runs_the_epochs_end_without_re
     assert Counted.reads == 5  # the next epoch's 4 batches and the one drawn ahead
 
 
+def test_a_fit_resumed_after_its_last_step_at_an_epochs_last_batch_runs_that_epochs_end(tmp_path):
+    """max_steps reached at an epoch's last batch: the uninterrupted fit runs the epoch's end; so does a fit
+    resumed from the checkpoint of that step, written before the end (it found the fit finished and ran nothing)."""
+    class Ends(Linear):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends = 0
+
+        def on_train_epoch_end(self):
+            self.ends += 1
+
+    data = torch.utils.data.DataLoader(Listed(), batch_size=1)
+    whole = Ends()
+    tc.quiet_trainer(max_steps=10).fit(whole, data)
+    killed = Ends()
+    trainer = tc.quiet_trainer(max_steps=10, checkpoint_dir=tmp_path,
+                               callbacks=[lockstep.ModelCheckpoint(every_n_steps=10, every_n_epochs=None)])
+    trainer.fit(killed, data)
+    resumed = Ends()
+    trainer = tc.quiet_trainer(max_steps=10, checkpoint_dir=tmp_path, resume="auto")
+    trainer.fit(resumed, data)
+    assert whole.ends == resumed.ends == 1 and trainer.current_epoch == 1 and trainer.global_step == 10
+
+
 class Falling(tc.Classifier):
     """Logs ``m``: ``values[step]`` at each step (the plateau scheduler's monitor)."""
 

@@ -49,6 +49,11 @@ class LoopState:
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start
 
+    def end_left(self) -> bool:
+        """Resumed after its epoch's last batch, before the epoch's end (which then runs, also when the fit's
+        max_steps was reached at that batch, as it ran in the uninterrupted fit)."""
+        return bool(self.resume_batches) and (self.pass_over or self.resume_batches == self.steps_per_epoch)
+
     def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int, last: bool
                     ) -> None:
         """Batch ``batch_idx`` begins (``last``: the pass's last; a short accumulation steps there too)."""

@@ -235,7 +235,7 @@ class Trainer:
             self.evaluation.after_resume()
             if self.loop.step_plateau_due:  # resumed from a checkpoint of a step whose plateau schedulers are due
                 self._step_plateau_schedulers()
-            while not self.loop.finished(self.config.max_epochs, self.config.max_steps):
+            while not self.loop.finished(self.config.max_epochs, self.config.max_steps) or self.loop.end_left():
                 self._train_epoch()
             self.evaluation.at_fit_end()
             self.fire("on_train_end")  # ModelCheckpoint saves the final step, if it is not saved yet
