@@ -98,6 +98,21 @@ class UnevenStream(IterableDataset):
             yield (i, *features(i))
 
 
+class EpochCounted:
+    """A batch sampler of 24 samples whose number of batches changes with the epoch (as token-budget packing's
+    does): batches of 3 in even epochs, of 4 in odd ones."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        size = 3 if self.epoch % 2 == 0 else 4
+        return iter([list(range(i, min(i + size, 24))) for i in range(0, 24, size)])
+
+
 class Indexed(Dataset):
     """A map-style dataset of ``n`` items ``(index, x, y)``, any n (items computed on demand)."""
 

@@ -323,21 +323,6 @@ def test_a_stream_resumed_at_any_step_with_workers_comes_in_order(stream, worker
         assert [index[0].item() for index, _, _ in loader] == list(range(8 * done, 40, 8))
 
 
-class EpochCounted:
-    """A batch sampler of 24 samples whose number of batches changes with the epoch (as token-budget packing's
-    does): batches of 3 in even epochs, of 4 in odd ones."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        size = 3 if self.epoch % 2 == 0 else 4
-        return iter([list(range(i, min(i + size, 24))) for i in range(0, 24, size)])
-
-
 @pytest.mark.parametrize("data", ["stream", "batch sampler"])
 def test_a_state_saved_at_a_passs_end_resumes_at_the_next_epochs_start(data):
     """A hand-written loop that saves its loader after each epoch: the loader given that state trains the next
@@ -345,7 +330,7 @@ def test_a_state_saved_at_a_passs_end_resumes_at_the_next_epochs_start(data):
     def make():
         if data == "stream":
             return runtime().loader(checks.IndexedStream(40), batch_size=8, num_workers=0)
-        return runtime().loader(checks.Indexed(24), batch_sampler=EpochCounted(), num_workers=0)
+        return runtime().loader(checks.Indexed(24), batch_sampler=checks.EpochCounted(), num_workers=0)
 
     uninterrupted = make()
     passes = [[index.tolist() for index, _, _ in uninterrupted] for _ in range(3)]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lockstep
+from checks import data as checks
 from checks import trainer as tc
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,8 +46,13 @@ class Numbers(torch.utils.data.IterableDataset):
 
 
 class Listed(torch.utils.data.Dataset):
+    """1.0, 2.0, ... n.0, with a length."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+
     def __len__(self):
-        return 10
+        return self.n
 
     def __getitem__(self, index):
         return torch.tensor([float(index + 1)])
@@ -84,33 +90,13 @@ def test_a_streams_end_that_cuts_an_accumulation_short_steps_there(data):
     assert trainer.loop.samples_seen == 10 + 8
 
 
-class Packed:
-    """A batch sampler of 24 items whose number of batches changes with the epoch (token-budget packing's way):
-    8 batches of 3 in even epochs, 6 of 4 in odd ones."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        size = 3 if self.epoch % 2 == 0 else 4
-        return iter([list(range(i, i + size)) for i in range(0, 24, size)])
-
-
 def test_an_accumulation_steps_at_each_epochs_last_batch_when_the_number_of_batches_changes():
     module = Linear()
     trainer = tc.quiet_trainer(max_epochs=2, accumulate_grad_batches=4)
-    trainer.fit(module, torch.utils.data.DataLoader(Listed24(), batch_sampler=Packed()))
+    trainer.fit(module, torch.utils.data.DataLoader(Listed(24), batch_sampler=checks.EpochCounted()))
     # epoch 1: items 1-12, 13-24; epoch 2: items 1-16, then 17-24 in its last 2 batches (a short accumulation)
     assert trainer.global_step == 4
     assert float(module.w) == -(78 + 222 + 136 + 164) / 4
-
-
-class Listed24(Listed):
-    def __len__(self):
-        return 24
 
 
 class Counted(torch.utils.data.IterableDataset):
@@ -344,17 +330,12 @@ def test_on_train_batch_start_returning_minus_1_skips_the_rest_of_the_epoch():
 
     module = Skips(4)
     trainer = tc.quiet_trainer(max_epochs=2, accumulate_grad_batches=2)
-    trainer.fit(module, torch.utils.data.DataLoader(Listed8(), batch_size=1))
+    trainer.fit(module, torch.utils.data.DataLoader(Listed(8), batch_size=1))
     assert trainer.global_step == 4 and module.ends == 2 and trainer.current_epoch == 2
     assert float(module.w) == -2 * (1 + 2 + 3 + 4) / 2
     with pytest.raises(TypeError, match="returned -1 .* at batch 3, inside a gradient accumulation"):
         tc.quiet_trainer(max_epochs=1, accumulate_grad_batches=2).fit(
-            Skips(3), torch.utils.data.DataLoader(Listed8(), batch_size=1))
-
-
-class Listed8(Listed):
-    def __len__(self):
-        return 8
+            Skips(3), torch.utils.data.DataLoader(Listed(8), batch_size=1))
 
 
 def test_on_before_backward_gets_the_loss_the_backward_gets():

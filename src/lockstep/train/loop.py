@@ -43,8 +43,8 @@ class LoopState:
 
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
-        start, self.resume_batches = self.resume_batches, 0
-        self.only_end_left, self.pass_over = self.pass_over or start == self.steps_per_epoch, False
+        self.only_end_left = self.end_left()
+        start, self.resume_batches, self.pass_over = self.resume_batches, 0, False
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start

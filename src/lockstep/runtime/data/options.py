@@ -109,7 +109,7 @@ def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:
     is refused: lockstep splits a global order, which such a sampler does not give."""
     if not isinstance(sampler, DistributedSampler):
         return False
-    if type(sampler).__iter__ is not DistributedSampler.__iter__:
+    if not _ordered_as_torchs(sampler, DistributedSampler):
         raise ConfigError(f"{type(sampler).__name__} is a DistributedSampler with its own __iter__: it chooses each "
                           "rank's samples itself, and lockstep splits one global order over the ranks. Give a sampler "
                           "of the global order (every rank's samples, e.g. WeightedRandomSampler) as sampler=.")
