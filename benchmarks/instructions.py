@@ -120,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", default="batched,runtime,trainer")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--keep", type=Path, help="a folder to keep callgrind's files in (callgrind_annotate "
+                        "FOLDER/LOOP.0-01 then shows where rank 0's instructions went)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -129,9 +131,11 @@ def main() -> None:
         raise SystemExit("valgrind is not installed: apt-get install valgrind")
     loops = args.loops.split(",")
     counts = {}
-    with tempfile.TemporaryDirectory(prefix="lockstep-instructions-") as folder:
+    with tempfile.TemporaryDirectory(prefix="lockstep-instructions-") as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
         for index, loop in enumerate(loops):
-            counts[loop] = count(loop, args.processes, Path(folder), 29700 + index) / (LAST - FIRST)
+            counts[loop] = count(loop, args.processes, folder, 29700 + index) / (LAST - FIRST)
     base = counts.get("batched")
     print(f"{args.processes} processes; rank 0's main thread, steps {FIRST}-{LAST - 1}")
     for loop, per_step in counts.items():

@@ -82,6 +82,32 @@ def hooks_defining(hook: str, callbacks: list[Callback], module: Module | None) 
                     if getattr(type(c), hook) is not getattr(Callback, hook)]
 
 
+class HookTable:
+    """Who runs each hook (``hooks_defining``): found once per hook, and found again after the callback list
+    changed in place (``CallbackList.changes``). ``per_step`` tells, for the three hooks of every batch
+    (``PER_STEP``), whether anyone runs them: a batch's path then calls nothing for a hook no one defines."""
+
+    PER_STEP = ("on_train_batch_start", "on_before_backward", "on_train_batch_end")
+
+    def __init__(self, callbacks: CallbackList, module: Module | None) -> None:
+        self.callbacks, self.module = callbacks, module
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Find the hooks again (the loop calls it when ``at`` is no longer the list's ``changes``)."""
+        self.at = self.callbacks.changes
+        self._found: dict[str, list[tuple[str, Any]]] = {}
+        self.per_step = tuple(bool(self.defining(hook)) for hook in self.PER_STEP)
+
+    def defining(self, hook: str) -> list[tuple[str, Any]]:
+        if self.at != self.callbacks.changes:
+            self.refresh()
+        found = self._found.get(hook)
+        if found is None:  # once per hook
+            found = self._found[hook] = hooks_defining(hook, self.callbacks, self.module)
+        return found
+
+
 def check_hooks(callbacks: list[Callback], module: Module) -> None:
     """Refuse what a port from Lightning would define in vain: hooks lockstep never calls, and manual
     optimization."""

@@ -28,7 +28,7 @@ from lockstep.runtime import (
     unwrap,
 )
 from lockstep.train import checkpoint as ckpt
-from lockstep.train.callbacks import Callback, CallbackList, ModelCheckpoint, check_hooks, hooks_defining
+from lockstep.train.callbacks import Callback, CallbackList, HookTable, ModelCheckpoint, check_hooks
 from lockstep.train.config import TrainerConfig
 from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
@@ -101,6 +101,7 @@ class Trainer:
             activation_checkpointing=activation_checkpointing, runtime=runtime,
         )
         seed_everything(seed)  # now, so that a module built after the Trainer starts from repeatable weights
+        self._module: Module | None = None
         self.callbacks = _with_default_callbacks(callbacks, checkpoint_dir is not None, enable_throughput_monitor,
                                                  enable_progress_bar)
         self._logger_specs, self.profiler = list(loggers), profiler
@@ -112,7 +113,6 @@ class Trainer:
         self.loop = LoopState()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers = Schedules()  # each scheduler and when it steps
-        self._module: Module | None = None
         self._wrapped: Any = None
         self.train_loader: DistributedLoader | None = None
         self._val_loader: DistributedLoader | None = None
@@ -130,9 +130,8 @@ class Trainer:
 
     @callbacks.setter
     def callbacks(self, callbacks: Sequence[Callback]) -> None:
-        kept = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
-        self._callbacks, self._hooked_at = kept, -1
-        self._defining: dict[str, list[tuple[str, Callable[..., None]]]] = {}  # per hook, its callbacks: see fire
+        self._callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self._hooks = HookTable(self._callbacks, self._module)  # who runs each hook: see fire
 
     @property
     def profiler(self) -> Any:
@@ -322,7 +321,7 @@ class Trainer:
                                   f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
             check_hooks(self.callbacks, module)
-            self._hooked_at = -1  # the module's own hooks are found again
+            self._hooks = HookTable(self._callbacks, module)  # the module's own hooks are found again
             module.attach(self)
             configure_model(module, self._runtime)
             if not self.compiled:
@@ -388,12 +387,14 @@ class Trainer:
     def _train_batch(self, batch: Any, batch_idx: int) -> bool | None:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped; None
         when the module's ``on_train_batch_start`` returned -1 (Lightning's: skip the rest of the epoch)."""
-        loop, loader = self.loop, self.train_loader
+        loop, loader, hooks, k = self.loop, self.train_loader, self._hooks, self.config.accumulate_grad_batches
         assert loader is not None
-        # last: of this epoch's pass (a stream's loader draws a batch ahead to know; a batch sampler's count may change)
-        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), self.config.accumulate_grad_batches,
-                         loader.last_batch)
-        if self.fire("on_train_batch_start", batch, batch_idx) == -1:
+        if hooks.at != self._callbacks.changes:  # changed in place
+            hooks.refresh()
+        # last: of this epoch's pass, where a short accumulation steps (a stream's loader draws a batch ahead to
+        # know; a batch sampler's count may change)
+        loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), k, k > 1 and loader.last_batch)
+        if hooks.per_step[0] and self.fire("on_train_batch_start", batch, batch_idx) == -1:
             loop.check_skip(batch_idx, self.runtime.replication.fault_tolerant)
             return None
         if loop.at_step_boundary:
@@ -404,20 +405,25 @@ class Trainer:
         samples = loop.end_batch(batch_idx)
         if samples is not None and not self._step_taken(samples):
             return False  # fault tolerance: a replica group died during the step; its batches come again
-        self.fire("on_train_batch_end", outputs, batch, batch_idx)
+        if hooks.per_step[2]:
+            self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return loop.at_step_boundary
 
     def _step_taken(self, samples: int) -> bool:
         """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
         False when it was not committed (fault tolerance)."""
-        committed = self._call("optimizer_step", self._step_optimizers)
+        run = self._run_hook  # _call's work, inline on this per-step path
+        self._runtime.mark("optimizer_step")  # type: ignore[union-attr]  # set up: the Runtime exists
+        committed = self._step_optimizers() if run is None else run("optimizer_step", self._step_optimizers)
         if self.metrics.commits:  # fault tolerance: the step's values count once it commits
             self.metrics.end_step(committed)
         if not committed:
             return False
-        self.loop.stepped(samples)
-        self.profiler.step()
-        if self.is_logging_step:
+        loop = self.loop
+        loop.stepped(samples)
+        if run is not None:  # profiling
+            self._profiler.step()
+        if loop.global_step % self.config.log_every_n_steps == 0:  # is_logging_step
             self.metrics.settle()
             self.log_metrics(self.metrics.window.reduce(self._runtime))
             self.metrics.window.reset()
@@ -434,7 +440,7 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if not rt.step_committed:
+        if self.metrics.commits and not rt.step_committed:  # only a fault-tolerant step may not commit
             return False
         if self.lr_schedulers:  # the step, once taken; those that reduce on a plateau wait for its values
             self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics, on_plateau=False)
@@ -496,15 +502,9 @@ class Trainer:
         return fn(*args) if run is None else run(name, fn, *args)
 
     def fire(self, hook: str, *args: Any) -> Any:
-        """Call ``hook`` on the module and the callbacks that define it (``hooks_defining``; a per-step call
-        costs a dict lookup otherwise). Returns what the module's own hook returned (None without one)."""
-        callbacks, module = self._callbacks, self._module
-        if callbacks.changes != self._hooked_at:  # changed in place: the hooks are found again
-            self._hooked_at, self._defining = callbacks.changes, {}
-        defined = self._defining.get(hook)
-        if defined is None:  # once per hook and module
-            defined = self._defining[hook] = hooks_defining(hook, callbacks, module)
-        returned = None
+        """Call ``hook`` on the module and the callbacks that define it (``HookTable``: found once). Returns
+        what the module's own hook returned (None without one)."""
+        module, defined, returned = self._module, self._hooks.defining(hook), None
         for name, method in defined:
             result = self._call(name, method, self, module, *args)
             if method is defined[0][1] and name == f"{type(module).__name__}.{hook}":  # the module's: it comes first
