@@ -415,6 +415,23 @@ class _NoForward(lockstep.Module):
         self.net = torch.nn.Linear(8, 3)
 
 
+def test_predict_and_gather_with_its_loader_over_a_stream_without_len_return_its_rows_in_order():
+    """A stream has no ``__len__``: naming its loader (as predict does) must not ask for one."""
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(10):
+                yield torch.full((8,), float(i))
+
+    module = _ForwardOnly()
+    predicted = tc.quiet_trainer().predict(module, Rows(), batch_size=4)
+    with torch.no_grad():
+        assert torch.allclose(predicted, module.net(torch.arange(10.0)[:, None].expand(10, 8)), atol=1e-6)
+    rt = lockstep.Runtime(accelerator="cpu")
+    loader = rt.eval_loader(Rows(), batch_size=4)
+    rows = [batch[:, :1] * 2 for batch in loader]
+    assert rt.gather(rows, loader=loader).reshape(-1).tolist() == [2.0 * i for i in range(10)]
+
+
 def test_predict_without_predict_step_returns_forward_of_each_batch_in_order_as_lightnings_default():
     inputs = torch.randn(11, 8)
     module = _ForwardOnly()

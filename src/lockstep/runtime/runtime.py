@@ -545,7 +545,7 @@ class Runtime:
         """
         if order not in ("dataset", "rank"):
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
-        source = (loader or self._current.last) if order == "dataset" else None
+        source = (loader if loader is not None else self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
         # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
         replica = not self.mesh.layout.keeps_rows(self.rank)
