@@ -93,6 +93,24 @@ def test_a_step_checkpoint_at_a_validation_holds_it_and_the_resumed_fit_equals_t
         assert torch.equal(a, b)
 
 
+def test_a_fit_that_early_stopped_resumed_from_its_last_checkpoint_stays_stopped(tmp_path):
+    """A fit started again on its folder (a requeue, the script run again) after EarlyStopping ended it at step 9
+    resumes from step 9's checkpoint, written after the stop: it trains no further step and writes nothing."""
+    def run():
+        stopping, module = lockstep.EarlyStopping(monitor="val_loss", mode="max", patience=2), Net(lr=0.05)
+        fit = trainer(tmp_path, lockstep.ModelCheckpoint(every_n_steps=3, save_top_k=-1), stopping, resume="auto")
+        fit.fit(module, TRAIN, VAL, batch_size=8)
+        return fit, module
+
+    first, module = run()
+    written = sorted(path.name for path in tmp_path.glob("*.ckpt"))
+    assert first.global_step == 9 and "epoch=2-step=00000009.ckpt" in written, written
+    again, resumed = run()
+    assert again.global_step == 9 and sorted(path.name for path in tmp_path.glob("*.ckpt")) == written
+    for a, b in zip(module.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_nan_score_ranks_last(tmp_path):
     checkpoint = lockstep.ModelCheckpoint(monitor="score", save_top_k=2)
     fit = tc.quiet_trainer(max_epochs=3, checkpoint_dir=tmp_path, callbacks=[checkpoint])

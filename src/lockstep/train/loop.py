@@ -96,7 +96,7 @@ class LoopState:
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
                 "plateau_due": self.plateau_due, "step_plateau_due": self.step_plateau_due,
-                "validated_at": self.validated_at}
+                "validated_at": self.validated_at, "should_stop": self.should_stop}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
@@ -104,6 +104,8 @@ class LoopState:
         self.validated_at = int(validated) if isinstance(validated, int) else None
         self.plateau_due = loop.get("plateau_due") is True
         self.step_plateau_due = loop.get("step_plateau_due") is True
+        # written after a callback stopped the fit (EarlyStopping): the resumed fit stops there too
+        self.should_stop = loop.get("should_stop") is True
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in
