@@ -170,16 +170,20 @@ class Augmented(torch.utils.data.Dataset):
         return torch.rand(1), torch.utils.data.get_worker_info().id
 
 
-def worker_seeds(num_workers: int = 2) -> dict:
-    """Random augmentations drawn in DataLoader workers, per epoch, on this rank."""
+def worker_seeds() -> dict:
+    """Random augmentations drawn in DataLoader workers, per epoch, on this rank: with 2 workers (twice), with
+    1, and a pass of epoch 1 resumed after its batch 2 (a new loader placed there, as a resume places it)."""
     rt = lockstep.Runtime(accelerator="cpu", seed=3)
 
-    def draws():
+    def draws(num_workers: int) -> list[list[tuple[float, int]]]:
         loader = rt.loader(Augmented(), batch_size=4, num_workers=num_workers)
         return [[(float(v), int(w)) for noise, worker in loader for v, w in zip(noise, worker, strict=True)]
                 for _epoch in range(2)]
 
-    return {"first": draws(), "second": draws()}
+    resumed = rt.loader(Augmented(), batch_size=4, num_workers=2)
+    resumed.load_state_dict({"epoch": 1, "batches_done": 2})
+    return {"first": draws(2), "second": draws(2), "one_worker": draws(1),
+            "resumed": [float(v) for noise, _ in resumed for v in noise]}
 
 
 def rank_zero_goes_first(path: str) -> list[str]:

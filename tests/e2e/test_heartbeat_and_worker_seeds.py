@@ -57,15 +57,21 @@ def skewed_clock_peer(_: int) -> str:
     return "the barrier passed"
 
 
-def test_worker_seeds_differ_by_rank_worker_epoch_and_repeat():
+def test_worker_draws_differ_by_rank_batch_and_epoch_repeat_and_depend_on_neither_the_workers_nor_a_resume():
+    """A worker seeds its generators per batch from (seed, rank, epoch, step): the draws repeat run to run, are
+    the same with 1 worker as with 2, and a pass resumed after batch 2 (new workers) draws what the
+    uninterrupted pass drew from batch 2 on (which worker fetches a batch changes nothing)."""
     results = run_ranks(checks.worker_seeds, 2)
     for result in results:
         assert result["first"] == result["second"]  # repeat run to run
         epoch0, epoch1 = result["first"]
         assert {w for _, w in epoch0} == {0, 1}
-        assert {v for v, _ in epoch0}.isdisjoint({v for v, _ in epoch1})
-        by_worker = [{v for v, w in epoch0 if w == k} for k in (0, 1)]
-        assert by_worker[0].isdisjoint(by_worker[1])
+        values = [v for v, _ in epoch0]
+        assert len(set(values)) == len(values)  # each batch its own draws
+        assert set(values).isdisjoint({v for v, _ in epoch1})
+        assert [[v for v, _ in epoch] for epoch in result["one_worker"]] == [[v for v, _ in epoch]
+                                                                             for epoch in result["first"]]
+        assert result["resumed"] == [v for v, _ in epoch1][2 * 2:]  # 2 batches of this rank's 2 rows
     rank0 = {v for epoch in results[0]["first"] for v, _ in epoch}
     rank1 = {v for epoch in results[1]["first"] for v, _ in epoch}
     assert rank0.isdisjoint(rank1)

@@ -39,11 +39,12 @@ def _as_is(batch: Any) -> Any:
 class EpochSeededDataset(Dataset[Any]):
     """Seeds the random generators that a dataset's ``__getitem__`` draws from (augmentations).
 
-    Default: a DataLoader worker is re-seeded from (seed, rank, worker id, epoch) at its first item
-    of an epoch, so augmentations differ across ranks, workers and epochs, repeat from run to run,
-    and stay right with persistent workers; in the main process (``num_workers=0``) the global
-    RNG, which checkpoints save, is left alone. The draws then depend on which rank and worker
-    fetched a sample, hence on the world size.
+    Default: a DataLoader worker seeds torch's CPU generator, python's and numpy's from (seed, rank,
+    epoch, step) before each batch it fetches, so augmentations differ across ranks, batches and
+    epochs, repeat from run to run, do not depend on the number of workers or on which worker fetched
+    a batch, and a resumed pass draws what the uninterrupted one drew; in the main process
+    (``num_workers=0``) the global RNG, which checkpoints save, is left alone. The draws depend on
+    which rank fetched a sample, hence on the world size.
 
     ``per_sample``: every item is fetched with torch's CPU generator, python's and numpy's seeded
     from (seed, epoch, dataset index) alone, so a sample's augmentation is the same on any number
@@ -53,20 +54,17 @@ class EpochSeededDataset(Dataset[Any]):
 
     def __init__(self, dataset: Any, seed: int, rank: int, per_sample: bool = False) -> None:
         self.dataset, self.seed, self.rank, self.per_sample = dataset, seed, rank, per_sample
-        self._seeded_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _reseed(self, epoch: int) -> None:
-        info = get_worker_info()
-        if info is None or epoch == self._seeded_epoch:
-            return
-        seed_generators(mix_seed(self.seed, self.rank, info.id, epoch))
-        self._seeded_epoch = epoch
+    def _seed_batch(self, indices: Indices) -> None:
+        """In a worker: its generators seeded for this batch (-2: apart from the per-sample seeds)."""
+        if get_worker_info() is not None:
+            seed_generators(mix_seed(self.seed, self.rank, -2, indices.epoch, indices.step), cpu_only=True)
 
     def _seeded_item(self, epoch: int, index: int) -> Any:
-        seed = mix_seed(self.seed, -1, epoch, index)  # -1: apart from (seed, rank, worker, epoch)
+        seed = mix_seed(self.seed, -1, epoch, index)  # -1: apart from the per-batch seeds
         if get_worker_info() is not None:  # a worker's generators serve nothing else
             seed_generators(seed, cpu_only=True)
             return self.dataset[index]
@@ -81,7 +79,7 @@ class EpochSeededDataset(Dataset[Any]):
             return []
         if self.per_sample:  # item by item: each is seeded by its own index
             return [self._seeded_item(indices.epoch, i) for i in indices]
-        self._reseed(indices.epoch)
+        self._seed_batch(indices)
         if callable(getattr(self.dataset, "__getitems__", None)):
             return list(self.dataset.__getitems__(list(indices)))
         return [self.dataset[i] for i in indices]

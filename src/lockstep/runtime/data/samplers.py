@@ -13,11 +13,12 @@ from lockstep.runtime.parallel.mesh import Membership
 
 
 class Indices(list[int]):
-    """One batch's dataset indices, with their epoch (workers re-seed per epoch)."""
+    """One batch's dataset indices, with their epoch and the batch's step in it (a worker seeds its random
+    generators per batch from them)."""
 
-    def __init__(self, indices: list[int], epoch: int) -> None:
+    def __init__(self, indices: list[int], epoch: int, step: int = 0) -> None:
         super().__init__(indices)
-        self.epoch = epoch
+        self.epoch, self.step = epoch, step
 
 
 
@@ -98,7 +99,7 @@ class GlobalBatchSampler(Sampler[Indices]):
                                   f"sample(s) for {self.membership.size} data-parallel ranks: a rank would get none "
                                   f"to train on. Make it yield batches of at least {self.membership.size} samples "
                                   "(drop or merge a short last one).")
-            yield Indices(self.local_indices(step), self.epoch)
+            yield Indices(self.local_indices(step), self.epoch, step)
 
 
 class ShardSampler(Sampler[Indices]):
@@ -139,4 +140,4 @@ class ShardSampler(Sampler[Indices]):
 
     def __iter__(self) -> Iterator[Indices]:
         for step in range(self.start_step, self.steps_per_epoch()):
-            yield Indices(self.local_indices(step) or [0], self.epoch)  # [0]: a zero-row padding batch
+            yield Indices(self.local_indices(step) or [0], self.epoch, step)  # [0]: a zero-row padding batch
