@@ -126,3 +126,18 @@ def test_item_counts_cover_every_cp_rank_and_gradients_are_averaged_over_them():
     factor = normalizer.loss_factor(3)
     assert float(normalizer._sum_over_ranks(torch.tensor(3.0, dtype=torch.float64))) == 12.0
     assert normalizer._gradient_peers == 4 and float(factor) == 3 / float(normalizer.scale)
+
+
+def test_one_short_step_does_not_lower_the_next_steps_item_scale():
+    """c (the backward's divisor) follows the larger of the two previous steps' items per rank: after a pass's
+    short last step (6 items against 33) the next full step's backward still runs on about the loss's own
+    magnitude (c = 32, not 4: a float16 backward 8 times too large overflows and the step is skipped)."""
+    normalizer = ItemNormalizer(Membership(0, 1), torch.device("cpu"), lambda value: value)
+    scales = []
+    for micro_batches in ([19, 14], [6], [19, 14], [19, 14], [2, 2], [2, 2], [2, 2]):
+        for items in micro_batches:
+            normalizer.loss_factor(items)
+        normalizer.finish_step()
+        scales.append(float(normalizer.scale))
+    # items per step: 33, 6, 33, 33, 4, 4, 4: a lasting drop lowers c after two steps
+    assert scales == [32.0, 32.0, 32.0, 32.0, 32.0, 4.0, 4.0]

@@ -6,10 +6,11 @@ knows before the step ends. So each backward runs on ``loss * n / c`` (a sum, di
 constant ``c`` that every rank shares), the gradient reduction averages over the ``W`` ranks as
 usual, and before the optimizer uses the gradients one all-reduce of the local counts gives
 ``N`` and the gradients are multiplied by ``W * c / N``. ``c`` is the power of two at or below
-the previous step's mean items per rank (for the first step, the first micro-batch's, from one
-extra all-reduce at the run's first backward): it keeps the backward's magnitude near the
-loss's own, as float16 loss scaling needs, and being a power of two it changes no bit of the
-result (a resumed run, which calibrates again, stays bitwise equal).
+the larger of the two previous steps' mean items per rank (for the first step, the first
+micro-batch's, from one extra all-reduce at the run's first backward; a single short step, a
+pass's last, does not lower it): it keeps the backward's magnitude near the loss's own, as float16
+loss scaling needs, and being a power of two it changes no bit of the result (a resumed run, which
+calibrates again, stays bitwise equal).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ItemNormalizer:
         # c, the same on every rank; a device tensor, so that nothing here waits for the device.
         self.scale = torch.ones((), dtype=torch.float64, device=device)
         self._calibrated = False  # c is set from real counts: at the first backward, then every step
+        self._last_mean: torch.Tensor | None = None  # the previous step's mean items per rank
         # What the first step's losses were divided by, with their counts (None after the first step).
         self._first_divisors: list[tuple[float | None, torch.Tensor]] | None = []
 
@@ -112,7 +114,11 @@ class ItemNormalizer:
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
                 foreach_mul_(same, factor.to(device=device, dtype=dtype))
-        self.scale = _power_of_two_at_most(total / self._gradient_peers)
+        # c for the next step: from the larger of this step's and the previous step's mean, so that one short step
+        # (a pass's last) does not shrink it below the next full step's items (a float16 backward would overflow)
+        mean = total / self._gradient_peers
+        self.scale = _power_of_two_at_most(mean if self._last_mean is None else torch.maximum(mean, self._last_mean))
+        self._last_mean = mean
 
     @property
     def _gradient_peers(self) -> int:
