@@ -66,7 +66,7 @@ def test_evaluation_with_uneven_batch_counts_neither_hangs_nor_adds_rows():
 
 def test_an_optimizer_that_already_stepped_cannot_follow_the_shards():
     message = run_ranks(fc.stepped_optimizer_is_refused, 2)[0]
-    assert "build the optimizer after rt.setup" in message
+    assert "give rt.setup an optimizer that has taken no step yet" in message
 
 
 def test_configure_model_builds_on_the_meta_device_under_fsdp():

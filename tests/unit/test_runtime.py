@@ -372,6 +372,17 @@ def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():
         rt.backward(model(x).sum())
 
 
+def test_num_items_without_an_optimizer_given_to_setup_is_refused():
+    """The division by the step's items happens in the step of an optimizer rt.setup returned: one built after
+    setup and never given to it would step on gradients still multiplied by num_items (1.25 times the
+    mean's, here), so the backward says so."""
+    rt = runtime()
+    model = rt.setup(torch.nn.Linear(3, 1))
+    torch.optim.SGD(model.parameters(), lr=1.0)  # built after setup: lockstep never sees it
+    with pytest.raises(lockstep.ConfigError, match="no optimizer was given to rt.setup"):
+        rt.backward(model(torch.ones(2, 3)).sum(), num_items=2)
+
+
 def test_every_error_lockstep_raises_on_purpose_is_a_lockstep_error_and_keeps_its_standard_base():
     """No ``raise`` in lockstep's source names a built-in exception type: each is one of lockstep.errors,
     so ``except lockstep.LockstepError`` catches every refusal, and ``except ValueError`` still does."""

@@ -74,7 +74,8 @@ def repoint_optimizers(
         if optimizer.state:
             raise ConfigError(
                 f"{type(optimizer).__name__} has already taken steps, and setup replaced the model's parameters "
-                "(FSDP shards them): build the optimizer after rt.setup, from the model it returns."
+                "(FSDP shards them): give rt.setup an optimizer that has taken no step yet, built from "
+                "model.parameters() (setup re-points it to the new parameters)."
             )
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in gone]

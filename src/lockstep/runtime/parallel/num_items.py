@@ -52,6 +52,8 @@ class ItemNormalizer:
         ``loss``: looked at in the first step only, for a division by the accumulation steps."""
         if self._plain_backwards:
             raise ConfigError(_MIXED)
+        if not any(ref() is not None for ref in self._optimizers):  # no step would divide these gradients
+            raise ConfigError(_NO_OPTIMIZER)
         count = torch.as_tensor(num_items).detach().to(device=self.device, dtype=torch.float64)
         if count.numel() != 1:
             raise ConfigError(f"num_items must be one number (this rank's items in the batch); got shape "
@@ -148,5 +150,10 @@ def _power_of_two_at_most(value: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(value.clamp(min=1.0))))
 
 
+_NO_OPTIMIZER = (
+    "rt.backward was given num_items, but no optimizer was given to rt.setup: the gradients are divided by the "
+    "step's items in the optimizer's step, which lockstep runs only for the optimizers rt.setup returns, so they "
+    "would stay multiplied by num_items. Pass the optimizer to rt.setup (model, optimizer = rt.setup(model, "
+    "optimizer)); one built from model.parameters() before setup is re-pointed to the parameters setup makes.")
 _MIXED = ("rt.backward was called with num_items for some micro-batches of this optimizer step and without it "
           "for others: give num_items to every backward of a step, or to none.")
