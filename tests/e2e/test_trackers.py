@@ -179,3 +179,56 @@ def test_tensorboard_and_csv_keep_the_steps_before_a_resume_once(tmp_path):
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("train_loss")]
     assert [step for step, _ in scalars] == [2, 4, 6, 8, 10, 12] and 99.0 not in [v for _, v in scalars]
+
+
+class _SaveThenCrash(lockstep.Callback):
+    """A checkpoint at step ``save`` (written at the batch's end: the epoch's end and its validation, which log
+    values at the same step, come after it), then a crash at step ``crash``."""
+
+    def __init__(self, folder: Path, save: int, crash: int) -> None:
+        self.folder, self.save, self.crash = folder, save, crash
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.save:
+            trainer.save_checkpoint(self.folder / "at-save")
+        elif trainer.global_step == self.crash:
+            raise RuntimeError("crash")
+
+
+def test_a_resume_from_a_checkpoint_before_its_steps_later_values_logs_each_value_once(tmp_path):
+    """A checkpoint at an epoch's last batch comes before that step's epoch values and validation: the run that
+    went on past it had logged them, and the resumed run logs them again. CSV, JSON lines and TensorBoard then
+    hold each value once, as the uninterrupted run's logs do (the checkpoint's own blocked time aside)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def fit(folder: Path, *callbacks, resume=None) -> None:
+        trainer = tc.quiet_trainer(max_epochs=3, log_every_n_steps=2, loggers=("csv", "jsonl", "tensorboard"),
+                                   log_dir=folder, callbacks=list(callbacks), resume=resume)
+        trainer.fit(tc.Classifier(), tc.checks.make_data(64), tc.checks.make_data(16), batch_size=16)
+
+    def logged(folder: Path) -> dict[str, list]:
+        skip = {"step", "checkpoint_blocked_s"}
+        rows = [{k: float(v) for k, v in row.items() if v and k not in skip} | {"step": int(row["step"])}
+                for row in __import__("csv").DictReader(open(folder / "metrics.csv"))]
+        records = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+        records = [{k: v for k, v in r.items() if k not in skip} | {"step": r["step"]} for r in records
+                   if "hparams" not in r and set(r) - skip]
+        events = EventAccumulator(str(folder / "tensorboard"))
+        events.Reload()
+        scalars = sorted((tag, e.step, e.value) for tag in events.Tags()["scalars"] if tag not in skip
+                         for e in events.Scalars(tag))
+        return {"csv": [r for r in rows if len(r) > 1], "jsonl": records, "tensorboard": scalars}
+
+    fit(tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "cut", _SaveThenCrash(tmp_path, save=4, crash=6))
+    fit(tmp_path / "cut", resume=str(tmp_path / "at-save"))
+    whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "cut")
+    assert [r["step"] for r in resumed["csv"]] == [r["step"] for r in whole["csv"]], resumed["csv"]
+    for kind in ("csv", "jsonl"):
+        assert len(resumed[kind]) == len(whole[kind]), (kind, resumed[kind])
+        for mine, theirs in zip(resumed[kind], whole[kind], strict=True):
+            assert mine.keys() == theirs.keys() and all(mine[k] == pytest.approx(theirs[k], rel=1e-6) for k in mine)
+    assert [(tag, step) for tag, step, _ in resumed["tensorboard"]] == [(tag, step) for tag, step, _ in
+                                                                          whole["tensorboard"]]
+    assert [v for *_, v in resumed["tensorboard"]] == pytest.approx([v for *_, v in whole["tensorboard"]], rel=1e-6)

@@ -43,17 +43,26 @@ class CSVLogger:
         self.columns: list[str] = ["step"]
         self._last_row_at = 0  # the byte offset of the file's last row
 
+    def state_dict(self) -> dict[str, Any]:
+        """The rows written, and the last one as it stands: values its step may still log after a checkpoint (an
+        epoch's end, a validation) are not the checkpoint's, and the resumed run logs them again."""
+        return {"rows": len(self.rows), "last": dict(self.rows[-1]) if self.rows else None}
+
     def resume(self, step: int, state: dict[str, Any] | None) -> None:
-        """Keep the rows of ``metrics.csv`` up to ``step``; a row that cannot be read ends what is kept."""
+        """Keep the rows of ``metrics.csv`` written at the checkpoint (``state``; without one, those up to
+        ``step``); a row that cannot be read ends what is kept."""
+        kept, last = _saved_records(state, "rows"), state.get("last") if state else None
         self.rows, self.columns = [], ["step"]
         with contextlib.suppress(OSError, csv.Error, UnicodeDecodeError):
             with open(self.path, newline="") as handle:
                 reader = csv.DictReader(handle)
                 self.columns = [c for c in reader.fieldnames or [] if c] or ["step"]
                 for row in reader:
-                    if not _up_to(row, step):
+                    if (len(self.rows) >= kept) if kept is not None else not _up_to(row, step):
                         break
                     self.rows.append({k: v for k, v in row.items() if k in self.columns})
+        if kept and len(self.rows) == kept and isinstance(last, dict) and _up_to(last, step):
+            self.rows[-1] = {k: v for k, v in last.items() if k in self.columns}  # as it stood at the checkpoint
         self._rewrite()
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -101,17 +110,27 @@ class JSONLinesLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.previous = self.path.read_text(errors="replace") if self.path.is_file() else ""  # for resume
         self.path.write_text("")
+        self.records = 0  # the records of metrics in the file
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": self.records}
 
     def resume(self, step: int, state: dict[str, Any] | None) -> None:
-        """Keep the hyperparameter lines and the records up to ``step``; an unreadable line ends what is kept."""
-        kept = []
+        """Keep the hyperparameter lines and the records written at the checkpoint (``state``; without one,
+        those up to ``step``); an unreadable line ends what is kept."""
+        wanted, kept = _saved_records(state, "records"), []
+        self.records = 0
         for line in self.previous.splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 break
-            if not isinstance(record, dict) or ("hparams" not in record and not _up_to(record, step)):
+            if not isinstance(record, dict):
                 break
+            if "hparams" not in record:
+                if (self.records >= wanted) if wanted is not None else not _up_to(record, step):
+                    break
+                self.records += 1
             kept.append(line + "\n")
         self.path.write_text("".join(kept))
 
@@ -124,6 +143,7 @@ class JSONLinesLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._write({"step": step, **metrics})
+        self.records += 1
 
     def finalize(self) -> None:
         return None
@@ -138,14 +158,24 @@ class TensorBoardLogger:
         self.folder = Path(folder) / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.folder))
         self.resumed = False
+        self.newest: tuple[int, dict[str, float]] = (-1, {})  # the newest step logged, and its values so far
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.newest[0], "values": dict(self.newest[1])}
 
     def resume(self, step: int, state: dict[str, Any] | None) -> None:
-        """TensorBoard discards the events of the earlier run logged after ``step`` (its ``purge_step``)."""
+        """TensorBoard discards the events of the earlier run from ``step`` on (its ``purge_step``): those of
+        ``step`` logged after the checkpoint would come twice. Those logged before it (``state``) are written
+        again."""
         from torch.utils.tensorboard import SummaryWriter
 
+        saved = state.get("values") if state and state.get("step") == step else None
         self.writer.close()
-        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step + 1)
+        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step if isinstance(saved, dict) else step + 1)
         self.resumed = True
+        if isinstance(saved, dict):
+            self.log_metrics({k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, (int, float))},
+                             step)
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         if not self.resumed:  # again, at step 0 after later steps, it would make TensorBoard drop them all
@@ -154,6 +184,8 @@ class TensorBoardLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, global_step=step)
+        newest = self.newest[1] if self.newest[0] == step else {}
+        self.newest = (step, {**newest, **metrics})
 
     def finalize(self) -> None:
         self.writer.flush()
@@ -185,6 +217,12 @@ def _up_to(record: dict[str, Any], step: int) -> bool:
         return int(record["step"]) <= step
     except (KeyError, TypeError, ValueError):
         return False
+
+
+def _saved_records(state: dict[str, Any] | None, key: str) -> int | None:
+    """How many records a logger had written at the checkpoint (its saved ``key``), or None without one."""
+    count = state.get(key) if isinstance(state, dict) else None
+    return count if type(count) is int and count >= 0 else None
 
 
 def resume_loggers(loggers: list[Logger], saved: list[dict[str, Any]], step: int) -> None:
