@@ -347,10 +347,12 @@ def looked_ahead(how: str) -> torch.Tensor:
     more than one batch: ``"same"``, it fetches the next batch before training on this one (to know which is
     the last, as a port of Accelerate's ``end_of_dataloader`` or a prefetcher does) and gives the model the
     batch's tensors; ``"derived"``, the same with tensors made from them; ``"two"``, it fetches two batches,
-    then trains on each (on views of their tensors); ``"skip"`` and ``"skip_derived"``, a plain loop that
-    passes over batch 1 before its forward. The weights after the pass."""
+    then trains on each (on views of their tensors); ``"two_dicts"``, the same over 7 samples (the second
+    batch split 2/1) in dict batches whose first tensor is the target, not the model's input; ``"skip"`` and
+    ``"skip_derived"``, a plain loop that passes over batch 1 before its forward. The weights after the pass."""
+    n = 7 if how == "two_dicts" else 11
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(11, 3, generator=g), torch.randn(11, 1, generator=g)
+    x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 1)
@@ -358,10 +360,17 @@ def looked_ahead(how: str) -> torch.Tensor:
 
     def train(xb: torch.Tensor, yb: torch.Tensor) -> None:
         rt.backward(torch.nn.functional.mse_loss(model(xb if how in ("same", "skip") else
-                                                       xb * 1.0 if how != "two" else xb[:, :]), yb))
+                                                       xb * 1.0 if how not in ("two", "two_dicts") else xb[:, :]), yb))
         optimizer.step()
         optimizer.zero_grad()
 
+    if how == "two_dicts":
+        rows = [{"y": y[i], "x": x[i]} for i in range(n)]
+        batches = iter(rt.loader(rows, batch_size=4, shuffle=False, num_workers=0))
+        fetched = [next(batches), next(batches)]  # both held at once; the pass has not ended yet
+        for batch in fetched:
+            train(batch["x"], batch["y"])
+        return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
     batches = iter(rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0))
     if how.startswith("skip"):
         for index, (xb, yb) in enumerate(batches):
@@ -379,14 +388,15 @@ def looked_ahead(how: str) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
 
 
-def looked_ahead_by_hand(skip: int | None = None) -> torch.Tensor:
-    """``looked_ahead`` in one plain loop: the global batches in order (batch ``skip`` passed over)."""
+def looked_ahead_by_hand(skip: int | None = None, n: int = 11) -> torch.Tensor:
+    """``looked_ahead`` in one plain loop over ``n`` samples: the global batches in order (batch ``skip`` passed
+    over)."""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(11, 3, generator=g), torch.randn(11, 1, generator=g)
+    x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    for index, start in enumerate(range(0, 11, 4)):
+    for index, start in enumerate(range(0, n, 4)):
         if index != skip:
             torch.nn.functional.mse_loss(model(x[start:start + 4]), y[start:start + 4]).backward()
             optimizer.step()

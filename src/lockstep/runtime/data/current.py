@@ -82,8 +82,8 @@ class CurrentBatch:
                 self.watchdog.clock.batch(loader)
 
     def handed(self, loader: DistributedLoader, batch: Any) -> None:
-        """The batch itself: its first tensor kept with the batch's loss weight, strongly while it is the latest
-        (the loop holds it then), weakly after."""
+        """The batch itself, kept with its loss weight: strongly while it is the latest (the loop holds it then),
+        then its tensors weakly (a loop that holds several batches names one by any of its tensors)."""
         first = _first(batch)
         if first is None:
             return
@@ -93,17 +93,17 @@ class CurrentBatch:
         held = self.held
         if held:
             self._let_go()
-        held.append([loader, self.step, self.loss_weight, first, False])
+        held.append([loader, self.step, self.loss_weight, batch, False])
         if len(held) > _LOOKAHEAD:  # a loop that reads batches without training on them
             del held[0]
 
     def _let_go(self) -> None:
-        """The latest batch is no longer the latest: forgotten once trained on, else kept weakly."""
+        """The latest batch is no longer the latest: forgotten once trained on, else its tensors kept weakly."""
         latest = self.held[-1]
         if latest[4]:
             self.held.pop()
-        elif type(latest[3]) is not weakref.ref:
-            latest[3] = weakref.ref(latest[3])
+        elif type(latest[3]) is not tuple:
+            latest[3] = tuple(weakref.ref(t) for t in tensors(latest[3]))
 
     def take(self, inputs: Any) -> None:
         """A training forward on ``inputs``: the held batch it trains on becomes current (see the class)."""
@@ -113,10 +113,10 @@ class CurrentBatch:
         if len(held) == 1 and not self.ended and held[0][1] == self.step and held[0][0] is self.loader:
             held[0][4] = True
             return  # a plain loop: the one batch it holds is the current one
-        alive = [(entry, first) for entry in held if (first := _tensor(entry)) is not None]  # the loop holds them
+        alive = [(entry, kept) for entry in held if (kept := _tensors(entry))]  # the batches the loop holds
         held[:] = [entry for entry, _ in alive]
         given = {_storage(t) for t in tensors(inputs)}
-        chosen = next((entry for entry, first in alive if _storage(first) in given), None)
+        chosen = next((entry for entry, kept in alive if any(_storage(t) in given for t in kept)), None)
         if chosen is None and len(held) > 1 and not self.ended:
             chosen = held[0]  # tensors made from a batch's: the oldest the loop holds
         elif chosen is None and self.ended:  # after the pass: a look-ahead's last batch, else other data
@@ -170,10 +170,12 @@ def _first(batch: Any) -> torch.Tensor | None:
     return head if isinstance(head, torch.Tensor) else next(tensors(batch), None)
 
 
-def _tensor(entry: list[Any]) -> torch.Tensor | None:
-    """A held batch's first tensor; None once the loop let go of the batch."""
+def _tensors(entry: list[Any]) -> list[torch.Tensor]:
+    """A held batch's tensors that still exist (none once the loop let go of the batch)."""
     kept = entry[3]
-    return kept() if type(kept) is weakref.ref else kept
+    if type(kept) is tuple:
+        return [t for ref in kept if (t := ref()) is not None]
+    return list(tensors(kept))
 
 
 def _storage(tensor: torch.Tensor) -> int:
