@@ -449,3 +449,18 @@ def batch_sampler_with_a_batch_of_one() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def gathered_with_repeats() -> list[list[int]]:
+    """A pass over 8 samples drawn 16 times with replacement, in global batches of 4 (each index comes about
+    twice), each row's output its place in the pass (step * 4 + its row in the global batch): ``rt.gather``'s
+    rows as (index, place), gathered in dataset order."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=3)
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    loader = rt.loader(data, batch_size=4, sampler=WeightedRandomSampler(torch.ones(8), 16, replacement=True),
+                       num_workers=0)
+    outputs = []
+    for step, (x,) in enumerate(loader):
+        first = 2 * rt.rank if rt.world_size == 2 else 0  # this rank's share starts here in the global batch
+        outputs.append(torch.stack([x, step * 4 + first + torch.arange(len(x))], 1))
+    return rt.gather(outputs).tolist()

@@ -156,3 +156,13 @@ def test_a_global_batch_size_smaller_than_the_ranks_is_refused_when_the_loader_i
 def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_by_name():
     for message in run_ranks(checks.batch_sampler_with_a_batch_of_one, 2):
         assert "global batch 1 of the batch sampler holds 1 sample(s) for 2 data-parallel ranks" in message, message
+
+
+def test_gathered_rows_of_an_index_drawn_twice_come_in_the_order_one_process_reads_them():
+    """A sampler that draws with replacement hands out an index several times: in dataset order, its rows
+    follow their places in the pass, on 2 processes as on 1 (not rank 0's first)."""
+    alone = checks.gathered_with_repeats()
+    assert any(a[0] == b[0] for a, b in zip(alone, alone[1:]))  # some index comes twice
+    assert [index for index, _ in alone] == sorted(index for index, _ in alone)
+    for rows in run_ranks(checks.gathered_with_repeats, 2):
+        assert rows == alone

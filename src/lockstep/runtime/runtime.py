@@ -547,10 +547,11 @@ class Runtime:
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader if loader is not None else self._current.last) if order == "dataset" else None
         indices = source.handed_out() if source is not None else None
+        places = source.handed_out_places() if source is not None else None
         # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
         replica = not self.mesh.layout.keeps_rows(self.rank)
         with self._watchdog.watch("gather", data, exact_shapes=False):
-            return collectives.gather_rows(data, self.device, indices, replica=replica)
+            return collectives.gather_rows(data, self.device, indices, replica=replica, places=places)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards

@@ -259,10 +259,13 @@ def merge_batches(data: Any) -> Any:
     return unflatten([_join_chunks(column) for column in columns], spec)
 
 
-def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None, replica: bool = False) -> Any:
+def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None, replica: bool = False,
+                places: torch.Tensor | None = None) -> Any:
     """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract); with
-    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order.
-    ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel peer): it adds none."""
+    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order, the rows of one
+    index in the order of their ``places`` (where each stands in the pass, the same on every rank: a sampler
+    that draws an index twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel
+    peer): it adds none."""
     leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
     problem = _rows_problem(leaves, len(indices)) if indices is not None else None
@@ -270,6 +273,7 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
         leaves = [leaf[:0] if isinstance(leaf, list) or (isinstance(leaf, torch.Tensor) and leaf.dim()) else leaf
                   for leaf in leaves]
         indices = indices[:0] if indices is not None else None
+        places = places[:0] if places is not None else None
     if active():  # every rank must take the same path: all in dataset order, or none
         reports = _all_gather_object((indices is not None, problem))
         if len({ordered for ordered, _ in reports}) > 1:
@@ -288,7 +292,11 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
     if indices is None:
         return result
     everyone = torch.cat(all_gather(indices.to(torch.int64), device)) if active() else indices
-    order = torch.argsort(everyone, stable=True)
+    if places is not None:  # by place first: the stable sort by index then keeps that order among equal indices
+        by_place = torch.argsort(torch.cat(all_gather(places, device)) if active() else places, stable=True)
+        order = by_place[torch.argsort(everyone[by_place], stable=True)]
+    else:
+        order = torch.argsort(everyone, stable=True)
     rows, spec = flatten(result, is_leaf=_is_rows)
     return unflatten([row[order] if isinstance(row, torch.Tensor) else [row[i] for i in order.tolist()]
                       for row in rows], spec)

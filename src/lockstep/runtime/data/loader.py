@@ -382,6 +382,16 @@ class DistributedLoader:
         steps = range(self._pass_start, self._batches_done)
         return torch.tensor([i for step in steps for i in self.sampler.local_indices(step)], dtype=torch.int64)
 
+    def handed_out_places(self) -> torch.Tensor | None:
+        """Where each row of ``handed_out()`` stands in the pass's global order: what puts the rows of an index
+        handed out more than once (a sampler that draws with replacement) in the order one process reads them.
+        None where an index comes once per pass (evaluation shards, streams)."""
+        places = getattr(self.sampler, "local_places", None)
+        if places is None:
+            return None
+        steps = range(self._pass_start, self._batches_done)
+        return torch.tensor([p for step in steps for p in places(step)], dtype=torch.int64)
+
     def state_dict(self) -> dict[str, Any]:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out; with the
         global batch size and the kind of order (which the position only means something with)."""

@@ -91,6 +91,12 @@ class GlobalBatchSampler(Sampler[Indices]):
         """The dataset indices of this rank's share of global batch ``step``."""
         return self.batches.indices(step, *self._share(step))
 
+    def local_places(self, step: int) -> list[int]:
+        """Where each row of ``local_indices(step)`` stands in the pass's global order (the step, then the row
+        in its global batch), the same on any number of ranks."""
+        start, stop = self._share(step)
+        return [(step << 32) + row for row in range(start, stop)]
+
     def __iter__(self) -> Iterator[Indices]:
         for step in range(self.start_step, self.steps_per_epoch()):
             if self.global_size(step) < self.membership.size:  # every rank says so (a batch sampler's batch: a
