@@ -123,6 +123,8 @@ def test_item_counts_cover_every_cp_rank_and_gradients_are_averaged_over_them():
         return value * 2  # the Runtime's sum over the data-parallel ranks: one cp rank of each row
 
     normalizer = ItemNormalizer(Membership(0, 2), torch.device("cpu"), sum_over_data_parallel, cp=2)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # what divides the gradients
+    normalizer.watch(optimizer)
     factor = normalizer.loss_factor(3)
     assert float(normalizer._sum_over_ranks(torch.tensor(3.0, dtype=torch.float64))) == 12.0
     assert normalizer._gradient_peers == 4 and float(factor) == 3 / float(normalizer.scale)
@@ -133,6 +135,8 @@ def test_one_short_step_does_not_lower_the_next_steps_item_scale():
     short last step (6 items against 33) the next full step's backward still runs on about the loss's own
     magnitude (c = 32, not 4: a float16 backward 8 times too large overflows and the step is skipped)."""
     normalizer = ItemNormalizer(Membership(0, 1), torch.device("cpu"), lambda value: value)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    normalizer.watch(optimizer)
     scales = []
     for micro_batches in ([19, 14], [6], [19, 14], [19, 14], [2, 2], [2, 2], [2, 2]):
         for items in micro_batches:
