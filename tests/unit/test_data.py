@@ -323,6 +323,27 @@ def test_a_stream_resumed_at_any_step_with_workers_comes_in_order(stream, worker
         assert [index[0].item() for index, _, _ in loader] == list(range(8 * done, 40, 8))
 
 
+def _augmented(items):
+    """A collate_fn that augments: each row's index, and a random draw (where docs/data.md puts the work)."""
+    return torch.tensor([item[0] for item in items]), torch.rand(len(items))
+
+
+def test_a_streams_augmentations_in_collate_fn_do_not_depend_on_the_workers_and_a_resume_draws_them_again():
+    """Workers seed their generators before each batch's collate_fn from (seed, rank, epoch, step): 2 workers
+    draw what 3 draw, and a pass resumed at batch 2 (new workers) what the uninterrupted pass drew there."""
+    def draws(workers: int, done: int = 0) -> list[list[float]]:
+        loader = runtime().loader(checks.IndexedStream(40), batch_size=8, num_workers=workers, collate_fn=_augmented)
+        if done:
+            loader.load_state_dict({"epoch": 1, "batches_done": done, "batch_size": 8, "order": "stream"})
+            return [[round(v, 6) for v in noise.tolist()] for _, noise in loader]
+        return [[round(v, 6) for v in noise.tolist()] for _epoch in range(2) for _, noise in loader]
+
+    two = draws(2)
+    assert len({v for batch in two for v in batch}) == 80  # every batch and epoch its own draws
+    assert draws(3) == two
+    assert draws(2, done=2) == two[5 + 2:]  # epoch 1 from its batch 2
+
+
 @pytest.mark.parametrize("data", ["stream", "batch sampler"])
 def test_a_state_saved_at_a_passs_end_resumes_at_the_next_epochs_start(data):
     """A hand-written loop that saves its loader after each epoch: the loader given that state trains the next

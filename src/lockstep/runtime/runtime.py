@@ -546,8 +546,7 @@ class Runtime:
         if order not in ("dataset", "rank"):
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader if loader is not None else self._current.last) if order == "dataset" else None
-        indices = source.handed_out() if source is not None else None
-        places = source.handed_out_places() if source is not None else None
+        indices, places = (source.handed_out(), source.handed_out_places()) if source is not None else (None, None)
         # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
         replica = not self.mesh.layout.keeps_rows(self.rank)
         with self._watchdog.watch("gather", data, exact_shapes=False):

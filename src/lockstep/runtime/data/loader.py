@@ -153,7 +153,7 @@ class DistributedLoader:
             collate = options.pop("collate_fn", None) or default_collate
             self._stream_batches = batches
             self._stream = stream = StreamShard(dataset, batches.length, batches.batch_size, sampler.membership,
-                                                batches.drop_last, collate, pad_empty=not training)
+                                                batches.drop_last, collate, pad_empty=not training, seed=seed)
             self._stream_loader = lambda: DataLoader(stream, batch_size=None, collate_fn=_as_is,
                                                      generator=generator, **options)
             self.loader: DataLoader[Any] = self._stream_loader()

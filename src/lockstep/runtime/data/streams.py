@@ -26,6 +26,7 @@ from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime._torch_compat import hide_worker_info
 from lockstep.runtime.data.order import split_evenly
 from lockstep.runtime.parallel.mesh import Membership
+from lockstep.runtime.seed import mix_seed, seed_generators
 
 
 def is_stream(dataset: Any) -> bool:
@@ -138,26 +139,34 @@ class StreamShard(IterableDataset[Any]):
     A stream with ``__len__`` whose iterator can ``skip`` is read only for this rank's items; any
     other is read whole. ``pad_empty`` (evaluation): a rank whose share of a short last batch is
     empty still gets a batch, of zero rows; in training that is an error (such a rank has no
-    loss), raised by the loader."""
+    loss), raised by the loader. In a DataLoader worker, the random generators are seeded before each
+    batch's ``collate_fn`` from (``seed``, rank, epoch, step): augmentations there do not depend on the
+    number of workers, and a resumed pass draws what the uninterrupted one drew."""
 
     def __init__(self, stream: Any, length: int | None, batch_size: int, membership: Membership,
-                 drop_last: bool, collate_fn: Callable[[list[Any]], Any], pad_empty: bool) -> None:
+                 drop_last: bool, collate_fn: Callable[[list[Any]], Any], pad_empty: bool, seed: int = 0) -> None:
         self.stream, self.length, self.batch_size = stream, length, batch_size
         self.membership = membership  # read per batch: in DataLoader workers, as it was when the pass began
         self.drop_last, self.collate_fn, self.pad_empty = drop_last, collate_fn, pad_empty
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
         self.epoch = 0  # the next pass's; a persistent worker's copy counts its own passes on from where it began
+        self.seed, self._pass_epoch = seed, 0
 
-    def _collate(self, items: list[Any], empty: bool) -> Any:
-        """This rank's share collated. An empty share brings the batch's first item instead: collated,
-        the loader cuts it to zero rows (evaluation); or None, which the loader refuses once every
+    def _collate(self, items: list[Any], empty: bool, step: int) -> Any:
+        """This rank's share of batch ``step`` collated. An empty share brings the batch's first item instead:
+        collated, the loader cuts it to zero rows (evaluation); or None, which the loader refuses once every
         rank knows (training)."""
-        return self.collate_fn(items) if not empty or self.pad_empty else None
+        if empty and not self.pad_empty:
+            return None
+        if get_worker_info() is not None:  # -3: apart from the map-style per-batch and per-sample seeds
+            seed_generators(mix_seed(self.seed, self.membership.rank, -3, self._pass_epoch, step), cpu_only=True)
+        return self.collate_fn(items)
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, self.epoch = self.epoch, self.epoch + 1
+        self._pass_epoch = epoch
         if info is not None and callable(getattr(self.stream, "set_epoch", None)):  # a worker's own copy (the
             self.stream.set_epoch(epoch)  # loader sets the main process's before loading a saved position)
         reader = _Reader(self.stream)
@@ -184,7 +193,7 @@ class StreamShard(IterableDataset[Any]):
                 return
             if turn(step):
                 start, stop = split_evenly(len(items), self.membership.size, self.membership.rank)
-                yield step, len(items), self._collate(items[start:stop] or items[:1], empty=start == stop)
+                yield step, len(items), self._collate(items[start:stop] or items[:1], start == stop, step)
             if len(items) < self.batch_size:
                 return
 
@@ -206,7 +215,7 @@ class StreamShard(IterableDataset[Any]):
             before, items = reader.drop(at), reader.take(wanted)
             if before + len(items) + reader.drop(size - at - len(items)) < size:
                 raise self._ended_early(step)
-            yield step, size, self._collate(items, empty=start == stop)
+            yield step, size, self._collate(items, start == stop, step)
 
     def _ended_early(self, step: int) -> ValueError:
         return ConfigError(f"{type(self.stream).__name__} ended inside global batch {step}, before the "
