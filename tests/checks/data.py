@@ -342,36 +342,59 @@ def zipped_by_hand(drop_last: bool, lengths: tuple[int, int] = (11, 12), alterna
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+class _TakesTheWholeBatch(torch.nn.Module):
+    """``linear`` on the first input; the others (a tensor without elements, a shared one) only passed along."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor, *passed: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
 def looked_ahead(how: str) -> torch.Tensor:
     """11 samples in global batches of 4 (the last split 2/1 over 2 ranks) and the loop's ways of holding
     more than one batch: ``"same"``, it fetches the next batch before training on this one (to know which is
     the last, as a port of Accelerate's ``end_of_dataloader`` or a prefetcher does) and gives the model the
     batch's tensors; ``"derived"``, the same with tensors made from them; ``"two"``, it fetches two batches,
     then trains on each (on views of their tensors); ``"two_dicts"``, the same over 7 samples (the second
-    batch split 2/1) in dict batches whose first tensor is the target, not the model's input; ``"skip"`` and
-    ``"skip_derived"``, a plain loop that passes over batch 1 before its forward. The weights after the pass."""
+    batch split 2/1) in dict batches whose first tensor is the target, not the model's input, with a tensor
+    without elements and one that every batch shares; ``"skip"``, ``"skip_derived"`` and ``"skip_tuples"``
+    (a collate_fn that returns a tuple), a plain loop that passes over batch 1 before its forward. The
+    weights after the pass."""
     n = 7 if how == "two_dicts" else 11
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 1)
-    model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.5))
+    model, optimizer = rt.setup(_TakesTheWholeBatch(plain) if how == "two_dicts" else plain,
+                                torch.optim.SGD(plain.parameters(), lr=0.5))
 
     def train(xb: torch.Tensor, yb: torch.Tensor) -> None:
-        rt.backward(torch.nn.functional.mse_loss(model(xb if how in ("same", "skip") else
+        rt.backward(torch.nn.functional.mse_loss(model(xb if how in ("same", "skip", "skip_tuples") else
                                                        xb * 1.0 if how not in ("two", "two_dicts") else xb[:, :]), yb))
         optimizer.step()
         optimizer.zero_grad()
 
     if how == "two_dicts":
-        rows = [{"y": y[i], "x": x[i]} for i in range(n)]
-        batches = iter(rt.loader(rows, batch_size=4, shuffle=False, num_workers=0))
+        shared = torch.ones(1)
+
+        def collate(items: list[int]) -> dict[str, torch.Tensor]:
+            return {"y": y[items], "x": x[items], "none": torch.empty(len(items), 0), "shared": shared}
+
+        batches = iter(rt.loader(list(range(n)), batch_size=4, shuffle=False, num_workers=0, collate_fn=collate))
         fetched = [next(batches), next(batches)]  # both held at once; the pass has not ended yet
-        for batch in fetched:
-            train(batch["x"], batch["y"])
+        for batch in fetched:  # the model is given the batch's every tensor, its empty and its shared one too
+            rt.backward(torch.nn.functional.mse_loss(model(batch["x"][:, :], batch["none"], batch["shared"]),
+                                                     batch["y"]))
+            optimizer.step()
+            optimizer.zero_grad()
         return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
-    batches = iter(rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0))
+    as_tuple = {"collate_fn": lambda rows: tuple(torch.stack(column) for column in zip(*rows, strict=True))}
+    batches = iter(rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0,
+                             **(as_tuple if how == "skip_tuples" else {})))
     if how.startswith("skip"):
         for index, (xb, yb) in enumerate(batches):
             if index != 1:

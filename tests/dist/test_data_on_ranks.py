@@ -130,7 +130,7 @@ def test_zipped_training_loaders_train_exactly_or_are_refused_when_one_weight_ca
         assert (weights - reference).abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("how", ["same", "derived", "two", "two_dicts", "skip", "skip_derived"])
+@pytest.mark.parametrize("how", ["same", "derived", "two", "two_dicts", "skip", "skip_derived", "skip_tuples"])
 def test_a_loop_that_holds_several_batches_or_skips_one_weighs_each_loss_by_its_own_batch(how):
     """The next batch fetched before the backward (the last batch, split 2/1, would otherwise lend its weight to
     the batch before it, and the last get none: 0.84 off on 2 processes); two batches fetched at once; a batch

@@ -232,3 +232,27 @@ def test_a_resume_from_a_checkpoint_before_its_steps_later_values_logs_each_valu
     assert [(tag, step) for tag, step, _ in resumed["tensorboard"]] == [(tag, step) for tag, step, _ in
                                                                           whole["tensorboard"]]
     assert [v for *_, v in resumed["tensorboard"]] == pytest.approx([v for *_, v in whole["tensorboard"]], rel=1e-6)
+
+
+def test_tensorboard_resumed_at_a_step_it_logged_nothing_at_before_the_checkpoint_keeps_that_steps_values_once(
+        tmp_path):
+    """A checkpoint at step 10 whose newest logged step is 5: step 10's validation, logged after it by the run
+    that went on, is discarded (the resumed run logs it again), and step 5's values stay."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = lockstep.TensorBoardLogger(tmp_path)
+    first.log_metrics({"train_loss": 1.0}, 5)
+    state = first.state_dict()  # the checkpoint of step 10
+    first.log_metrics({"val_loss": 2.0}, 10)
+    first.finalize()
+    time.sleep(1.1)  # the next event file's name (its second) sorts after the first's
+    resumed = lockstep.TensorBoardLogger(tmp_path)
+    resumed.resume(10, state)
+    resumed.log_metrics({"val_loss": 2.0}, 10)
+    resumed.finalize()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("val_loss")] == [(10, 2.0)]
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(5, 1.0)]

@@ -343,8 +343,9 @@ def test_callbacks_changed_between_fits_are_the_ones_called(tmp_path):
 
 def test_a_callback_added_during_a_fit_has_its_per_batch_hooks_called_from_the_next_batch(tmp_path):
     """The three per-batch hooks are looked up once and again after the list changes in place: a callback
-    that another one appends at batch 2 runs on_train_batch_start, on_before_backward and on_train_batch_end
-    from batch 3 on; removed at batch 5, from batch 6 on it runs none of them."""
+    that another one appends at batch 2's end runs on_train_batch_start, on_before_backward and
+    on_train_batch_end from batch 3 on; removed at batch 5, from batch 6 on it runs none of them. One added
+    in batch 1's on_train_batch_start runs that batch's later hooks."""
     class Calls(lockstep.Callback):
         def __init__(self) -> None:
             self.calls = []
@@ -360,6 +361,8 @@ def test_a_callback_added_during_a_fit_has_its_per_batch_hooks_called_from_the_n
 
     added = Calls()
 
+    early = Calls()
+
     class Adds(lockstep.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if batch_idx == 2:
@@ -367,11 +370,19 @@ def test_a_callback_added_during_a_fit_has_its_per_batch_hooks_called_from_the_n
             elif batch_idx == 5:
                 trainer.callbacks.remove(added)
 
-    trainer = tc.quiet_trainer(max_steps=8, log_dir=tmp_path, callbacks=[Adds()])
+    class AddsAtTheStart(lockstep.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 1:
+                trainer.callbacks.append(early)
+            elif batch_idx == 2:
+                trainer.callbacks.remove(early)
+
+    trainer = tc.quiet_trainer(max_steps=8, log_dir=tmp_path, callbacks=[Adds(), AddsAtTheStart()])
     trainer.fit(tc.Regressor(), torch.utils.data.TensorDataset(torch.randn(128, 8), torch.randint(0, 4, (128,))),
                 batch_size=16)
     # on_before_backward runs before the batch counts as done: batches_done_in_epoch is its index
     assert added.calls == [(kind, index) for index in (3, 4, 5) for kind in ("start", "backward", "end")]
+    assert early.calls[:2] == [("backward", 1), ("end", 1)]  # (removed at batch 2's start, after it began)
 
 
 class _LogsItsOwnTrainLoss(tc.Classifier):

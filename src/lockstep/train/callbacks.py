@@ -99,6 +99,12 @@ class HookTable:
         self._found: dict[str, list[tuple[str, Any]]] = {}
         self.per_step = tuple(bool(self.defining(hook)) for hook in self.PER_STEP)
 
+    def runs(self, index: int) -> bool:
+        """Whether anyone runs per-step hook ``PER_STEP[index]`` (found again if the callbacks changed)."""
+        if self.at != self.callbacks.changes:
+            self.refresh()
+        return self.per_step[index]
+
     def defining(self, hook: str) -> list[tuple[str, Any]]:
         if self.at != self.callbacks.changes:
             self.refresh()

@@ -169,11 +169,12 @@ class TensorBoardLogger:
         again."""
         from torch.utils.tensorboard import SummaryWriter
 
-        saved = state.get("values") if state and state.get("step") == step else None
+        kept = state.get("values") if isinstance(state, dict) else None  # None: a checkpoint from before it was kept
+        saved = kept if isinstance(kept, dict) and state.get("step") == step else None  # type: ignore[union-attr]
         self.writer.close()
-        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step if isinstance(saved, dict) else step + 1)
+        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step if isinstance(kept, dict) else step + 1)
         self.resumed = True
-        if isinstance(saved, dict):
+        if saved is not None:
             self.log_metrics({k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, (int, float))},
                              step)
 

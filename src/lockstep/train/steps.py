@@ -32,7 +32,7 @@ class WholeModelStep:
         loss, items = loss_of(outputs)
         t.recorder.loss(loss, items)
         scaled = loss / k if k > 1 and items is None else loss  # what the backward gets (Lightning's hook gets it too)
-        if t._hooks.per_step[1]:
+        if t._hooks.runs(1):
             t.fire("on_before_backward", scaled)
         rt.mark("backward")
         arguments = (loss, items) if items is not None else (scaled,)

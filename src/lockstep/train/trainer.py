@@ -387,14 +387,12 @@ class Trainer:
     def _train_batch(self, batch: Any, batch_idx: int) -> bool | None:
         """One forward and backward; at an accumulation boundary, the optimizer step. True if it stepped; None
         when the module's ``on_train_batch_start`` returned -1 (Lightning's: skip the rest of the epoch)."""
-        loop, loader, hooks, k = self.loop, self.train_loader, self._hooks, self.config.accumulate_grad_batches
+        loop, loader, k = self.loop, self.train_loader, self.config.accumulate_grad_batches
         assert loader is not None
-        if hooks.at != self._callbacks.changes:  # changed in place
-            hooks.refresh()
         # last: of this epoch's pass, where a short accumulation steps (a stream's loader draws a batch ahead to
         # know; a batch sampler's count may change)
         loop.start_batch(batch_idx, *loader.batch_sizes(batch_idx), k, k > 1 and loader.last_batch)
-        if hooks.per_step[0] and self.fire("on_train_batch_start", batch, batch_idx) == -1:
+        if self._hooks.runs(0) and self.fire("on_train_batch_start", batch, batch_idx) == -1:
             loop.check_skip(batch_idx, self.runtime.replication.fault_tolerant)
             return None
         if loop.at_step_boundary:
@@ -405,7 +403,7 @@ class Trainer:
         samples = loop.end_batch(batch_idx)
         if samples is not None and not self._step_taken(samples):
             return False  # fault tolerance: a replica group died during the step; its batches come again
-        if hooks.per_step[2]:
+        if self._hooks.runs(2):  # also a callback added during this batch
             self.fire("on_train_batch_end", outputs, batch, batch_idx)
         return loop.at_step_boundary
 

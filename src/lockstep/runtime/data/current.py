@@ -41,9 +41,10 @@ class CurrentBatch:
     The batch handed out last is current until the next one, or until its pass ends. A loop may hold
     several (it fetched the next batch before training on this one, to know which is the last, or a
     prefetcher did; it fetched a step's micro-batches first): a training forward then names the one it
-    trains on by its tensors (the batch's own or views of them), else the oldest of those the loop still
-    holds. Only the batches' first tensors are kept, weakly once a later batch is handed out: a batch the
-    loop let go of (one it skipped) is never chosen, and no batch outlives the loop's own references.
+    trains on by its tensors (the batch's own or views of them; a tensor with no elements, or one that
+    several held batches share, names none), else the oldest of those the loop still holds. The latest
+    batch is kept as handed out, the earlier ones' tensors weakly: a batch the loop let go of (one it
+    skipped) is never chosen, and no batch outlives the loop's own references.
     """
 
     def __init__(self, watchdog: Watchdog) -> None:
@@ -52,8 +53,9 @@ class CurrentBatch:
         self.step = 0  # the current training batch's number in its loader's epoch
         self.loss_weight = 1.0
         self.backward_seen = False  # rt.backward ran since the latest training batch was handed out
-        # the training batches handed out that the loop may still hold: [loader, step, loss weight, the first
-        # tensor (a weak reference once a later batch is handed out), whether a forward trained on it], oldest first
+        # the training batches handed out that the loop may still hold: [loader, step, loss weight, the batch
+        # (its tensors' weak references, _Weak, once a later batch is handed out), whether a forward trained on
+        # it], oldest first
         self.held: list[list[Any]] = []
         self.ended = False  # the current batch's pass ended (a look-ahead's last batch may still be trained on)
         self.evaluated: weakref.ref[torch.Tensor] | None = None  # the eval batch handed out (its first tensor)
@@ -102,8 +104,8 @@ class CurrentBatch:
         latest = self.held[-1]
         if latest[4]:
             self.held.pop()
-        elif type(latest[3]) is not tuple:
-            latest[3] = tuple(weakref.ref(t) for t in tensors(latest[3]))
+        elif type(latest[3]) is not _Weak:
+            latest[3] = _Weak(weakref.ref(t) for t in tensors(latest[3]))
 
     def take(self, inputs: Any) -> None:
         """A training forward on ``inputs``: the held batch it trains on becomes current (see the class)."""
@@ -116,7 +118,10 @@ class CurrentBatch:
         alive = [(entry, kept) for entry in held if (kept := _tensors(entry))]  # the batches the loop holds
         held[:] = [entry for entry, _ in alive]
         given = {_storage(t) for t in tensors(inputs)}
-        chosen = next((entry for entry, kept in alive if any(_storage(t) in given for t in kept)), None)
+        # each batch's own memory: not an empty tensor's (every one starts at 0), nor one several batches share
+        owned = [{_storage(t) for t in kept if t.numel()} for _, kept in alive]
+        shared = {s for i, mine in enumerate(owned) for s in mine if any(s in other for other in owned[i + 1:])}
+        chosen = next((entry for (entry, _), mine in zip(alive, owned, strict=True) if (mine - shared) & given), None)
         if chosen is None and len(held) > 1 and not self.ended:
             chosen = held[0]  # tensors made from a batch's: the oldest the loop holds
         elif chosen is None and self.ended:  # after the pass: a look-ahead's last batch, else other data
@@ -170,10 +175,14 @@ def _first(batch: Any) -> torch.Tensor | None:
     return head if isinstance(head, torch.Tensor) else next(tensors(batch), None)
 
 
+class _Weak(tuple):  # type: ignore[type-arg]
+    """A held batch's tensors, as weak references (a tuple of the batch's own is a batch)."""
+
+
 def _tensors(entry: list[Any]) -> list[torch.Tensor]:
     """A held batch's tensors that still exist (none once the loop let go of the batch)."""
     kept = entry[3]
-    if type(kept) is tuple:
+    if type(kept) is _Weak:
         return [t for ref in kept if (t := ref()) is not None]
     return list(tensors(kept))
 
