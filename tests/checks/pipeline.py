@@ -360,7 +360,7 @@ def refused(strategy, layers: int | str, evaluate: bool = False) -> None:
     torch.manual_seed(0)
     model = (NotAChain(layers) if isinstance(layers, str) else llama(layers) if layers
              else nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)))
-    model = rt.setup(model)
+    model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))  # num_items needs its optimizer
     loader = rt.loader(mc.Rows(32), batch_size=8 * rt.data_parallel_size, collate_fn=collate, num_workers=0)
     batch = next(iter(loader))
     if evaluate:
