@@ -24,22 +24,18 @@ class WholeModelStep:
 
     def __call__(self, batch: Any, batch_idx: int) -> Any:
         t = self.trainer
-        rt, run, k, wrapped = t._runtime, t._run_hook, t.config.accumulate_grad_batches, t._wrapped
-        assert rt is not None  # set up: the Runtime exists
-        rt.mark("training_step")  # the Trainer's _call, inline on this per-batch path: marked, profiled when asked
-        outputs = (wrapped("training_step", batch, batch_idx) if run is None
-                   else run("training_step", wrapped, "training_step", batch, batch_idx))
+        k = t.config.accumulate_grad_batches
+        outputs = t._call("training_step", t._wrapped, "training_step", batch, batch_idx)
         loss, items = loss_of(outputs)
         t.recorder.loss(loss, items)
         scaled = loss / k if k > 1 and items is None else loss  # what the backward gets (Lightning's hook gets it too)
         if t._hooks.runs(1):
             t.fire("on_before_backward", scaled)
-        rt.mark("backward")
-        arguments = (loss, items) if items is not None else (scaled,)
-        if run is None:
-            rt.backward(*arguments)
+        backward = t._runtime.backward  # type: ignore[union-attr]  # set up: the Runtime exists
+        if items is not None:
+            t._call("backward", backward, loss, items)
         else:
-            run("backward", rt.backward, *arguments)
+            t._call("backward", backward, scaled)
         return outputs
 
 

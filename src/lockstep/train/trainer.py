@@ -410,18 +410,14 @@ class Trainer:
     def _step_taken(self, samples: int) -> bool:
         """The optimizer step at the end of an accumulation, then its counters and the logging step's values;
         False when it was not committed (fault tolerance)."""
-        run = self._run_hook  # _call's work, inline on this per-step path
-        self._runtime.mark("optimizer_step")  # type: ignore[union-attr]  # set up: the Runtime exists
-        committed = self._step_optimizers() if run is None else run("optimizer_step", self._step_optimizers)
+        committed = self._call("optimizer_step", self._step_optimizers)
         if self.metrics.commits:  # fault tolerance: the step's values count once it commits
             self.metrics.end_step(committed)
         if not committed:
             return False
-        loop = self.loop
-        loop.stepped(samples)
-        if run is not None:  # profiling
-            self._profiler.step()
-        if loop.global_step % self.config.log_every_n_steps == 0:  # is_logging_step
+        self.loop.stepped(samples)
+        self.profiler.step()
+        if self.is_logging_step:
             self.metrics.settle()
             self.log_metrics(self.metrics.window.reduce(self._runtime))
             self.metrics.window.reset()
@@ -438,7 +434,7 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if self.metrics.commits and not rt.step_committed:  # only a fault-tolerant step may not commit
+        if not rt.step_committed:
             return False
         if self.lr_schedulers:  # the step, once taken; those that reduce on a plateau wait for its values
             self.lr_schedulers.step("step", self.global_step + 1, self.callback_metrics, on_plateau=False)
