@@ -99,6 +99,17 @@ def seed_generators(seed: int, cpu_only: bool = False) -> None:
         pass
 
 
+def seed_worker_batch(seed: int, rank: int, epoch: int, step: int) -> None:
+    """In a DataLoader worker, before it makes batch ``step`` of ``epoch`` (of a dataset's or a stream's):
+    torch's CPU generator, python's and numpy's seeded from (seed, rank, epoch, step) alone, whichever worker
+    makes it (-2 keeps them apart from the per-sample seeds). Nothing in the main process, whose generators
+    checkpoints save."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        seed_generators(mix_seed(seed, rank, -2, epoch, step), cpu_only=True)
+
+
 def numpy_state() -> Any:
     try:
         import numpy as np

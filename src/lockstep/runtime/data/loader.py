@@ -23,7 +23,7 @@ from lockstep.runtime._torch_compat import shutdown_workers
 from lockstep.runtime.data.current import BatchObserver
 from lockstep.runtime.data.samplers import GlobalBatchSampler, Indices, ShardSampler
 from lockstep.runtime.data.streams import StreamBatches, StreamShard, restores_its_position
-from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators
+from lockstep.runtime.seed import forked_generators, mix_seed, seed_generators, seed_worker_batch
 from lockstep.runtime.tree import empty_rows, tensors, to_device
 
 # The DataLoader's own generator only seeds its workers' base seed (lockstep re-seeds them per
@@ -58,11 +58,6 @@ class EpochSeededDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _seed_batch(self, indices: Indices) -> None:
-        """In a worker: its generators seeded for this batch (-2: apart from the per-sample seeds)."""
-        if get_worker_info() is not None:
-            seed_generators(mix_seed(self.seed, self.rank, -2, indices.epoch, indices.step), cpu_only=True)
-
     def _seeded_item(self, epoch: int, index: int) -> Any:
         seed = mix_seed(self.seed, -1, epoch, index)  # -1: apart from the per-batch seeds
         if get_worker_info() is not None:  # a worker's generators serve nothing else
@@ -79,7 +74,7 @@ class EpochSeededDataset(Dataset[Any]):
             return []
         if self.per_sample:  # item by item: each is seeded by its own index
             return [self._seeded_item(indices.epoch, i) for i in indices]
-        self._seed_batch(indices)
+        seed_worker_batch(self.seed, self.rank, indices.epoch, indices.step)
         if callable(getattr(self.dataset, "__getitems__", None)):
             return list(self.dataset.__getitems__(list(indices)))
         return [self.dataset[i] for i in indices]

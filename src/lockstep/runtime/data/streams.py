@@ -26,7 +26,7 @@ from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime._torch_compat import hide_worker_info
 from lockstep.runtime.data.order import split_evenly
 from lockstep.runtime.parallel.mesh import Membership
-from lockstep.runtime.seed import mix_seed, seed_generators
+from lockstep.runtime.seed import seed_worker_batch
 
 
 def is_stream(dataset: Any) -> bool:
@@ -158,8 +158,7 @@ class StreamShard(IterableDataset[Any]):
         rank knows (training)."""
         if empty and not self.pad_empty:
             return None
-        if get_worker_info() is not None:  # -3: apart from the map-style per-batch and per-sample seeds
-            seed_generators(mix_seed(self.seed, self.membership.rank, -3, self._pass_epoch, step), cpu_only=True)
+        seed_worker_batch(self.seed, self.membership.rank, self._pass_epoch, step)
         return self.collate_fn(items)
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
