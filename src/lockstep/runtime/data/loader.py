@@ -374,18 +374,19 @@ class DistributedLoader:
     def handed_out(self) -> torch.Tensor:
         """The dataset indices of the rows this rank was handed in the current (or last) pass, in order
         (for a stream: positions in the stream)."""
-        steps = range(self._pass_start, self._batches_done)
-        return torch.tensor([i for step in steps for i in self.sampler.local_indices(step)], dtype=torch.int64)
+        return self._over_pass(self.sampler.local_indices)
 
     def handed_out_places(self) -> torch.Tensor | None:
         """Where each row of ``handed_out()`` stands in the pass's global order: what puts the rows of an index
         handed out more than once (a sampler that draws with replacement) in the order one process reads them.
         None where an index comes once per pass (evaluation shards, streams)."""
         places = getattr(self.sampler, "local_places", None)
-        if places is None:
-            return None
+        return self._over_pass(places) if places is not None else None
+
+    def _over_pass(self, per_step: Callable[[int], list[int]]) -> torch.Tensor:
+        """``per_step``'s numbers for each batch of the current (or last) pass handed out so far, in order."""
         steps = range(self._pass_start, self._batches_done)
-        return torch.tensor([p for step in steps for p in places(step)], dtype=torch.int64)
+        return torch.tensor([n for step in steps for n in per_step(step)], dtype=torch.int64)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out; with the
