@@ -61,3 +61,49 @@ def test_the_error_file_holds_the_traceback_in_torch_elastics_format(tmp_path, m
     assert data["message"]["message"] == "RuntimeError: the model's own error"
     assert "raise RuntimeError" in data["message"]["extraInfo"]["py_callstack"]
     assert list(tmp_path.iterdir()) == [path]
+
+
+def _failure(tmp_path, local_rank, exitcode, text=None):
+    """A worker's failure as torch elastic's agent records it (its error file, when the worker wrote one)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error-{local_rank}.json"
+    if text is not None:
+        path.write_text(json.dumps({"message": {"message": text.splitlines()[-1], "extraInfo": {
+            "py_callstack": text, "timestamp": "100"}}}))
+    return ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file=str(path))
+
+
+_WAITED = ("Traceback (most recent call last):\n  ...\nlockstep.errors.CollectiveError: rank 0: all_gather #12 at "
+           "validate.py:13 in <module> failed ([../gloo/transport/tcp/pair.cc:534] Connection closed by peer).\n"
+           "Rank 1 ended the script while this rank still waits in a collective: every rank must run the same "
+           "collectives.")
+
+
+@pytest.mark.parametrize("rank_1", ["exited", "stopped by the agent"])
+def test_the_jobs_report_names_a_rank_that_ended_its_script_also_when_the_agent_stopped_it_while_it_left(
+        tmp_path, capsys, rank_1):
+    """Rank 1 closed its Runtime and left; rank 0, waiting in a collective, failed. Whether rank 1's exit
+    came before the agent saw rank 0's failure (exit 0: not a failure) or after (the agent stopped it with
+    SIGTERM), the report's cause is rank 0 and it says that rank 1 ended the script."""
+    from lockstep.runtime.launch import elastic
+
+    failures = {0: _failure(tmp_path, 0, 1, _WAITED)}
+    if rank_1 == "stopped by the agent":
+        failures[1] = _failure(tmp_path, 1, -15)
+    cause = elastic._report(failures, nproc=2, nnodes=1)
+    printed = capsys.readouterr().err
+    assert cause.startswith("lost a peer: rank 0 (local rank 0)"), cause
+    assert "lockstep: rank 0 (local rank 0) on" in printed.splitlines()[0]
+    assert "lockstep: rank 1 ended the script while the others still waited in a collective" in printed
+    assert "SIGTERM" not in printed
+
+
+def test_the_jobs_report_blames_a_rank_killed_from_outside_when_no_report_says_it_ended(tmp_path, capsys):
+    """The same failures without the waiting rank's word that rank 1 ended: rank 1's signal is the cause."""
+    from lockstep.runtime.launch import elastic
+
+    lost = _WAITED.rsplit("\n", 1)[0]  # rank 0 only lost its peer
+    cause = elastic._report({0: _failure(tmp_path, 0, 1, lost), 1: _failure(tmp_path, 1, -9)}, nproc=2, nnodes=1)
+    assert cause.startswith("rank 1 (local rank 1)") and "SIGKILL" in cause, cause
+    assert "ended the script" not in capsys.readouterr().err

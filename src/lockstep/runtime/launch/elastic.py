@@ -10,6 +10,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -169,6 +170,10 @@ def _count(value: Any) -> int:
 def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
     """Print the root cause of a failed group (``nproc`` workers on each of up to ``nnodes`` nodes);
     returns it in one line."""
+    ended = _ended_by_report(failures) if nnodes == 1 else set()
+    # A rank that ended its script was stopped by the agent when its peer's failure came first (it was still
+    # leaving the interpreter): it ended, it did not fail.
+    failures = {r: f for r, f in failures.items() if r not in ended} or failures
     rank, failure = _root_cause(failures)
     how = f"exit code {failure.exitcode}"
     if failure.exitcode < 0:
@@ -182,11 +187,11 @@ def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
                else "every worker of the job was stopped")
     print(f"lockstep: {cause}; {stopped}.", file=sys.stderr)
     if all(_lost_a_peer(f) for f in failures.values()):
-        finished = sorted(set(range(nproc)) - {f.local_rank for f in failures.values()}) if nproc else []
+        finished = sorted(set(range(nproc)) - {f.local_rank for f in failures.values()}) if nproc else sorted(ended)
         ranks = ", ".join(map(str, finished))
         if finished:  # they ended their script (exit 0) while the others still waited in a collective
             print(f"lockstep: {'rank' if nnodes == 1 else 'local rank'}{'s' if len(finished) > 1 else ''} {ranks} "
-                  "ended the script (exit code 0) while the others still waited in a collective: every rank must "
+                  "ended the script while the others still waited in a collective: every rank must "
                   "run the same collectives. Code under `if rank == 0:` that validates, saves or syncs a metric "
                   "is the usual cause; so is a collective inside a loop over rt.eval_loader, whose shards differ "
                   "in length by rank (gather once, after the loop).", file=sys.stderr)
@@ -218,6 +223,20 @@ def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
         return _lost_a_peer(failure), failure.timestamp, order[rank]
 
     return min(failures.items(), key=key)
+
+
+_ENDED_RANKS = re.compile(r"Ranks? ([0-9, ]+) ended the script while this rank still waits")
+
+
+def _ended_by_report(failures: dict[int, Any]) -> set[int]:
+    """The ranks that a failed rank's own report says ended the script (closed their Runtime) while it
+    waited in a collective (``Watchdog``'s report, read from the rank's traceback)."""
+    ended: set[int] = set()
+    for failure in failures.values():
+        found = _ENDED_RANKS.search(_traceback_of(failure.error_file_data) or str(failure.message))
+        if found is not None:
+            ended.update(int(r) for r in found.group(1).split(",") if r.strip())
+    return ended
 
 
 def _preempted(failures: dict[int, Any]) -> bool:
