@@ -53,7 +53,7 @@ def test_loggers_write_csv_jsonl_and_tensorboard_with_hyperparameters(tmp_path):
     assert [r["step"] for r in rows if r.get("train_loss")] == ["2", "4", "6", "8"]
     assert any(r.get("val_acc") for r in rows) and any(r.get("train_loss_epoch") for r in rows)
     lrs = [float(r["lr-0-0"]) for r in rows if r.get("lr-0-0")]
-    assert lrs == [0.1 * 0.5**2, 0.1 * 0.5**4, 0.1 * 0.5**6, 0.1 * 0.5**8]  # stepped per step
+    assert lrs == [0.1 * 0.5**1, 0.1 * 0.5**3, 0.1 * 0.5**5, 0.1 * 0.5**7]  # stepped per step: what step 2k used
     assert json.loads(open(tmp_path / "hparams.json").read())["max_epochs"] == 2
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[0]["hparams"]["log_every_n_steps"] == 2 and any("val_loss" in line for line in lines)

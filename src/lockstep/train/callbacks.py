@@ -198,8 +198,11 @@ class ModelCheckpoint(Callback):
     """Save checkpoints every ``every_n_steps`` steps and/or ``every_n_epochs`` epochs.
 
     With ``monitor``, keep the ``save_top_k`` best by that metric (``mode`` min or max); without,
-    keep the newest ``save_top_k`` (``-1``: all). ``save_last`` also keeps ``last.ckpt`` (a link to
-    the newest checkpoint when that one is kept). ``dirpath`` defaults to the Trainer's
+    keep the newest ``save_top_k`` (``-1``: all). ``every_n_epochs`` defaults to 1 without
+    ``every_n_steps``, to 0 (never) with it, as in Lightning. ``save_last`` also keeps ``last.ckpt`` (a
+    link to the newest checkpoint when that one is kept), and saves the fit's final step when no rule did.
+    ``best_model_path`` and ``best_model_score`` are read from the folder when a fit starts (a resumed
+    fit keeps them), then follow each save. ``dirpath`` defaults to the Trainer's
     ``checkpoint_dir``. Each checkpoint is a folder that every rank writes its shards into,
     committed atomically; ``async_save`` writes it in the background while training goes on, and
     an older checkpoint is deleted only once the newer one is committed.
@@ -207,19 +210,24 @@ class ModelCheckpoint(Callback):
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
                  save_top_k: int = 1, save_last: bool = True, every_n_steps: int | None = None,
-                 every_n_epochs: int | None = 1, async_save: bool = False) -> None:
+                 every_n_epochs: int | None = None, async_save: bool = False) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.monitor, self.mode = monitor, _check_mode(mode)
         self.save_top_k, self.save_last = save_top_k, save_last
+        if every_n_epochs is None:  # Lightning's: each epoch, unless a step interval is given
+            every_n_epochs = 0 if every_n_steps else 1
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
         self.async_save = async_save
         self.best_model_path: str | None = None
+        self.best_model_score: float | None = None
+        self._unscored_warned = False
         self._after_validation = False  # a step's save waits for the step's validation
 
     def on_fit_start(self, trainer: Trainer, module: Module) -> None:
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is not None:
             trainer.runtime.prepare_checkpoint_folder(folder)
+            self._note_best(self._kept(Path(folder)))
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
@@ -253,10 +261,11 @@ class ModelCheckpoint(Callback):
         self._after_validation = bool(state.get("after_validation", False))
 
     def on_train_end(self, trainer: Trainer, module: Module) -> None:
-        """Whatever ended the fit (``max_steps`` within an epoch, a stream, early stopping), its final
-        step is saved, as by the step and epoch rules, unless a checkpoint of that step exists."""
+        """Whatever ended the fit (``max_steps`` within an epoch, a stream, early stopping), with
+        ``save_last`` its final step is saved (ranked as the rules' saves are), unless a checkpoint of that
+        step exists."""
         folder = self.dirpath or trainer.checkpoint_dir
-        if folder is None:
+        if folder is None or not self.save_last:
             return
         rt = trainer.runtime
         rt.wait_for_save()
@@ -270,13 +279,16 @@ class ModelCheckpoint(Callback):
         if folder is None:
             raise ConfigError("ModelCheckpoint needs a folder: give dirpath= or Trainer(checkpoint_dir=...).")
         folder = Path(folder)
-        # The epoch counts from 1, as in the progress lines: epoch=1 is the first epoch's.
-        path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}.ckpt"
+        # The epoch counts from 1, as in the progress lines: epoch=1 is the first epoch's (the step's own epoch,
+        # also once that epoch has ended)
+        path = folder / f"epoch={trainer.loop.epoch_number}-step={trainer.global_step:08d}.ckpt"
         trainer.runtime.wait_for_save()  # a save in the background: the folder then shows it
         kept = self._kept(folder)
         if path in kept:
             return  # already saved at this step (e.g. by both the step and the epoch rule)
         score = self._score(trainer)
+        if score is None:
+            return
         mode = self.mode if self.monitor is not None else "max"
         keep = self.save_top_k != 0 and (
             self.save_top_k < 0 or len(kept) < self.save_top_k
@@ -287,9 +299,8 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(last, blocking=not self.async_save)
             return
         kept[path] = score
-        ranked = sorted(kept, key=lambda p: kept[p], reverse=mode == "max")  # the best first
+        ranked = self._note_best(kept)
         dropped = ranked[self.save_top_k:] if self.save_top_k > 0 else []
-        self.best_model_path = str(ranked[0])
 
         def after_commit() -> None:  # rank 0, once the new checkpoint is complete
             if self.save_last:
@@ -315,11 +326,28 @@ class ModelCheckpoint(Callback):
                 kept[found.path] = self._ranked(float(value))
         return kept
 
-    def _score(self, trainer: Trainer) -> float:
+    def _note_best(self, kept: dict[Path, float]) -> list[Path]:
+        """The kept checkpoints, the best first; the best noted as ``best_model_path``/``best_model_score``."""
+        ranked = sorted(kept, key=lambda p: kept[p], reverse=self.monitor is None or self.mode == "max")
+        if ranked:
+            self.best_model_path = str(ranked[0])
+            self.best_model_score = kept[ranked[0]] if self.monitor is not None else None
+        return ranked
+
+    def _score(self, trainer: Trainer) -> float | None:
+        """The checkpoint's score; None (not saved) when the monitored metric is a validation's and no
+        validation has run yet (Lightning's, with a warning): an error once one has."""
         if self.monitor is None:
             return float(trainer.global_step)
         score = trainer.callback_metrics.get(self.monitor)
         if score is None:
+            if trainer.validates and trainer.loop.validated_at is None:
+                if not self._unscored_warned:
+                    self._unscored_warned = True
+                    trainer.runtime.print(f"lockstep: ModelCheckpoint(monitor={self.monitor!r}) skips its saves "
+                                          f"until the metric is logged (step {trainer.global_step}: no validation "
+                                          "has run yet).")
+                return None
             raise ConfigError(f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet; logged "
                               f"metrics are {sorted(trainer.callback_metrics)}.")
         return self._ranked(float(score))
@@ -335,12 +363,14 @@ class EarlyStopping(Callback):
     holds the epoch's value at an epoch's end.
 
     The metric is reduced over all ranks before it is compared, so every rank decides the same and
-    stops at the same step.
+    stops at the same step. ``check_finite`` (Lightning's default): a NaN or infinite value stops the fit
+    at once.
     """
 
-    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 check_finite: bool = True) -> None:
         self.monitor, self.mode = monitor, _check_mode(mode)
-        self.patience, self.min_delta = patience, min_delta
+        self.patience, self.min_delta, self.check_finite = patience, min_delta, check_finite
         self.best: float | None = None
         self.wait = 0
         self.stopped_at_step: int | None = None
@@ -357,6 +387,12 @@ class EarlyStopping(Callback):
             raise ConfigError(f"EarlyStopping(monitor={self.monitor!r}): no such metric; logged metrics are "
                               f"{sorted(trainer.callback_metrics)}.")
         value = trainer.callback_metrics[self.monitor]
+        if self.check_finite and not math.isfinite(value):
+            trainer.runtime.print(f"lockstep: EarlyStopping stops the fit at step {trainer.global_step}: "
+                                  f"{self.monitor} = {value} is not finite (the best was {self.best}).")
+            trainer.should_stop = True
+            self.stopped_at_step = trainer.global_step
+            return
         if self.best is None or _better(self.mode, value, self.best, self.min_delta):
             self.best, self.wait = value, 0
             return
@@ -374,22 +410,28 @@ class EarlyStopping(Callback):
 
 class LearningRateMonitor(Callback):
     """Log each optimizer param group's learning rate as ``lr-<optimizer>-<group>``: the optimizer's index,
-    or the ``name`` of its scheduler's configuration. ``"step"``: at each logging step, the rate the next
-    step uses; ``"epoch"``: at each epoch's start, the rate its steps use (both as Lightning logs them)."""
+    or the ``name`` of its scheduler's configuration. ``"step"``: at each logging step, the rate that step
+    used (read at its last batch's start, before its schedulers step); ``"epoch"``: at each epoch's start,
+    the rate its first step uses (both as Lightning logs them)."""
 
     def __init__(self, logging_interval: str = "step") -> None:
         if logging_interval not in ("step", "epoch"):
             raise ConfigError(f"logging_interval={logging_interval!r}: use 'step' or 'epoch'.")
         self.logging_interval = logging_interval
+        self._used: dict[str, float] = {}  # the rates of the step under way
 
     def _rates(self, trainer: Trainer) -> dict[str, float]:
         names = {id(getattr(s.scheduler, "optimizer", None)): s.name for s in trainer.lr_schedulers if s.name}
         return {f"lr-{names.get(id(optimizer), i)}-{j}": float(group["lr"])
                 for i, optimizer in enumerate(trainer.optimizers) for j, group in enumerate(optimizer.param_groups)}
 
+    def on_train_batch_start(self, trainer: Trainer, module: Module, batch: Any, batch_idx: int) -> None:
+        if self.logging_interval == "step" and trainer.at_step_boundary:
+            self._used = self._rates(trainer)
+
     def on_train_log(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "step":
-            trainer.log_metrics(self._rates(trainer))
+            trainer.log_metrics(self._used or self._rates(trainer))
 
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "epoch":

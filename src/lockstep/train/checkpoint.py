@@ -101,7 +101,7 @@ def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> floa
     trainer.fire("on_save_checkpoint", objects)
     loader = trainer.train_loader
     # The epoch counts from 1, as in the checkpoint's name and the progress lines.
-    metadata = {"step": trainer.global_step, "epoch": trainer.current_epoch + 1,
+    metadata = {"step": trainer.global_step, "epoch": trainer.loop.epoch_number,
                 "global_batch": loader.sampler.batch_size if loader is not None else None,
                 "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
     # rt.save syncs the ranks' buffers (BatchNorm statistics): rank 0's are saved.

@@ -29,6 +29,7 @@ class LoopState:
     epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
     plateau_due: bool = False  # the epoch's end ran up to its plateau schedulers' step, not yet taken (resume takes it)
     step_plateau_due: bool = False  # the same for a step's (they step after its batch's end and its validation)
+    log_due: bool = False  # the step just taken is a logging step whose values are not logged yet
     batch_samples: int | None = None  # this rank's samples in the current batch, self.log's weight (None: no batch)
     batch_global_samples: int = 0  # the samples of the current batch over all ranks
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
@@ -36,6 +37,12 @@ class LoopState:
     validated_at: int | None = None  # the step of the last validation in this fit
     pass_over: bool = False  # resumed after the pass's last batch (a stream's, whose length is unknown)
     only_end_left: bool = False  # the current epoch's pass has no batch left, only its end to run
+    between_epochs: bool = False  # an epoch ended (current_epoch counts it) and the next has not started
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of the newest step, counted from 1 (as checkpoint names and progress lines count)."""
+        return self.current_epoch + (0 if self.between_epochs and self.current_epoch else 1)
 
     def finished(self, max_epochs: int | None, max_steps: int | None) -> bool:
         return (self.should_stop or (max_steps is not None and self.global_step >= max_steps)
@@ -43,7 +50,7 @@ class LoopState:
 
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
-        self.only_end_left = self.end_left()
+        self.only_end_left, self.between_epochs = self.end_left(), False
         start, self.resume_batches, self.pass_over = self.resume_batches, 0, False
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
@@ -88,6 +95,7 @@ class LoopState:
 
     def end_epoch(self) -> None:
         self.current_epoch += 1
+        self.between_epochs = True
 
     def resume_at(self, batches_done: int) -> None:
         """Continue the current epoch after ``batches_done`` batches (what loading a checkpoint sets)."""
@@ -96,7 +104,7 @@ class LoopState:
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
                 "plateau_due": self.plateau_due, "step_plateau_due": self.step_plateau_due,
-                "validated_at": self.validated_at, "should_stop": self.should_stop}
+                "validated_at": self.validated_at, "should_stop": self.should_stop, "log_due": self.log_due}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
@@ -106,6 +114,7 @@ class LoopState:
         self.step_plateau_due = loop.get("step_plateau_due") is True
         # written after a callback stopped the fit (EarlyStopping): the resumed fit stops there too
         self.should_stop = loop.get("should_stop") is True
+        self.log_due = loop.get("log_due") is True  # saved at a logging step's batch end, before its log
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in

@@ -133,6 +133,15 @@ class Module(nn.Module):
             raise UsageError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): lockstep reduces a metric by its "
                              "sample-weighted mean over the whole dataset only; log the values and reduce them "
                              "yourself, or pass reduce_fx='mean'.")
+        if on_step is False and on_epoch is False:
+            raise UsageError(f"self.log({name!r}, on_step=False, on_epoch=False) would log nothing: leave one of "
+                             "them True (or out).")
+        if not isinstance(value, (torch.Tensor, int, float)) and callable(getattr(value, "compute", None)):
+            raise UsageError(f"self.log({name!r}, {type(value).__name__}(...)): lockstep logs tensors and numbers, "
+                             "each the mean over the batch's samples, weighed and reduced over the whole dataset "
+                             "exactly. Log what the metric returns for the batch (self.log(name, metric(preds, "
+                             "target))): exact for a mean such as accuracy; for other metrics call metric.compute() "
+                             "in an epoch-end hook and pass it to self.trainer.log_metrics.")
         sink: MetricSink = self.trainer
         sink.record_metric(name, value, prog_bar=prog_bar, batch_size=batch_size, on_step=on_step,
                            on_epoch=on_epoch)
@@ -223,6 +232,8 @@ def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], S
     monitor = None
     if isinstance(result, torch.optim.Optimizer):
         return [result], Schedules()
+    if isinstance(result, (list, tuple)) and result and all(isinstance(o, torch.optim.Optimizer) for o in result):
+        return list(result), Schedules()  # [optimizer, ...], as Lightning takes it
     if isinstance(result, dict):
         unknown = sorted(set(result) - {"optimizer", "lr_scheduler", "monitor"}, key=str)
         if unknown or "optimizer" not in result:
@@ -235,8 +246,9 @@ def configure_optimizers(module: Module) -> tuple[list[torch.optim.Optimizer], S
     elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
         optimizers, schedulers = list(result[0]), list(result[1])
     else:
-        raise UsageError("configure_optimizers() must return an optimizer, a dict {'optimizer', 'lr_scheduler'} "
-                         f"or ([optimizers], [schedulers]); got {type(result).__name__}.")
+        raise UsageError("configure_optimizers() must return an optimizer, a list of optimizers, a dict "
+                         "{'optimizer', 'lr_scheduler'} or ([optimizers], [schedulers]); got "
+                         f"{type(result).__name__}.")
     return optimizers, Schedules(schedulers_read(scheduler, monitor) for scheduler in schedulers)
 
 

@@ -177,15 +177,17 @@ class ProgressBar(Callback):
         self._progress.update(self._task, completed=trainer.batches_done_in_epoch)
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1)
+
+    def on_train_log(self, trainer: Trainer, module: Module) -> None:
+        """The logging step's values, once logged (after its batch's end)."""
         if self._progress is None:
             return
-        fields = {}
-        if trainer.is_logging_step:
-            shown = {k: v for k, v in trainer.callback_metrics.items() if k in trainer.progress_bar_metrics}
-            if "samples_per_s" in trainer.callback_metrics:
-                shown["samples_per_s"] = trainer.callback_metrics["samples_per_s"]
-            fields["stats"] = _stats(shown)
-        self._progress.update(self._task, advance=1, **fields)
+        shown = {k: v for k, v in trainer.callback_metrics.items() if k in trainer.progress_bar_metrics}
+        if "samples_per_s" in trainer.callback_metrics:
+            shown["samples_per_s"] = trainer.callback_metrics["samples_per_s"]
+        self._progress.update(self._task, stats=_stats(shown))
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         if not trainer.is_global_zero:

@@ -231,6 +231,8 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
+            if self.loop.log_due:  # resumed from a checkpoint of a logging step written before its log
+                self._log_step()
             self.evaluation.after_resume()
             if self.loop.step_plateau_due:  # resumed from a checkpoint of a step whose plateau schedulers are due
                 self._step_plateau_schedulers()
@@ -405,6 +407,10 @@ class Trainer:
             return False  # fault tolerance: a replica group died during the step; its batches come again
         if self._hooks.runs(2):  # also a callback added during this batch
             self.fire("on_train_batch_end", outputs, batch, batch_idx)
+            if self.metrics.commits:  # its values are the committed step's (a later step may not commit)
+                self.metrics.settle()
+        if loop.log_due:  # after on_train_batch_end: what it logged is in the step's values (Lightning's)
+            self._log_step()
         return loop.at_step_boundary
 
     def _step_taken(self, samples: int) -> bool:
@@ -417,12 +423,17 @@ class Trainer:
             return False
         self.loop.stepped(samples)
         self.profiler.step()
-        if self.is_logging_step:
-            self.metrics.settle()
-            self.log_metrics(self.metrics.window.reduce(self._runtime))
-            self.metrics.window.reset()
-            self.fire("on_train_log")
+        self.loop.log_due = self.is_logging_step
         return True
+
+    def _log_step(self) -> None:
+        """A logging step's values, reduced over the ranks and logged, then ``on_train_log``. A checkpoint
+        written before (at the batch's end) records that the log is due: the resumed fit writes it first."""
+        self.metrics.settle()
+        self.log_metrics(self.metrics.window.reduce(self._runtime))
+        self.metrics.window.reset()
+        self.loop.log_due = False
+        self.fire("on_train_log")
 
     def _step_optimizers(self) -> bool:
         """The optimizers' step, then the schedulers'; False when it was not committed (fault tolerance:
