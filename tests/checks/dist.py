@@ -518,3 +518,44 @@ def non_contiguous_reference() -> dict:
     return {"sum": {k: one[k] + two[k] for k in one}, "mean": {k: (one[k] + two[k]) / 2 for k in one},
             "max": {k: torch.maximum(one[k], two[k]) for k in one}, "ranks": [one, two],
             "weights": model.weight.detach().contiguous(), "offset": model.offset.detach().contiguous()}
+
+
+def collectives_by_key() -> dict:
+    """Dicts built in another key order on each rank, bools and numpy scalars, in rt.all_reduce and
+    rt.gather; keys that differ by rank are refused."""
+    import numpy as np
+
+    from lockstep.errors import ConfigError
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    r = rt.rank
+    pairs = [("a", r + 1), ("b", 10 * (r + 1))]
+    ordered = dict(pairs if r == 0 else pairs[::-1])
+    out = {"sum": rt.all_reduce(ordered, op="sum"),
+           "flags": [rt.all_reduce(r == 1, op=op) for op in ("max", "min", "sum")],
+           "numpy": [rt.all_reduce(np.float32(r + 0.5), op="sum"), rt.all_reduce(np.int64(r + 2), op="sum")]}
+    out["numpy_types"] = [type(v).__name__ for v in out["numpy"]]
+    rows = {"a": torch.full((1,), float(r)), "b": torch.full((1,), 10.0 + r)}
+    out["gather"] = rt.gather(dict(rows.items() if r == 0 else list(rows.items())[::-1]), order="rank")
+    for name, call in (("all_reduce", lambda: rt.all_reduce({"cat" if r == 0 else "dog": 1.0}, op="sum")),
+                       ("gather", lambda: rt.gather({"cat" if r == 0 else "dog": torch.ones(1)}, order="rank"))):
+        try:
+            call()
+            out[name + "_refused"] = ""
+        except ConfigError as error:
+            out[name + "_refused"] = str(error)
+    return out
+
+
+def clip_over_two_models() -> list[float]:
+    """Two models set up apart, one optimizer each, clipped together: the norm of both models' gradients."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    torch.manual_seed(0)
+    encoder, decoder = nn.Linear(4, 3), nn.Linear(3, 2)
+    encoder, first = rt.setup(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1))
+    decoder, second = rt.setup(decoder, torch.optim.SGD(decoder.parameters(), lr=0.1))
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    rt.backward(decoder(encoder(x)).square().sum())
+    grads = [p.grad.clone() for m in (encoder, decoder) for p in lockstep.unwrap(m).parameters()]
+    norm = rt.clip_grad_norm_(encoder, [first, second], 0.1)
+    return [float(norm), float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))]

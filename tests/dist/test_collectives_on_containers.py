@@ -42,3 +42,22 @@ def test_a_backward_not_from_the_loader_is_never_reweighted(leave):
     # The last global batch splits 2+1 (weights 4/3 and 2/3); a later backward must not see them.
     assert run_ranks(checks.stale_loss_weight, 2, leave) == [1.5, 1.5]
 
+
+
+def test_dicts_match_by_key_bools_and_numpy_scalars_reduce_and_other_keys_are_refused():
+    """Rank 0 builds {a, b}, rank 1 {b, a}: the values meet by key, not by place. Before, rank 0 got
+    {'a': 21, 'b': 12}; bools and numpy scalars came back unreduced; other keys on each rank summed
+    'cat' with 'dog'."""
+    for out in run_ranks(checks.collectives_by_key, 2):
+        assert out["sum"] == {"a": 3, "b": 30}
+        assert out["flags"] == [True, False, 1]  # any, all, how many
+        assert out["numpy"] == [2.0, 5] and out["numpy_types"] == ["float32", "int64"]
+        assert torch.equal(out["gather"]["a"], torch.tensor([0.0, 1.0]))
+        assert torch.equal(out["gather"]["b"], torch.tensor([10.0, 11.0]))
+        assert "rt.all_reduce: the ranks passed data of different structures" in out["all_reduce_refused"]
+        assert "rt.gather: the ranks' outputs have different structures" in out["gather_refused"]
+
+
+def test_clipping_two_models_together_takes_the_norm_of_both():
+    for norm, reference in run_ranks(checks.clip_over_two_models, 2):
+        assert norm == pytest.approx(reference, rel=1e-6)

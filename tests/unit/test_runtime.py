@@ -523,3 +523,35 @@ def test_torchs_clip_grad_norm_before_lockstep_finished_the_gradients_is_refused
     if precision == "32-true":
         by_hand = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
         assert torch.isclose(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01), by_hand)
+
+
+@pytest.mark.parametrize("kind", ["SGD", "LBFGS"])
+def test_an_optimizer_stepped_with_a_closure_gets_gradients_divided_by_the_closures_num_items(kind):
+    """The closure runs the backward inside the step (LBFGS: several times): its num_items division comes
+    before the optimizer reads the gradients. Before, SGD stepped on the undivided sum (2.7e-2 off)."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, -100, 1, -100])
+
+    def run(with_runtime: bool) -> torch.Tensor:
+        torch.manual_seed(1)
+        model = nn.Linear(4, 3)
+        make = torch.optim.SGD if kind == "SGD" else torch.optim.LBFGS
+        optimizer = make(model.parameters(), lr=0.5, **({"max_iter": 3} if kind == "LBFGS" else {}))
+        rt = lockstep.Runtime(accelerator="cpu") if with_runtime else None
+        if rt is not None:
+            model, optimizer = rt.setup(model, optimizer)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), labels, ignore_index=-100)  # the mean over the 4 labelled rows
+            if rt is None:
+                loss.backward()
+            else:
+                rt.backward(loss, num_items=(labels != -100).sum())
+            return loss
+
+        for _ in range(3):
+            optimizer.step(closure)
+        return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
+
+    assert torch.allclose(run(True), run(False), atol=1e-6)

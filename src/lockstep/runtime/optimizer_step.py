@@ -141,7 +141,12 @@ class OptimizerStep:
             # the norm over all shards, meshes and pipeline stages, of the parameters these optimizers step: those
             # unscaled (another optimizer's gradients may still be scaled)
             held = {id(p) for p in _parameters_of(optimizers)}
-            parameters = [p for p in model.parameters() if id(p) in held]
+            parameters: list[torch.Tensor] = [p for p in model.parameters() if id(p) in held]  # the model's first
+            listed = {id(p) for p in parameters}
+            for p in _parameters_of(optimizers):  # then those of other models these optimizers step
+                if id(p) not in listed:
+                    listed.add(id(p))
+                    parameters.append(p)
             self._clipping = True
             try:
                 return clip_grad_norm(parameters, max_norm, norm_type, getattr(model, "norm_across_stages", None))
@@ -166,10 +171,22 @@ class OptimizerStep:
                 return original() if closure is None else original(closure)
             inside = True
             try:
-                return run(self, lambda: original() if closure is None else original(closure), closure is not None)
+                if closure is None:
+                    return run(self, original)
+                return run(self, lambda: original(finishing(closure)), closure=True)
             finally:
                 inside = False
 
+        def finishing(closure: Callable[[], Any]) -> Callable[[], Any]:
+            """The closure, then the step's gradients finished (``num_items``'s division) before the optimizer
+            reads them: the closure runs the backward inside the step (LBFGS calls it several times)."""
+            def closure_then_finish() -> Any:
+                loss = closure()
+                items.finish_step()
+                return loss
+            return closure_then_finish
+
+        items = self.items
         patched._lockstep_patched = True  # type: ignore[attr-defined]
         mark_wrapped_by_lr_scheduler(original, patched)  # a scheduler made before setup wrapped step(): ours calls it
         optimizer.step = types.MethodType(patched, optimizer)  # type: ignore[method-assign]

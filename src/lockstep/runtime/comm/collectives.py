@@ -34,7 +34,33 @@ def barrier(device: torch.device) -> None:
 
 
 def _reducible(value: Any) -> bool:
-    return isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)
+    return isinstance(value, (int, float, torch.Tensor)) or _numpy_scalar(value)
+
+
+def _numpy_scalar(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "item")
+
+
+def keys_sorted(data: Any) -> Any:
+    """``data`` with each plain dict's entries in the order of their keys (as strings): ranks that built the
+    same dict in another order then line up leaf by leaf."""
+    if type(data) is dict:
+        return {key: keys_sorted(data[key]) for key in sorted(data, key=str)}
+    if type(data) in (list, tuple):
+        return type(data)(keys_sorted(item) for item in data)
+    return data
+
+
+def _same_structure(spec: Spec, what: str) -> None:
+    """Every rank's ``spec`` is the same (one small all-reduce); else a ConfigError showing each rank's."""
+    text = str(spec)
+    code = int(hashlib.sha1(text.encode()).hexdigest()[:12], 16)
+    check = torch.tensor([code, -code], dtype=torch.int64)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    if check.tolist() != [code, -code]:
+        shown = "; ".join(f"rank {r}: {t}" for r, t in enumerate(_all_gather_object(text)))
+        raise ConfigError(f"{what}: the ranks passed data of different structures (dict keys, lengths), so their "
+                          f"values cannot be matched one to one: {shown}. Give every rank the same keys.")
 
 
 def all_reduce(data: Any, op: str, device: torch.device) -> Any:
@@ -64,10 +90,16 @@ def all_reduce(data: Any, op: str, device: torch.device) -> Any:
     def reduce(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return reduce_tensor(value)
-        dtype = torch.float64 if isinstance(value, float) or op == "mean" else torch.int64
-        return reduce_tensor(torch.tensor(value, dtype=dtype)).item()
+        number = value.item() if _numpy_scalar(value) else value  # a numpy scalar comes back as its own type
+        dtype = torch.float64 if isinstance(number, float) or op == "mean" else torch.int64
+        result = reduce_tensor(torch.tensor(int(number) if isinstance(number, bool) else number, dtype=dtype)).item()
+        if isinstance(number, bool) and op in ("max", "min"):  # any / all
+            return bool(result)
+        return type(value)(result) if _numpy_scalar(value) else result
 
-    leaves, spec = flatten(data)
+    leaves, spec = flatten(keys_sorted(data))
+    if not spec.is_leaf():
+        _same_structure(spec, "rt.all_reduce")
     return unflatten([reduce(leaf) if _reducible(leaf) else leaf for leaf in leaves], spec)
 
 
@@ -266,7 +298,7 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
     index in the order of their ``places`` (where each stands in the pass, the same on every rank: a sampler
     that draws an index twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel
     peer): it adds none."""
-    leaves, spec = flatten(merge_batches(data), is_leaf=_is_rows)
+    leaves, spec = flatten(merge_batches(keys_sorted(data)), is_leaf=_is_rows)
     leaves = [_join_chunks(leaf) for leaf in leaves]
     problem = _rows_problem(leaves, len(indices)) if indices is not None else None
     if replica and problem is None:
@@ -325,6 +357,10 @@ def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
         if other is not None:
             leaves, spec = flatten(other, is_leaf=_is_rows_or_slot)
             leaves = [[] if isinstance(leaf, list) else leaf for leaf in leaves]
+    shapes = {str(flatten(s, is_leaf=_is_rows_or_slot)[1]) for s in structures if not (isinstance(s, list) and not s)}
+    if len(shapes) > 1:
+        raise ConfigError("rt.gather: the ranks' outputs have different structures (dict keys, lengths), so their "
+                          f"rows cannot be joined: {sorted(shapes)}. Give every rank outputs of the same keys.")
     others = [flatten(s, is_leaf=_is_rows_or_slot)[0] for s in structures]
     leaves = [_fill_empty_rows(leaf, [o[i] if i < len(o) else None for o in others]) for i, leaf in enumerate(leaves)]
     per_rank = [flatten(d, is_leaf=_is_rows)[0] for d in all_gather(unflatten(leaves, spec), device)]
