@@ -386,3 +386,69 @@ def test_a_save_in_the_middle_of_an_accumulation_says_its_gradients_are_not_kept
         rt.save(tmp_path / "after", {"model": model, "optimizer": optimizer})
     assert not [w for w in caught if "lockstep" in str(w.message)]
     rt.close()
+
+
+def test_a_save_before_the_first_step_changes_nothing_and_resumes_with_no_optimizer_state(tmp_path):
+    """DCP makes a fresh optimizer's state by a step at lr 0, which counts in Adam's step: the live run
+    would take its bias correction from step 2 on (0.04 off after 3 steps), and so would a resume."""
+    import lockstep
+
+    def run(save: bool = False, resume: bool = False) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(0)
+        rt = lockstep.Runtime(accelerator="cpu")
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=0.1))
+        if resume:
+            rt.load(tmp_path / "start", {"model": model, "optimizer": optimizer})
+            assert not optimizer.state
+        if save:
+            rt.save(tmp_path / "start", {"model": model, "optimizer": optimizer})
+            assert not optimizer.state
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            rt.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        return tc.checks.flat_weights(model), float(optimizer.state_dict()["state"][0]["step"])
+
+    reference = run()
+    for saved_or_resumed in (run(save=True), run(resume=True)):
+        assert torch.equal(saved_or_resumed[0], reference[0]) and saved_or_resumed[1] == reference[1] == 3.0
+
+
+def test_the_runtime_apis_checkpoint_holds_the_loss_scale_under_16_mixed(tmp_path):
+    """rt.save of a model and its optimizer under 16-mixed keeps the GradScaler's scale (the Trainer's did):
+    a resume continues with the scale it had, not torch's first one (512 against 32 after 12 steps)."""
+    import lockstep
+
+    def run(save_at: int | None = None, resume: bool = False) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(0)
+        rt = lockstep.Runtime(accelerator="cpu", precision="16-mixed")
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        state = {"model": model, "optimizer": optimizer}
+        if resume:
+            rt.load(tmp_path / "ck", state)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)) * 1e3
+        for step in range(4 if resume else 0, 12):
+            rt.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if step + 1 == save_at:
+                rt.save(tmp_path / "ck", state)
+        return tc.checks.flat_weights(model), rt.precision.scaler.get_scale()
+
+    whole = run(save_at=4)
+    resumed = run(resume=True)
+    assert torch.equal(resumed[0], whole[0]) and resumed[1] == whole[1] == 32.0
+
+
+def test_a_larger_models_checkpoint_is_refused_by_a_smaller_model(tmp_path):
+    """DCP loads the keys it is asked for: the first layer of a two-layer checkpoint loaded silently into
+    a one-layer model."""
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    rt.save(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))})
+    with pytest.raises(CheckpointError, match=r"holds 2 weight\(s\) this model does not have \(1.bias, 1.weight\)"):
+        rt.load(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4)))})

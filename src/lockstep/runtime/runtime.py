@@ -196,7 +196,7 @@ class Runtime:
         ranks = Ranks(self.rank, self.world_size, self.barrier, self.all_gather, self.sync_buffers, self.print,
                       self._watchdog)
         record = RayRecord(self.rank, self.print) if self.env.capabilities.records_checkpoints else None
-        return Checkpoints(ranks, self.strategy.name, checksums_from_environ(), record)
+        return Checkpoints(ranks, self.strategy.name, checksums_from_environ(), record, self.precision)
 
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))

@@ -126,7 +126,7 @@ class Checkpointer:
                 raise CheckpointError(f"{path}: damaged, not loaded:\n  " + "\n  ".join(problems))
         try:
             dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
-                     storage_reader=SafeReader(str(path)), planner=SafePlanner())
+                     storage_reader=SafeReader(str(path)), planner=SafePlanner(models=list(sharded)))
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
             # The reason is quoted; DCP's text repeats every rank's traceback (about 200 lines of noise).
             raise _load_error(path, error) from None

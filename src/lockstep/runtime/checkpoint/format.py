@@ -51,7 +51,11 @@ def read_metadata(path: Path | str) -> dict[str, Any]:
             f"{path}: not a complete lockstep checkpoint ({type(error).__name__}: {error}). A save that "
             "was interrupted leaves no metadata: resume from another checkpoint."
         ) from None
-    if int(metadata.get("format", 0)) > FORMAT:
+    version = metadata.get("format", 0) if isinstance(metadata, dict) else None
+    if type(version) is not int:  # valid JSON of another shape (null, a list, a format that is no number)
+        raise CheckpointError(f"{path}: {METADATA} is damaged (it holds {str(metadata)[:80]!r}, not lockstep's "
+                              "metadata): resume from another checkpoint.")
+    if version > FORMAT:
         raise CheckpointError(
             f"{path}: written by a newer lockstep (checkpoint format {metadata['format']}); this one reads "
             f"format {FORMAT}: upgrade lockstep to resume from it."

@@ -93,13 +93,18 @@ class Ranks:
     watchdog: Watchdog
 
 
+_LOSS_SCALE = "lockstep.loss_scale"  # the precision's state in the objects of a checkpoint that was not given it
+
 class Checkpoints:
     """Saves, finds, verifies and loads checkpoint folders; every rank calls every method."""
 
-    def __init__(self, ranks: Ranks, strategy_name: str, checksums: bool, record: RayRecord | None = None) -> None:
+    def __init__(self, ranks: Ranks, strategy_name: str, checksums: bool, record: RayRecord | None = None,
+                 precision: Any = None) -> None:
         """``record``: the engine's record of the job's checkpoints (Ray Train), told of each committed
-        checkpoint and asked for its newest at a resume."""
+        checkpoint and asked for its newest at a resume. ``precision``: the Runtime's, whose loss scale
+        (``16-mixed``) every checkpoint holds, unless the state given holds it already."""
         self.ranks, self.strategy_name, self.checksums, self.record = ranks, strategy_name, checksums, record
+        self.precision = precision
         self._checkpointer: Checkpointer | None = None  # made at the first save or load (it imports DCP)
         self._unreported: tuple[Path, dict[str, Any]] | None = None  # a background save the record awaits
         # Under lockstep verify: this run's record folder, stamped on what it saves. Its runs share the script's
@@ -113,19 +118,28 @@ class Checkpoints:
         from lockstep.runtime.checkpoint.hf_export import describe
         from lockstep.runtime.checkpoint.parts import OPTIMIZERS_BY_PARAMETER, split_state
 
+        state = self._with_loss_scale(state)
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
             self.ranks.sync_buffers(part.model)
         _say_pending_gradients([name for name, part in sharded.items()
                                 if part.optimizers and _holds_gradients(part.model)])
         hf_models = {name: d for name, part in sharded.items() if (d := describe(part.model)) is not None}
+        # An optimizer that has taken no step has no state: DCP makes it one (a step at lr 0, which counts in
+        # Adam's step), so the live optimizer is given its empty state back and a load empties it again.
+        fresh = sorted(name for name in optimizer_of if not state[name].state)
         info = {**(metadata or {}), "world_size": self.ranks.world_size, "strategy": self.strategy_name,
                 "optimizers": optimizer_of, "optimizer_layout": OPTIMIZERS_BY_PARAMETER,
+                **({"stateless_optimizers": fresh} if fresh else {}),
                 **({"hf_models": hf_models} if hf_models else {}),
                 **({"verify_run": self.verify_run} if self.verify_run is not None else {})}
         reported = self.wait() if self.record is not None else 0.0  # the record hears of saves in order
         with self.ranks.watchdog.watch("checkpoint save"):
-            blocked = self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
+            try:
+                blocked = self._files().save(path, sharded, objects, info, blocking=blocking, then=on_commit)
+            finally:  # the state DCP made is in the save (staged): the live optimizers have none, as before
+                for name in fresh:
+                    state[name].state.clear()
         if self.record is not None:
             self._unreported = (Path(path), info)
             if blocking:
@@ -256,6 +270,12 @@ class Checkpoints:
         sharded, _, optimizer_of = split_state(state, by_parameter)
         with self.ranks.watchdog.watch("checkpoint load"):
             objects = self._files().load(checkpoint.path, sharded, checkpoint.metadata, verify_files=verify)
+        if _LOSS_SCALE in objects and state is not self._with_loss_scale(state):  # not given it: it is the run's own
+            self.precision.load_state_dict(objects[_LOSS_SCALE])
+        stateless = checkpoint.metadata.get("stateless_optimizers")
+        for name in stateless if isinstance(stateless, list) else ():  # saved before their first step
+            if name in optimizer_of:
+                state[name].state.clear()
         for name, value in state.items():
             if name in sharded or name in optimizer_of:
                 continue
@@ -266,6 +286,14 @@ class Checkpoints:
             else:
                 state[name] = objects[name]
         return state
+
+    def _with_loss_scale(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the precision's loss scale (``16-mixed``), unless it holds the precision already (the
+        Trainer's does)."""
+        scaled = self.precision is not None and getattr(self.precision, "scaler", None) is not None
+        if not scaled or any(value is self.precision for value in state.values()):
+            return state
+        return {**state, _LOSS_SCALE: self.precision}
 
     # -- background saves ---------------------------------------------------------------------------
     def wait(self, report: bool = True) -> float:
