@@ -535,6 +535,8 @@ def collectives_by_key() -> dict:
            "flags": [rt.all_reduce(r == 1, op=op) for op in ("max", "min", "sum")],
            "numpy": [rt.all_reduce(np.float32(r + 0.5), op="sum"), rt.all_reduce(np.int64(r + 2), op="sum")]}
     out["numpy_types"] = [type(v).__name__ for v in out["numpy"]]
+    out["narrow_mean"] = rt.all_reduce(torch.tensor([40000.0, 1.0], dtype=torch.float16), op="mean")
+    out["complex_mean"] = rt.all_reduce(torch.tensor([1 + 1j]), op="mean")
     rows = {"a": torch.full((1,), float(r)), "b": torch.full((1,), 10.0 + r)}
     out["gather"] = rt.gather(dict(rows.items() if r == 0 else list(rows.items())[::-1]), order="rank")
     for name, call in (("all_reduce", lambda: rt.all_reduce({"cat" if r == 0 else "dog": 1.0}, op="sum")),
@@ -559,3 +561,21 @@ def clip_over_two_models() -> list[float]:
     grads = [p.grad.clone() for m in (encoder, decoder) for p in lockstep.unwrap(m).parameters()]
     norm = rt.clip_grad_norm_(encoder, [first, second], 0.1)
     return [float(norm), float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))]
+
+
+def distil_from_a_frozen_teacher() -> torch.Tensor:
+    """A frozen teacher set up beside its student (DDP refuses a model with nothing to train): the student's
+    weights after 3 steps on the teacher's outputs."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(3, 2).requires_grad_(False), nn.Linear(3, 2)
+    teacher = rt.setup(teacher)
+    student, optimizer = rt.setup(student, torch.optim.SGD(student.parameters(), lr=0.1))
+    x = torch.arange(12.0).reshape(4, 3) / 12
+    for _ in range(3):
+        with torch.no_grad():
+            target = teacher(x)
+        rt.backward(F.mse_loss(student(x), target))
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in lockstep.unwrap(student).parameters()])

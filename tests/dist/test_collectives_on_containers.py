@@ -52,6 +52,8 @@ def test_dicts_match_by_key_bools_and_numpy_scalars_reduce_and_other_keys_are_re
         assert out["sum"] == {"a": 3, "b": 30}
         assert out["flags"] == [True, False, 1]  # any, all, how many
         assert out["numpy"] == [2.0, 5] and out["numpy_types"] == ["float32", "int64"]
+        assert torch.equal(out["narrow_mean"], torch.tensor([40000.0, 1.0], dtype=torch.float16))  # was inf
+        assert torch.equal(out["complex_mean"], torch.tensor([1 + 1j]))  # was 1.0, its imaginary part dropped
         assert torch.equal(out["gather"]["a"], torch.tensor([0.0, 1.0]))
         assert torch.equal(out["gather"]["b"], torch.tensor([10.0, 11.0]))
         assert "rt.all_reduce: the ranks passed data of different structures" in out["all_reduce_refused"]
@@ -61,3 +63,9 @@ def test_dicts_match_by_key_bools_and_numpy_scalars_reduce_and_other_keys_are_re
 def test_clipping_two_models_together_takes_the_norm_of_both():
     for norm, reference in run_ranks(checks.clip_over_two_models, 2):
         assert norm == pytest.approx(reference, rel=1e-6)
+
+
+def test_a_frozen_teacher_sets_up_beside_its_student_and_the_student_trains_as_on_one_process():
+    two = run_ranks(checks.distil_from_a_frozen_teacher, 2)
+    one = run_ranks(checks.distil_from_a_frozen_teacher, 1)
+    assert torch.equal(two[0], two[1]) and torch.allclose(two[0], one[0], atol=1e-7)

@@ -79,13 +79,16 @@ def all_reduce(data: Any, op: str, device: torch.device) -> Any:
 
     def reduce_tensor(tensor: torch.Tensor) -> torch.Tensor:
         work = tensor.detach().to(device)
-        if op == "mean" and not work.is_floating_point():
+        narrow = op in ("sum", "mean") and work.dtype in (torch.float16, torch.bfloat16)
+        if op == "mean" and not (work.is_floating_point() or work.is_complex()):
             work = work.double()
+        elif narrow:  # summed in float32: a mean of float16 values near its range does not overflow
+            work = work.float()
         work = work.clone()
         dist.all_reduce(work, op=dist_op)
         if op == "mean":
             work = work / size
-        return work.to(tensor.device)
+        return work.to(tensor.device, tensor.dtype if narrow else work.dtype)
 
     def reduce(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -97,6 +97,8 @@ class DDP(_Replicated):
                 )
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         module = module.to(placement.device)
+        if not any(p.requires_grad for p in module.parameters()):  # a frozen model (a teacher): no gradient to
+            return module  # average, so no DDP (which refuses such a model); each rank holds the same weights
         return _ExplainedDDP(
             module,
             device_ids=list(placement.device_ids) or None,
@@ -106,7 +108,8 @@ class DDP(_Replicated):
         )
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
-        assert isinstance(wrapped, DistributedDataParallel)
+        if not isinstance(wrapped, DistributedDataParallel):  # a frozen model, not wrapped
+            return wrapped
         return wrapped.module  # type: ignore[no-any-return]  # DDP's forward may sync buffers
 
     def release(self, wrapped: nn.Module) -> None:
@@ -116,8 +119,7 @@ class DDP(_Replicated):
             del wrapped.reducer
 
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[Any]:
-        assert isinstance(wrapped, DistributedDataParallel)
-        return wrapped.no_sync()
+        return wrapped.no_sync() if isinstance(wrapped, DistributedDataParallel) else contextlib.nullcontext()
 
 
 class _ExplainedDDP(DistributedDataParallel):
