@@ -452,3 +452,19 @@ def test_a_larger_models_checkpoint_is_refused_by_a_smaller_model(tmp_path):
     rt.save(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))})
     with pytest.raises(CheckpointError, match=r"holds 2 weight\(s\) this model does not have \(1.bias, 1.weight\)"):
         rt.load(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4)))})
+
+
+def test_full_state_dict_on_one_process_under_fsdp_is_plain_tensors_a_plain_model_loads():
+    """FSDP(cpu_offload=True) stays FSDP on one process: its state_dict holds DTensors, which came back as they
+    were and did not load into a plain model."""
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu", strategy=lockstep.FSDP(cpu_offload=True), seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    reference = {name: value.clone() for name, value in model.state_dict().items()}
+    state = rt.full_state_dict(rt.setup(model))
+    assert all(type(value) is torch.Tensor for value in state.values())
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    plain.load_state_dict(state)
+    assert all(torch.equal(plain.state_dict()[name], value) for name, value in reference.items())

@@ -559,8 +559,6 @@ class Runtime:
         it and the other ranks an empty dict (one full copy in host memory, not one per rank).
         """
         module = unwrap(model)
-        if self.world_size == 1:
-            return {name: value.detach().cpu() for name, value in module.state_dict().items()}
         from lockstep.runtime.checkpoint.parts import full_state_dict
 
         self.sync_buffers(module)

@@ -174,6 +174,14 @@ class TrainingMetrics:
         self.settle()
         return self.window.reduce(runtime) if reduce else {}
 
+    def take_window(self, runtime: Any) -> dict[str, float]:
+        """The logging window's values (the recent ones settled first), reduced over the ranks; the window then
+        starts again (a collective)."""
+        self.settle()
+        values = self.window.reduce(runtime)
+        self.window.reset()
+        return values
+
     def end_step(self, committed: bool) -> None:
         if committed:
             self.settle()

@@ -429,9 +429,7 @@ class Trainer:
     def _log_step(self) -> None:
         """A logging step's values, reduced over the ranks and logged, then ``on_train_log``. A checkpoint
         written before (at the batch's end) records that the log is due: the resumed fit writes it first."""
-        self.metrics.settle()
-        self.log_metrics(self.metrics.window.reduce(self._runtime))
-        self.metrics.window.reset()
+        self.log_metrics(self.metrics.take_window(self._runtime))
         self.loop.log_due = False
         self.fire("on_train_log")
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lockstep.errors import CheckpointError
-from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP
+from lockstep.runtime._torch_compat import DCP_STATE_INIT_STEP, full_tensor
 from lockstep.runtime.parallel.wrappers import unwrap
 
 OPTIMIZERS_BY_PARAMETER = "by_parameter"  # lockstep.json's "optimizer_layout" since pipeline parallel
@@ -96,6 +96,8 @@ def split_state(state: dict[str, Any], by_parameter: bool = True,
 def full_state_dict(module: nn.Module, cpu_offload: bool) -> dict[str, torch.Tensor]:
     """The whole ``module``'s state dict with FSDP shards gathered, as plain CPU tensors; every rank
     calls it. ``cpu_offload``: only rank 0 gets it (the others an empty dict)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:  # a DTensor (FSDP on
+        return {name: full_tensor(value).detach().cpu() for name, value in module.state_dict().items()}  # 1 rank)
     state: dict[str, Any] = get_model_state_dict(
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
     return {name: value.detach().cpu() for name, value in state.items()}
