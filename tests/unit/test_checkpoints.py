@@ -468,3 +468,35 @@ def test_full_state_dict_on_one_process_under_fsdp_is_plain_tensors_a_plain_mode
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     plain.load_state_dict(state)
     assert all(torch.equal(plain.state_dict()[name], value) for name, value in reference.items())
+
+
+def test_resuming_with_another_number_of_schedulers_says_so(tmp_path):
+    """Saved with a StepLR, resumed without one: a CheckpointError naming the schedulers (was zip()'s
+    ValueError from inside the checkpoint's loading)."""
+    class Scheduled(tc.Classifier):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
+
+    data = tc.checks.make_data(64)
+    tc.quiet_trainer(max_steps=2, checkpoint_dir=tmp_path).fit(Scheduled(), data, batch_size=16)
+    with pytest.raises(CheckpointError, match=r"holds 1 learning-rate scheduler\(s\) where configure_optimizers "
+                                              r"returns 0"):
+        tc.quiet_trainer(max_steps=4, checkpoint_dir=tmp_path, resume="auto").fit(tc.Classifier(), data,
+                                                                                  batch_size=16)
+
+
+def test_a_value_the_load_cannot_read_back_is_refused_when_saving(tmp_path):
+    """Loading reads weights-only (it runs no code): a numpy scalar or a Path saved fine and then no load
+    could read the checkpoint."""
+    import pathlib
+
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu")
+    with pytest.raises(CheckpointError, match=r"state\['where'\] holds pathlib.PosixPath, which a checkpoint "
+                                              r"cannot load back safely"):
+        rt.save(tmp_path / "ck", {"step": 3, "where": pathlib.Path("runs")})
+    assert not (tmp_path / "ck").exists()
+    rt.save(tmp_path / "ck", {"step": 3, "where": "runs"})
+    assert rt.load(tmp_path / "ck", {"step": 0, "where": None}) == {"step": 3, "where": "runs"}

@@ -33,6 +33,10 @@ class _Each:
             for key, item in zip(self.keys, self.items, strict=True):
                 item.load_state_dict(state.get(key, {}))
             return
+        if not isinstance(state, list) or len(state) != len(self.items):
+            raise CheckpointError(f"the checkpoint holds {len(state) if isinstance(state, list) else 'no list of'} "
+                                  f"learning-rate scheduler(s) where configure_optimizers returns {len(self.items)}: "
+                                  "resume with the schedulers of the run that saved it (or start a new run).")
         for item, saved in zip(self.items, state, strict=True):
             item.load_state_dict(saved)
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import io
+import pickle
+import re
 import shutil
 import time
 import warnings
@@ -76,6 +79,7 @@ class Checkpointer:
         small state) to the folder ``path``. Rank 0 runs ``then`` after the commit. Returns the
         seconds the caller was blocked."""
         start = time.perf_counter()
+        _refuse_unloadable(objects)
         self.wait()
         final = Path(path)
         partial = final.parent / f".{final.name}.partial"
@@ -259,6 +263,23 @@ def _no_space(error: BaseException, free: int) -> bool:
         if "unexpected pos" in text and 0 <= free < _FULL_DISK_BELOW:
             return True
     return False
+
+
+def _refuse_unloadable(objects: dict[str, Any]) -> None:
+    """Every rank, before anything is written: a value that the load (weights-only, which runs no code) cannot
+    read back is refused now, by name, instead of a checkpoint that saves and never loads."""
+    for name, value in objects.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        try:
+            torch.load(buffer, weights_only=True)
+        except pickle.UnpicklingError as error:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+            raise CheckpointError(
+                f"state[{name!r}] holds {found.group(1) if found else 'a value'}, which a checkpoint cannot load "
+                "back safely (loading runs no code): save plain data instead, numbers, strings, lists, dicts and "
+                "tensors (float(x), x.tolist(), str(path), list(d), ...).") from None
 
 
 def _load_error(path: Path, error: BaseException) -> CheckpointError:
