@@ -366,19 +366,23 @@ def test_a_checkpoint_whose_optimizer_groups_list_their_parameters_as_before_sti
                            optimizer.state[optimizer.param_groups[0]["params"][0]][name])
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
 def test_a_save_in_the_middle_of_an_accumulation_says_its_gradients_are_not_kept_and_one_after_a_step_does_not(
-        tmp_path):
+        tmp_path, sharded):
+    """FSDP keeps a micro-step's gradients unsharded, where no param.grad shows them (it said nothing)."""
     import warnings
 
     import lockstep
 
-    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    strategy = lockstep.FSDP(cpu_offload=True) if sharded else "auto"  # FSDP stays FSDP on one process so
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv(), strategy=strategy)
     model = torch.nn.Linear(3, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with rt.no_sync(model):  # a micro-step: its gradients wait for the step
         rt.backward(model(torch.ones(4, 3)).square().mean())
     with pytest.warns(UserWarning, match="rt.save while 'model' holds gradients not yet stepped"):
         rt.save(tmp_path / "mid", {"model": model, "optimizer": optimizer})
+    rt.backward(model(torch.ones(4, 3)).square().mean())  # the accumulation's last micro-batch
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)  # zeros, not None: nothing pending either
     with warnings.catch_warnings(record=True) as caught:

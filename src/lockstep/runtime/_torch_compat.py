@@ -241,3 +241,17 @@ def forget_unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     the scale, as if a step had been taken); its private ``_per_optimizer_states`` is a defaultdict that
     builds a fresh record for a missing optimizer (2.13, 2.14)."""
     scaler._per_optimizer_states.pop(id(optimizer), None)
+
+
+def fsdp_unsynced_grads(model: Any) -> Iterator[torch.Tensor]:
+    """The gradients FSDP2 keeps unsharded between backwards without gradient sync (``no_sync``: an
+    accumulation's micro-steps), which no ``param.grad`` shows (private: ``FSDPParamGroup.fsdp_params``)."""
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            kept = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            grad = kept if kept is not None else unsharded.grad if unsharded is not None else None
+            if grad is not None:
+                yield grad

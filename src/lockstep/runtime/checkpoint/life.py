@@ -322,10 +322,12 @@ class Checkpoints:
 
 
 def _holds_gradients(model: Any) -> bool:
-    """Gradients not yet stepped: some parameter's ``.grad`` is set and not all zero (this rank's shard)."""
-    from lockstep.runtime._torch_compat import to_local
+    """Gradients not yet stepped: some parameter's ``.grad`` is set and not all zero (this rank's shard), or
+    FSDP keeps some unsharded between the micro-steps of an accumulation."""
+    from lockstep.runtime._torch_compat import fsdp_unsynced_grads, to_local
 
-    return any(p.grad is not None and bool(to_local(p.grad).detach().ne(0).any()) for p in model.parameters())
+    grads = [p.grad for p in model.parameters() if p.grad is not None] + list(fsdp_unsynced_grads(model))
+    return any(bool(to_local(g).detach().ne(0).any()) for g in grads)
 
 
 def _say_pending_gradients(names: list[str]) -> None:
