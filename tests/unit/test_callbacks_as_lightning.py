@@ -180,3 +180,25 @@ def test_a_log_call_that_would_log_nothing_or_a_metric_object_is_refused(options
 
     with pytest.raises(UsageError, match="would log nothing|lockstep logs tensors and numbers"):
         tc.quiet_trainer(max_steps=1).fit(Logs(), TRAIN, batch_size=8)
+
+
+def test_train_loss_logged_on_some_batches_only_takes_the_name_and_the_epochs_value(tmp_path):
+    """The module logs train_loss on odd batches (valid in Lightning; it was refused once the Trainer had
+    recorded batch 0's returned loss under that name): the epoch's value is the mean of the module's values."""
+    class Sometimes(Net):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx % 2 == 1:
+                self.log("train_loss", loss)
+                self.seen.append(float(loss))
+            return loss
+
+    module = Sometimes()
+    module.seen = []
+    trainer = tc.quiet_trainer(max_epochs=1, log_every_n_steps=1, loggers=("csv",), log_dir=tmp_path)
+    trainer.fit(module, TRAIN, batch_size=8)
+    assert trainer.callback_metrics["train_loss"] == pytest.approx(sum(module.seen) / 2, rel=1e-6)
+    rows = _rows(tmp_path)
+    assert [float(r["train_loss"]) for r in rows if r["step"] in ("2", "4") and r["train_loss"]] == \
+        pytest.approx(module.seen, rel=1e-6)
+    assert all(any(v for k, v in r.items() if k != "step") for r in rows)  # no empty row (step 3 logged nothing)

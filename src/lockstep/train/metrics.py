@@ -110,6 +110,12 @@ class MetricStore:
         self._counts.clear()
         self._kept.clear()
 
+    def forget(self, name: str) -> None:
+        """Drop ``name``'s values so far."""
+        self._sums.pop(name, None)
+        self._counts.pop(name, None)
+        self._kept.pop(name, None)
+
     def state_dict(self) -> dict[str, Any]:
         self._fold_all()
         return {"sums": {n: t.detach().cpu() for n, t in self._sums.items()},
@@ -173,6 +179,11 @@ class TrainingMetrics:
         and the steps since the last logging step, as it will write them; a collective), the window kept."""
         self.settle()
         return self.window.reduce(runtime) if reduce else {}
+
+    def forget(self, name: str) -> None:
+        """Drop ``name``'s values not yet logged, in the step, the logging window and the epoch."""
+        for store in (self.recent, self.window, self.epoch):
+            store.forget(name)
 
     def take_window(self, runtime: Any) -> dict[str, float]:
         """The logging window's values (the recent ones settled first), reduced over the ranks; the window then

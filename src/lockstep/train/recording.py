@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.errors import StateError, UsageError
+from lockstep.errors import StateError
 from lockstep.train.loop import LoopState
 from lockstep.train.metrics import MetricStore, TrainingMetrics, weighted_value
 
@@ -32,12 +32,12 @@ class Recorder:
     def log(self, name: str, value: float | torch.Tensor, batch_size: int | torch.Tensor | None,
             on_step: bool | None, on_epoch: bool | None) -> None:
         """The module's ``self.log``. Its own ``train_loss`` in training (Lightning's habit) takes the name: the
-        returned loss is no longer recorded under it, for the rest of the fit."""
+        returned loss is no longer recorded under it, for the rest of the fit. Where the module logs it only on
+        some batches, the returned losses recorded before its first value leave the sums not yet logged (the
+        epoch's value is then the module's alone)."""
         if name == self.loss_name and self.sink is self.metrics.recent:
             if self.loss_recorded:
-                raise UsageError(f"self.log({LOSS_NAME!r}, ...) came after the Trainer had recorded the returned "
-                                 f"loss as {LOSS_NAME!r} in this fit (it does so right after training_step): log "
-                                 "it inside training_step, whose values then take the name, or log another name.")
+                self.metrics.forget(LOSS_NAME)
             self.loss_name = None
         self._add(name, value, batch_size, on_step, on_epoch)
 

@@ -287,7 +287,7 @@ class Trainer:
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Record already-reduced values (identical on every rank); rank 0's loggers write them."""
         self.callback_metrics.update(metrics)
-        for logger in self.loggers:
+        for logger in self.loggers if metrics else ():  # no empty row (a step that logged nothing)
             logger.log_metrics(metrics, self.global_step)
 
     def record_metric(self, name: str, value: float | torch.Tensor, *, prog_bar: bool = False,
