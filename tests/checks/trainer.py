@@ -291,3 +291,10 @@ def masked_validation(strategy: str, stream: bool, samples: int = 5, batch_size:
     stream: an empty batch)."""
     data = _MaskedStream(samples) if stream else torch.utils.data.TensorDataset(*masked_rows(samples))
     return quiet_trainer(strategy=strategy).validate(MaskedRegression(), data, batch_size=batch_size)
+
+
+def callback_metrics_with_checkpoints(folder: str) -> dict[str, float]:
+    """A fit that writes a checkpoint each epoch: its callback_metrics, which every rank must hold the same."""
+    trainer = quiet_trainer(max_epochs=2, checkpoint_dir=folder, loggers=("csv",))
+    trainer.fit(Classifier(), checks.make_data(64), checks.make_data(32, seed=1), batch_size=16)
+    return dict(trainer.callback_metrics)

@@ -100,3 +100,10 @@ def test_a_rank_without_rows_logs_nothing_whatever_batch_size_says(strategy, str
     for metrics in run_ranks(tc.masked_validation, 3, strategy, stream):
         for name, value in reference.items():
             assert metrics[name] == pytest.approx(value, abs=1e-6), (name, metrics)
+
+
+def test_callback_metrics_are_the_same_on_every_rank_also_with_checkpoints(tmp_path):
+    """Each rank's seconds blocked by a save were a callback metric of its own (they differ by rank)."""
+    first, second = run_ranks(tc.callback_metrics_with_checkpoints, 2, str(tmp_path))
+    assert first == second and "val_loss" in first and "checkpoint_blocked_s" not in first
+    assert "checkpoint_blocked_s" in (tmp_path / "metrics.csv").read_text().splitlines()[0]

@@ -109,8 +109,11 @@ def save(trainer: Trainer, path: Path, blocking: bool, then: Any = None) -> floa
                 "global_batch": loader.sampler.batch_size if loader is not None else None,
                 "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
     # rt.save syncs the ranks' buffers (BatchNorm statistics): rank 0's are saved.
-    return rt.save(path, {**_model_and_optimizers(trainer), **objects}, blocking=blocking, metadata=metadata,
-                   on_commit=then)
+    blocked = rt.save(path, {**_model_and_optimizers(trainer), **objects}, blocking=blocking, metadata=metadata,
+                      on_commit=then)
+    for logger in trainer.loggers:  # rank 0's own seconds: not a callback metric, which every rank holds the same
+        logger.log_metrics({"checkpoint_blocked_s": blocked}, trainer.global_step)
+    return blocked
 
 
 def _model_and_optimizers(trainer: Trainer) -> dict[str, Any]:

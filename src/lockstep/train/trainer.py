@@ -301,9 +301,8 @@ class Trainer:
     def save_checkpoint(self, path: str | Path, blocking: bool = True, then: Callable[[], None] | None = None) -> None:
         """Every rank calls it: each writes its shards into the checkpoint folder ``path``, committed
         atomically. ``blocking=False`` writes in the background; rank 0 runs ``then`` once committed.
-        The seconds the loop was blocked are logged as ``checkpoint_blocked_s``."""
-        blocked = ckpt.save(self, Path(path), blocking=blocking, then=then)
-        self.log_metrics({"checkpoint_blocked_s": blocked})
+        The seconds rank 0's loop was blocked are logged (by its loggers) as ``checkpoint_blocked_s``."""
+        ckpt.save(self, Path(path), blocking=blocking, then=then)
 
     # -- set-up and resume --------------------------------------------------------------------------
     def _start(self, module: Module, with_optimizers: bool) -> Runtime:
