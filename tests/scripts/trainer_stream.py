@@ -42,7 +42,8 @@ if variant == "shuffle":
     stream = stream.shuffle(seed=3, buffer_size=30)
 trainer = tc.quiet_trainer(max_steps=24, checkpoint_dir=checkpoint_dir, resume="auto", log_every_n_steps=2,
                            loggers=("csv", "jsonl"), num_workers=2 if variant == "workers" else 0,
-                           callbacks=[KillAt(), lockstep.ModelCheckpoint(every_n_steps=3, save_top_k=-1)])
+                           callbacks=[KillAt(),
+                                      lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=1, save_top_k=-1)])
 module = StreamClassifier()
 module.seen = []
 trainer.fit(module, stream, batch_size=10)

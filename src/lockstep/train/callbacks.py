@@ -105,6 +105,12 @@ class HookTable:
             self.refresh()
         return self.per_step[index]
 
+    def logs_at_batch_end(self) -> bool:
+        """Whether a hook at the batch's end may log: the module's, or a callback's that is not lockstep's own
+        (whose hooks there log nothing). The same on every rank, as its code is."""
+        return any(not type(getattr(method, "__self__", None)).__module__.startswith("lockstep.")
+                   for _, method in self.defining("on_train_batch_end"))
+
     def defining(self, hook: str) -> list[tuple[str, Any]]:
         if self.at != self.callbacks.changes:
             self.refresh()

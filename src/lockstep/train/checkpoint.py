@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep.env.settings import PREEMPTED_EXIT
 from lockstep.errors import CheckpointError, NoSuchCheckpointError
 from lockstep.runtime import Checkpoint
+from lockstep.train.callbacks import ModelCheckpoint
 
 if TYPE_CHECKING:
     from lockstep.train.trainer import Trainer
@@ -207,3 +208,12 @@ def preemption_checkpoint(trainer: Trainer) -> Path:
     path = folder / f"epoch={trainer.current_epoch + 1}-step={trainer.global_step:08d}-preempted.ckpt"
     trainer.save_checkpoint(path)
     return path
+
+
+def report_best(trainer: Trainer) -> None:
+    """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
+    paths = [c.best_model_path for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.best_model_path]
+    for logger in trainer.loggers:
+        log_checkpoint = getattr(logger, "log_checkpoint", None)
+        if paths and log_checkpoint is not None:
+            log_checkpoint(Path(paths[0]))

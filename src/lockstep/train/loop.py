@@ -29,7 +29,7 @@ class LoopState:
     epoch_ended: bool = False  # the epoch's end (schedulers, validation) ran: a checkpoint resumes at the next
     plateau_due: bool = False  # the epoch's end ran up to its plateau schedulers' step, not yet taken (resume takes it)
     step_plateau_due: bool = False  # the same for a step's (they step after its batch's end and its validation)
-    log_due: bool = False  # the step just taken is a logging step whose values are not logged yet
+    log_due: bool = False  # a logging step whose row waits for its batch-end hooks (what they log is in it)
     batch_samples: int | None = None  # this rank's samples in the current batch, self.log's weight (None: no batch)
     batch_global_samples: int = 0  # the samples of the current batch over all ranks
     step_samples: int = 0  # the global samples of the micro-batches of the step under way

@@ -185,13 +185,11 @@ class TrainingMetrics:
         for store in (self.recent, self.window, self.epoch):
             store.forget(name)
 
-    def take_window(self, runtime: Any) -> dict[str, float]:
-        """The logging window's values (the recent ones settled first), reduced over the ranks; the window then
-        starts again (a collective)."""
+    def window_values(self, runtime: Any) -> dict[str, float]:
+        """The logging window's values (the recent ones settled first), reduced over the ranks (a collective);
+        the window kept."""
         self.settle()
-        values = self.window.reduce(runtime)
-        self.window.reset()
-        return values
+        return self.window.reduce(runtime)
 
     def end_step(self, committed: bool) -> None:
         if committed:

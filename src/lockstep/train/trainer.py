@@ -231,8 +231,8 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
-            if self.loop.log_due:  # resumed from a checkpoint of a logging step written before its log
-                self._log_step()
+            if self.loop.log_due:  # resumed from a checkpoint of a logging step written before its row
+                self._write_log(self.metrics.window_values(rt))
             self.evaluation.after_resume()
             if self.loop.step_plateau_due:  # resumed from a checkpoint of a step whose plateau schedulers are due
                 self._step_plateau_schedulers()
@@ -241,7 +241,7 @@ class Trainer:
             self.evaluation.at_fit_end()
             self.fire("on_train_end")  # ModelCheckpoint saves the final step, if it is not saved yet
             rt.wait_for_save()  # a checkpoint still being written in the background
-            self._report_final_checkpoint()
+            ckpt.report_best(self)
             self.fire("on_fit_end")
         except BaseException as error:
             for callback in self.callbacks:
@@ -408,8 +408,8 @@ class Trainer:
             self.fire("on_train_batch_end", outputs, batch, batch_idx)
             if self.metrics.commits:  # its values are the committed step's (a later step may not commit)
                 self.metrics.settle()
-        if loop.log_due:  # after on_train_batch_end: what it logged is in the step's values (Lightning's)
-            self._log_step()
+            if loop.log_due:  # a logging step: its row, with what the hooks logged (as Lightning writes it)
+                self._write_log(self.metrics.window_values(self._runtime))
         return loop.at_step_boundary
 
     def _step_taken(self, samples: int) -> bool:
@@ -422,14 +422,21 @@ class Trainer:
             return False
         self.loop.stepped(samples)
         self.profiler.step()
-        self.loop.log_due = self.is_logging_step
+        if self.is_logging_step:
+            values = self.metrics.window_values(self._runtime)
+            if self._hooks.logs_at_batch_end():  # the same on every rank: the row waits for what they log
+                self.callback_metrics.update(values)  # what the hooks at the batch's end read
+                self.loop.log_due = True
+            else:
+                self._write_log(values)
         return True
 
-    def _log_step(self) -> None:
-        """A logging step's values, reduced over the ranks and logged, then ``on_train_log``. A checkpoint
-        written before (at the batch's end) records that the log is due: the resumed fit writes it first."""
-        self.log_metrics(self.metrics.take_window(self._runtime))
+    def _write_log(self, values: dict[str, float]) -> None:
+        """A logging step's row, then ``on_train_log``; the logging window starts again. A checkpoint written
+        before (a save at the batch's end) records the row as due: the resumed fit writes it first."""
+        self.metrics.window.reset()
         self.loop.log_due = False
+        self.log_metrics(values)
         self.fire("on_train_log")
 
     def _step_optimizers(self) -> bool:
@@ -512,14 +519,6 @@ class Trainer:
             if method is defined[0][1] and name == f"{type(module).__name__}.{hook}":  # the module's: it comes first
                 returned = result
         return returned
-
-    def _report_final_checkpoint(self) -> None:
-        """Rank 0's loggers that take one (experiment trackers) get the best checkpoint kept."""
-        paths = [c.best_model_path for c in self.callbacks if isinstance(c, ModelCheckpoint) and c.best_model_path]
-        for logger in self.loggers:
-            log_checkpoint = getattr(logger, "log_checkpoint", None)
-            if paths and log_checkpoint is not None:
-                log_checkpoint(Path(paths[0]))
 
     def _finish_reports(self) -> None:
         text = self.profiler.report(self.log_dir, self.runtime.rank)

@@ -37,13 +37,28 @@ class ModelState:
                  by_parameter: bool = True) -> None:
         self.model, self.optimizers = unwrap(model), list(optimizers)
         self.options = StateDictOptions(flatten_optimizer_state_dict=by_parameter)
+        self.stored: set[str] | None = None  # loading: the checkpoint's keys of this part (its optimizers')
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         if self.optimizers:
             with self._state_init_steps():
                 state["optimizers"] = get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
+            if self.stored is not None:
+                state["optimizers"] = self._saved_state_only(state["optimizers"])
         return state
+
+    def _saved_state_only(self, optimizers: dict[str, Any]) -> dict[str, Any]:
+        """Loading: a parameter whose optimizer state the checkpoint does not hold (it had taken no step
+        yet when saved: a layer unfrozen later, a branch not yet used) loads with none, as it was, instead
+        of the state DCP made up for it (a missing key)."""
+        stored = self.stored or set()
+        missing = {key for key in optimizers if key.startswith("state.") and f"optimizers.{key}" not in stored}
+        made_up = {id(optimizers[key]) for key in missing}
+        for optimizer in self.optimizers:
+            for param in [p for p, kept in optimizer.state.items() if any(id(v) in made_up for v in kept.values())]:
+                del optimizer.state[param]
+        return {key: value for key, value in optimizers.items() if key not in missing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state["model"])
