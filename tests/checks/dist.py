@@ -535,6 +535,12 @@ def collectives_by_key() -> dict:
            "flags": [rt.all_reduce(r == 1, op=op) for op in ("max", "min", "sum")],
            "numpy": [rt.all_reduce(np.float32(r + 0.5), op="sum"), rt.all_reduce(np.int64(r + 2), op="sum")]}
     out["numpy_types"] = [type(v).__name__ for v in out["numpy"]]
+    out["numpy_mean_and_count"] = [rt.all_reduce(np.int64(r + 1), op="mean"), rt.all_reduce(np.bool_(True), op="sum")]
+    from collections import defaultdict
+
+    factory = defaultdict(lambda: 0.0)  # its factory's repr holds an address that differs by process
+    factory["x"] = float(r)
+    out["defaultdict"] = dict(rt.all_reduce(factory, op="sum"))
     out["narrow_mean"] = rt.all_reduce(torch.tensor([40000.0, 1.0], dtype=torch.float16), op="mean")
     out["complex_mean"] = rt.all_reduce(torch.tensor([1 + 1j]), op="mean")
     rows = {"a": torch.full((1,), float(r)), "b": torch.full((1,), 10.0 + r)}

@@ -52,6 +52,8 @@ def test_dicts_match_by_key_bools_and_numpy_scalars_reduce_and_other_keys_are_re
         assert out["sum"] == {"a": 3, "b": 30}
         assert out["flags"] == [True, False, 1]  # any, all, how many
         assert out["numpy"] == [2.0, 5] and out["numpy_types"] == ["float32", "int64"]
+        assert out["numpy_mean_and_count"] == [1.5, 2] and type(out["numpy_mean_and_count"][0]) is float
+        assert out["defaultdict"] == {"x": 1.0}
         assert torch.equal(out["narrow_mean"], torch.tensor([40000.0, 1.0], dtype=torch.float16))  # was inf
         assert torch.equal(out["complex_mean"], torch.tensor([1 + 1j]))  # was 1.0, its imaginary part dropped
         assert torch.equal(out["gather"]["a"], torch.tensor([0.0, 1.0]))

@@ -63,20 +63,38 @@ def test_a_value_logged_at_the_batch_end_is_in_its_own_steps_row(tmp_path):
     assert trainer.callback_metrics["index"] == 2.0  # the epoch's mean of 0..4 (the epoch's value, as Lightning)
 
 
-def test_a_checkpoint_saved_at_a_logging_steps_batch_end_resumes_with_that_steps_log(tmp_path):
-    """ModelCheckpoint saves at a logging step's batch end, before the log: the resumed fit writes the log
-    first, and its rows equal the uninterrupted fit's."""
+class LogsAtTheBatchEnd(LogsBatchIndex):
+    """Logs train_loss itself, at the batch's end (taking the name from the returned loss), under a scheduler
+    that steps each step."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.log("train_loss", outputs * 2)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), "interval": "step"}}
+
+
+@pytest.mark.parametrize("log_every", [2, 3], ids=["saved-at-logging-steps", "saved-inside-a-window"])
+def test_a_checkpoint_saved_at_a_logging_steps_batch_end_resumes_with_that_steps_log(tmp_path, log_every):
+    """ModelCheckpoint saves at a logging step's batch end, before its row (which waits for what the hooks
+    there log): the resumed fit writes the row first, with the rate that step used and the module's own
+    train_loss, and its rows equal the uninterrupted fit's."""
     def fit(folder, steps, resume=None):
-        trainer = tc.quiet_trainer(max_steps=steps, log_every_n_steps=2, loggers=("csv",), log_dir=folder,
-                                   checkpoint_dir=folder, resume=resume,
-                                   callbacks=[lockstep.ModelCheckpoint(every_n_steps=2, save_top_k=-1)])
-        trainer.fit(LogsBatchIndex(), TRAIN, batch_size=8)
-        return [{k: v for k, v in r.items() if k in ("step", "train_loss", "index")} for r in _rows(folder)]
+        trainer = tc.quiet_trainer(max_steps=steps, log_every_n_steps=log_every, loggers=("csv",), log_dir=folder,
+                                   checkpoint_dir=folder, resume=resume, callbacks=[
+                                       lockstep.ModelCheckpoint(every_n_steps=2, save_top_k=-1),
+                                       lockstep.LearningRateMonitor("step")])
+        trainer.fit(LogsAtTheBatchEnd(), TRAIN, batch_size=8)
+        kept = [{k: v for k, v in r.items() if k in ("step", "train_loss", "index", "lr-0-0")} for r in _rows(folder)]
+        return [row for row in kept if any(v for k, v in row.items() if k != "step")]  # not checkpoint_blocked_s
 
     fit(tmp_path / "cut", 4)
     resumed = fit(tmp_path / "cut", 8, resume="auto")
     whole = fit(tmp_path / "whole", 8)
-    assert [r["step"] for r in whole if r["index"]] == ["2", "4", "6", "8"]
+    assert [r["step"] for r in whole if r["index"]] == (["2", "4", "6", "8"] if log_every == 2 else ["3", "6"])
     assert resumed == whole
 
 

@@ -454,7 +454,7 @@ def test_a_larger_models_checkpoint_is_refused_by_a_smaller_model(tmp_path):
 
     rt = lockstep.Runtime(accelerator="cpu")
     rt.save(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))})
-    with pytest.raises(CheckpointError, match=r"holds 2 weight\(s\) this model does not have \(1.bias, 1.weight\)"):
+    with pytest.raises(CheckpointError, match=r"it holds 2 weight\(s\) this model does not have \(1.bias, 1.weight\)"):
         rt.load(tmp_path / "two", {"model": rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4)))})
 
 

@@ -439,6 +439,13 @@ class LearningRateMonitor(Callback):
         if self.logging_interval == "step":
             trainer.log_metrics(self._used or self._rates(trainer))
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"used": dict(self._used)}  # a checkpoint written before its step's row: the resumed row has them
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        used = state.get("used")
+        self._used = {str(k): float(v) for k, v in used.items()} if isinstance(used, dict) else {}
+
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "epoch":
             trainer.log_metrics(self._rates(trainer))

@@ -47,11 +47,14 @@ class _Metrics:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return self.trainer.metrics.state_dict(self.trainer.runtime)
+        # whether the module logs train_loss itself (the Trainer then records no returned loss under it)
+        return {**self.trainer.metrics.state_dict(self.trainer.runtime), "loss_taken": self.trainer.recorder.taken}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         t.metrics.load_state_dict(t.runtime, state, mid_epoch=t.batches_done_in_epoch > 0)
+        if state.get("loss_taken") is True:
+            t.recorder.loss_name = None
 
 
 def parts(trainer: Trainer) -> dict[str, Any]:

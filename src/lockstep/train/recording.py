@@ -26,6 +26,11 @@ class Recorder:
         self.loss_name: str | None = LOSS_NAME  # None: the module logs train_loss itself
         self.loss_recorded = False  # the returned loss was recorded in this fit
 
+    @property
+    def taken(self) -> bool:
+        """The module logs ``train_loss`` itself."""
+        return self.loss_name is None
+
     def start_fit(self) -> None:
         self.loss_name, self.loss_recorded = LOSS_NAME, False
 

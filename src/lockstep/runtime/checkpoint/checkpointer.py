@@ -132,12 +132,29 @@ class Checkpointer:
             stored = set(SafeReader(str(path)).read_metadata().state_dict_metadata)
             for name, part in sharded.items():  # which optimizer states the checkpoint holds (see ModelState)
                 part.stored = {key.removeprefix(f"{name}.") for key in stored if key.startswith(f"{name}.")}
+            self._refuse_other_weights(path, stored, sharded)
             dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
-                     storage_reader=SafeReader(str(path)), planner=SafePlanner(models=list(sharded)))
+                     storage_reader=SafeReader(str(path)), planner=SafePlanner())
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException
             # The reason is quoted; DCP's text repeats every rank's traceback (about 200 lines of noise).
             raise _load_error(path, error) from None
         return read_objects(path)
+
+    def _refuse_other_weights(self, path: Path, stored: set[str], sharded: dict[str, Any]) -> None:
+        """DCP loads the weights it is asked for and ignores the rest: a larger model's checkpoint would load into
+        a smaller one. Refused (on every rank alike) when it holds a weight that no rank's model has (pipeline
+        stages each hold their own)."""
+        asked = sorted(f"{name}.model.{key}" for name, part in sharded.items() for key in part.model_keys())
+        everyone = {key for keys in self._gather({"asked": asked}, everyone=True).values() for key in keys}
+        models = tuple(f"{name}.model." for name in sharded)
+        extra = sorted(key for key in stored if key.startswith(models) and key not in everyone)
+        if extra:
+            shown = ", ".join(key.split(".model.", 1)[1] for key in extra[:5])
+            raise CheckpointError(f"{path}: it holds {len(extra)} weight(s) this model does not have ({shown}"
+                                  f"{', ...' if len(extra) > 5 else ''}): it was saved from a larger or another "
+                                  "model; build the same model as the run that saved it.")
 
     def verify(self, path: Path | str, metadata: dict[str, Any] | None = None) -> list[str]:
         """Every problem with the files of checkpoint ``path`` (none when intact); the same list on

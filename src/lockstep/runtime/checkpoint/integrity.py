@@ -20,7 +20,7 @@ import io
 import os
 import pathlib
 import pickle
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -211,25 +211,7 @@ class SafeReader(FileSystemReader):
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's load planner, reading non-tensor entries weights-only (DCP's own reads them with
-    ``torch.load(weights_only=False)``). ``models``: the names of the models loaded, whose checkpoint must
-    hold no weight the model lacks (DCP loads what it is asked for, and would ignore the rest: a larger
-    model's checkpoint would load into a smaller one)."""
-
-    def __init__(self, models: Sequence[str] = ()) -> None:
-        super().__init__()
-        self.models = [f"{name}.model." for name in models]
-
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        if metadata is None or not self.models:
-            return
-        extra = sorted(key for key in metadata.state_dict_metadata
-                       if key.startswith(tuple(self.models)) and key not in self.state_dict)
-        if extra:
-            shown = ", ".join(key.split(".model.", 1)[1] for key in extra[:5])
-            raise UnsafeCheckpointError(f"it holds {len(extra)} weight(s) this model does not have ({shown}"
-                                        f"{', ...' if len(extra) > 5 else ''}): it was saved from a larger or "
-                                        "another model; build the same model as the run that saved it")
+    ``torch.load(weights_only=False)``)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

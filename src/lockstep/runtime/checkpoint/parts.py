@@ -48,15 +48,20 @@ class ModelState:
                 state["optimizers"] = self._saved_state_only(state["optimizers"])
         return state
 
+    def model_keys(self) -> list[str]:
+        """The names DCP gives this rank's weights (a pipeline stage's own only)."""
+        return list(get_model_state_dict(self.model))
+
     def _saved_state_only(self, optimizers: dict[str, Any]) -> dict[str, Any]:
         """Loading: a parameter whose optimizer state the checkpoint does not hold (it had taken no step
         yet when saved: a layer unfrozen later, a branch not yet used) loads with none, as it was, instead
         of the state DCP made up for it (a missing key)."""
         stored = self.stored or set()
         missing = {key for key in optimizers if key.startswith("state.") and f"optimizers.{key}" not in stored}
-        made_up = {id(optimizers[key]) for key in missing}
-        for optimizer in self.optimizers:
-            for param in [p for p, kept in optimizer.state.items() if any(id(v) in made_up for v in kept.values())]:
+        made_up = {id(optimizers[key]) for key in missing if isinstance(optimizers[key], torch.Tensor)}  # tensors:
+        for optimizer in self.optimizers:  # a Python number (an int step) may be another parameter's too
+            for param in [p for p, kept in optimizer.state.items()
+                          if any(isinstance(v, torch.Tensor) and id(v) in made_up for v in kept.values())]:
                 del optimizer.state[param]
         return {key: value for key, value in optimizers.items() if key not in missing}
 

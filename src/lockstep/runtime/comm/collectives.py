@@ -51,11 +51,21 @@ def keys_sorted(data: Any) -> Any:
     return data
 
 
-def _same_structure(spec: Spec, what: str) -> None:
-    """Every rank's ``spec`` is the same (one small all-reduce); else a ConfigError showing each rank's."""
-    text = str(spec)
+def _shape(data: Any) -> str:
+    """The structure of ``data``: its containers' kinds, keys and lengths (no value, no address)."""
+    if isinstance(data, dict):
+        return "{" + ", ".join(f"{key!r}: {_shape(value)}" for key, value in data.items()) + "}"
+    if isinstance(data, (list, tuple)):
+        return f"{type(data).__name__}[" + ", ".join(_shape(item) for item in data) + "]"
+    return "*"
+
+
+def _same_structure(data: Any, what: str, device: torch.device) -> None:
+    """Every rank's ``data`` has the same structure (one small all-reduce, on the collectives' device); else
+    a ConfigError showing each rank's."""
+    text = _shape(data)
     code = int(hashlib.sha1(text.encode()).hexdigest()[:12], 16)
-    check = torch.tensor([code, -code], dtype=torch.int64)
+    check = torch.tensor([code, -code], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX)
     if check.tolist() != [code, -code]:
         shown = "; ".join(f"rank {r}: {t}" for r, t in enumerate(_all_gather_object(text)))
@@ -97,12 +107,15 @@ def all_reduce(data: Any, op: str, device: torch.device) -> Any:
         dtype = torch.float64 if isinstance(number, float) or op == "mean" else torch.int64
         result = reduce_tensor(torch.tensor(int(number) if isinstance(number, bool) else number, dtype=dtype)).item()
         if isinstance(number, bool) and op in ("max", "min"):  # any / all
-            return bool(result)
+            result = bool(result)
+        elif isinstance(number, bool) or op == "mean":  # a count of bools; a mean (a float)
+            return result
         return type(value)(result) if _numpy_scalar(value) else result
 
-    leaves, spec = flatten(keys_sorted(data))
+    data = keys_sorted(data)
+    leaves, spec = flatten(data)
     if not spec.is_leaf():
-        _same_structure(spec, "rt.all_reduce")
+        _same_structure(data, "rt.all_reduce", device)
     return unflatten([reduce(leaf) if _reducible(leaf) else leaf for leaf in leaves], spec)
 
 
