@@ -107,3 +107,15 @@ def test_the_jobs_report_blames_a_rank_killed_from_outside_when_no_report_says_i
     cause = elastic._report({0: _failure(tmp_path, 0, 1, lost), 1: _failure(tmp_path, 1, -9)}, nproc=2, nnodes=1)
     assert cause.startswith("rank 1 (local rank 1)") and "SIGKILL" in cause, cause
     assert "ended the script" not in capsys.readouterr().err
+
+
+def test_the_jobs_report_blames_a_rank_that_failed_itself_even_if_a_peer_says_it_ended(tmp_path, capsys):
+    """Rank 1 raised (exit code 1) and its peer's report, from the store, says it ended the script: its own
+    failure is the cause, not its peer's lost connection."""
+    from lockstep.runtime.launch import elastic
+
+    failures = {1: _failure(tmp_path, 1, 1, "Traceback ...\nRuntimeError: rank one gives up"),
+                0: _failure(tmp_path, 0, 1, _WAITED)}
+    cause = elastic._report(failures, nproc=2, nnodes=1)
+    assert cause.startswith("rank 1 (local rank 1)") and "exit code 1" in cause, cause
+    assert capsys.readouterr().err.startswith("lockstep: rank 1 (local rank 1)")

@@ -170,9 +170,10 @@ def _count(value: Any) -> int:
 def _report(failures: dict[int, Any], nproc: int, nnodes: int) -> str:
     """Print the root cause of a failed group (``nproc`` workers on each of up to ``nnodes`` nodes);
     returns it in one line."""
-    ended = _ended_by_report(failures) if nnodes == 1 else set()
-    # A rank that ended its script was stopped by the agent when its peer's failure came first (it was still
-    # leaving the interpreter): it ended, it did not fail.
+    # A rank that ended its script (its peer's report says so) was stopped by the agent when that peer's failure
+    # came first, while it was still leaving the interpreter (a signal, not an exit code of its own): it ended.
+    ended = {r for r in _ended_by_report(failures) if r in failures and failures[r].exitcode < 0} if nnodes == 1 \
+        else set()
     failures = {r: f for r, f in failures.items() if r not in ended} or failures
     rank, failure = _root_cause(failures)
     how = f"exit code {failure.exitcode}"
