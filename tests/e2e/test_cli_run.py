@@ -120,6 +120,14 @@ def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
     assert done.returncode == 1
     assert "lockstep: rank 1 (local rank 1)" in done.stderr
     assert done.stderr.count("RuntimeError: rank one gives up at step 5") >= 1
+    # rank 1 failed, and its closing mark says so: rank 0's report (kept where its one line says) does not say
+    # that rank 1 ended its script
+    kept = [line.rsplit("This rank's traceback: ", 1)[1] for line in done.stderr.splitlines()
+            if "This rank's traceback: " in line]
+    for path in kept:
+        report = Path(path).read_text()
+        Path(path).unlink()
+        assert "ended the script" not in report and "rank 1: last at failed with RuntimeError" in report, report
     assert not any(checks.pid_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
 
 
