@@ -283,9 +283,7 @@ def _become_worker(request: dict[str, Any], streams: list[int], folder: str, con
         error = error.with_traceback(trace or error.__traceback__)
         if isinstance(error, KeyboardInterrupt):
             raise error from None  # the interpreter ends by SIGINT, as it would have
-        # as the interpreter does before its excepthook: the Runtime's close at exit reads it (the rank failed,
-        # it did not end its script)
-        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__  # as python
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(1) from None
     raise SystemExit(0)
