@@ -95,6 +95,7 @@ class Ranks:
 
 _LOSS_SCALE = "lockstep.loss_scale"  # the precision's state in the objects of a checkpoint that was not given it
 
+
 class Checkpoints:
     """Saves, finds, verifies and loads checkpoint folders; every rank calls every method."""
 

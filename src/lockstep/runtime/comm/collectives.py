@@ -373,11 +373,12 @@ def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
         if other is not None:
             leaves, spec = flatten(other, is_leaf=_is_rows_or_slot)
             leaves = [[] if isinstance(leaf, list) else leaf for leaf in leaves]
-    shapes = {str(flatten(s, is_leaf=_is_rows_or_slot)[1]) for s in structures if not (isinstance(s, list) and not s)}
+    flat = [flatten(s, is_leaf=_is_rows_or_slot) for s in structures]
+    shapes = {str(shape) for s, (_, shape) in zip(structures, flat, strict=True) if not (isinstance(s, list) and not s)}
     if len(shapes) > 1:
         raise ConfigError("rt.gather: the ranks' outputs have different structures (dict keys, lengths), so their "
                           f"rows cannot be joined: {sorted(shapes)}. Give every rank outputs of the same keys.")
-    others = [flatten(s, is_leaf=_is_rows_or_slot)[0] for s in structures]
+    others = [leaves_of_rank for leaves_of_rank, _ in flat]
     leaves = [_fill_empty_rows(leaf, [o[i] if i < len(o) else None for o in others]) for i, leaf in enumerate(leaves)]
     per_rank = [flatten(d, is_leaf=_is_rows)[0] for d in all_gather(unflatten(leaves, spec), device)]
     return unflatten([_concat_ranks([rank_leaves[i] for rank_leaves in per_rank]) for i in range(len(leaves))], spec)
