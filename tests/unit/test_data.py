@@ -147,6 +147,34 @@ def test_a_dataset_that_changes_what_an_item_is_is_fetched_item_by_item():
     assert list(with_collate) == [2, 2]  # a collate_fn of the user's own sees the items
 
 
+def test_a_loader_without_workers_fetches_what_the_dataloader_would_and_names_the_fetch_in_a_profile():
+    """Without workers the batches are fetched in this process (not through the DataLoader's iterator): the same
+    batches, from a dataset's items and the user's collate, as a DataLoader over the same index batches; under
+    torch.profiler each fetch is one named range, as the DataLoader's own is."""
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 30
+
+        def __getitem__(self, index):
+            return {"x": torch.full((2,), float(index)), "i": index}
+
+    def collate(items):
+        return {"x": torch.stack([item["x"] for item in items]), "i": [item["i"] for item in items]}
+
+    rt = runtime(seed=5)
+    loader = rt.loader(Items(), batch_size=8, shuffle=True, num_workers=0, collate_fn=collate)
+    for _ in range(2):  # two epochs: each its own order
+        got = list(loader)
+        order = [loader.sampler.local_indices(step) for step in range(4)]  # the pass's batches, as drawn
+        expected = list(DataLoader(Items(), batch_sampler=order, collate_fn=collate))
+        assert sorted(i for batch in order for i in batch) == list(range(30))
+        assert len(got) == 4 and [b["i"] for b in got] == [b["i"] for b in expected]
+        assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, expected, strict=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        assert len(list(loader)) == 4
+    assert sum(event.name == "lockstep.loader.fetch" for event in profile.events()) == 4
+
+
 def test_loader_options_that_contradict_each_other_are_refused():
     rt = runtime()
     data = checks.Indexed(10)

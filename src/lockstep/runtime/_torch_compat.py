@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree  # noqa: F401 - re-exported below
 # FSDP use. torch has no public pytree module (2.13, 2.14); ``optree`` is a separate package.
 __all__ = ["DCP_METADATA_PRIVATE_NAMES", "compiled_inner", "constant_divisor", "dcp_metadata_name", "dcp_shard_pattern",
            "default_store", "foreach_mul_", "forget_unscale", "full_tensor", "hide_worker_info", "is_dtensor",
-           "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "pytree", "raw_flop_formula",
+           "is_plain_random_sampler", "mark_wrapped_by_lr_scheduler", "profiler_enabled", "pytree", "raw_flop_formula",
            "set_default_timeout", "shutdown_workers", "stamp_load_id", "to_local", "use_file_system"]
 
 
@@ -100,6 +100,12 @@ def is_plain_random_sampler(sampler: Any) -> bool:
 
     return (isinstance(sampler, RandomSampler) and type(sampler).__iter__ is RandomSampler.__iter__
             and not sampler.replacement and sampler._num_samples is None)
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` profile is recording (a C call). ``torch.autograd._profiler_enabled`` is
+    what the DataLoader's iterator asks too; there is no public query."""
+    return torch.autograd._profiler_enabled()
 
 
 def shutdown_workers(batches: Any) -> None:

@@ -98,14 +98,15 @@ class GlobalBatchSampler(Sampler[Indices]):
         return [(step << 32) + row for row in range(start, stop)]
 
     def __iter__(self) -> Iterator[Indices]:
+        batches, member = self.batches, self.membership
         for step in range(self.start_step, self.steps_per_epoch()):
-            if self.global_size(step) < self.membership.size:  # every rank says so (a batch sampler's batch: a
-                # sampler's batches are checked when the loader is made)
-                raise ConfigError(f"global batch {step} of the batch sampler holds {self.global_size(step)} "
-                                  f"sample(s) for {self.membership.size} data-parallel ranks: a rank would get none "
-                                  f"to train on. Make it yield batches of at least {self.membership.size} samples "
-                                  "(drop or merge a short last one).")
-            yield Indices(self.local_indices(step), self.epoch, step)
+            _, (start, stop), size = self._sizes(step)
+            if size < member.size:  # every rank says so (a batch sampler's batch: a sampler's batches are checked
+                # when the loader is made)
+                raise ConfigError(f"global batch {step} of the batch sampler holds {size} sample(s) for "
+                                  f"{member.size} data-parallel ranks: a rank would get none to train on. Make it "
+                                  f"yield batches of at least {member.size} samples (drop or merge a short last one).")
+            yield Indices(batches.indices(step, start, stop), self.epoch, step)
 
 
 class ShardSampler(Sampler[Indices]):

@@ -61,6 +61,7 @@ class WrappedModule(nn.Module):
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
+        self.__dict__["_forward_target"] = forward_module  # the same, read per forward without nn.Module's lookup
         self.__dict__["_eval_module"] = eval_module
         self.__dict__["module"] = module
         self.__dict__["_precision"] = precision
@@ -78,60 +79,54 @@ class WrappedModule(nn.Module):
         return self._forward_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__["_tracks_stats"] and self.training and torch.is_grad_enabled():
-            self.__dict__["module"].__dict__[STATISTICS_MOVED] = True  # until rt.sync_buffers
-        watchdog: Watchdog | None = self.__dict__["_watchdog"]
-        if watchdog is None:
-            clock = self.__dict__["_clock"]
-            if clock is None:
-                return self._forward_rows(*args, **kwargs)
-            clock.enter("forward")  # the straggler report times training forwards (the clock leaves out the others)
-            try:
-                return self._forward_rows(*args, **kwargs)
-            finally:
-                clock.leave()
-        with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
-            return self._forward_rows(*args, **kwargs)
+        own = self.__dict__
+        if own["_tracks_stats"] and self.training and torch.is_grad_enabled():
+            own["module"].__dict__[STATISTICS_MOVED] = True  # until rt.sync_buffers
+        watchdog: Watchdog | None = own["_watchdog"]
+        if watchdog is not None:
+            with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
+                return self._forward(args, kwargs)
+        clock = own["_clock"]
+        if clock is None:
+            return self._forward(args, kwargs)
+        clock.enter("forward")  # the straggler report times training forwards (the clock leaves out the others)
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            clock.leave()
 
-    def _forward_rows(self, *args: Any, **kwargs: Any) -> Any:
-        stand_in = self.__dict__["_stand_in"]
-        rows = stand_in() if stand_in is not None else None
+    def _forward(self, args: Any, kwargs: Any) -> Any:
+        own = self.__dict__
+        rows = own["_stand_in"]() if own["_stand_in"] is not None else None
         if rows:  # a zero-row padding batch: run on the row it was cut from, hand back zero rows
             args, kwargs = map_tensors(lambda t: rows.get(id(t), t), (args, kwargs))
-            return empty_rows(self._forward(*args, **kwargs))
-        return self._forward(*args, **kwargs)
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
-        batches = self.__dict__["_batches"]
+        batches = own["_batches"]
         if training and batches is not None:
             if batches.evaluated is not None and not self.training and batches.evaluates((args, kwargs)):
                 training = False  # an eval batch under grad mode, the model in eval mode: no data-parallel collective
             else:  # which batch the loop holds this forward trains on
                 batches.bypassed = False
                 batches.take((args, kwargs))
-        target = self._forward_module if training else self.__dict__["_eval_module"]
-        ring = self.__dict__["_ring"]
-        context = ring(self.__dict__["module"], (args, kwargs), training) if ring is not None else None
-        if context is not None:  # a cut batch: attention over every cp rank's part
-            with context:
-                return self._run(target, args, kwargs)
-        return self._run(target, args, kwargs)
-
-    def _run(self, target: nn.Module, args: Any, kwargs: Any) -> Any:
-        precision: Precision = self.__dict__["_precision"]
+        target = own["_forward_target"] if training else own["_eval_module"]
+        ring = own["_ring"]
+        context = ring(own["module"], (args, kwargs), training) if ring is not None else None
+        precision: Precision = own["_precision"]
         try:  # costs nothing until something raises
-            if not precision.transforms_forward:  # 32-true: nothing to add on the hot path
-                return target(*args, **kwargs)
-            args, kwargs = precision.convert_input((args, kwargs))
-            with precision.forward_context():
+            if context is None and not precision.transforms_forward:  # 32-true: nothing to add on the hot path
                 output = target(*args, **kwargs)
+            else:
+                with context or contextlib.nullcontext():  # a cut batch: attention over every cp rank's part
+                    args, kwargs = precision.convert_input((args, kwargs))
+                    with precision.forward_context():
+                        output = target(*args, **kwargs)
+                    output = precision.convert_output(output)
         except (RuntimeError, ValueError) as error:  # a tensor-parallel plan that does not fit the model's flow
-            explained = explain_failure(error, self.__dict__["module"])
+            explained = explain_failure(error, own["module"])
             if explained is None:
                 raise
             raise explained from error
-        return precision.convert_output(output)
+        return empty_rows(output) if rows else output
 
     def train(self, mode: bool = True) -> WrappedModule:
         """``model.eval()`` after training on several ranks, whose BatchNorm statistics each moved with its
