@@ -73,6 +73,29 @@ def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
         other.fit(Wider(), tc.checks.make_data(32), batch_size=16)
 
 
+@pytest.mark.parametrize("damage", ["metadata cut", "metadata garbage", "shard cut"])
+def test_a_damaged_file_loaded_without_its_checksums_is_called_damaged_not_another_model(tmp_path, damage):
+    """With the checksums skipped (verify=False, or a folder without them), a damaged file is refused as
+    damaged, with the command that names it; not blamed on the model (which is the same)."""
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = rt.setup(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.save(tmp_path / "ck", {"model": model, "optimizer": optimizer})
+    name = ".metadata" if damage.startswith("metadata") else next(p.name for p in (tmp_path / "ck").iterdir()
+                                                                   if p.suffix == ".distcp")
+    file = tmp_path / "ck" / name
+    content = file.read_bytes()
+    file.write_bytes(b"hello" if damage == "metadata garbage" else content[: len(content) // 2])
+    with pytest.raises(CheckpointError, match=r"damaged, not loaded: a file of it cannot be read .*lockstep "
+                                              r"checkpoint verify") as refused:
+        rt.load(tmp_path / "ck", {"model": model, "optimizer": optimizer}, verify=False)
+    assert "different model" not in str(refused.value)
+    with pytest.raises(CheckpointError, match=f"damaged, not loaded:\n  .*{name}"):
+        rt.load(tmp_path / "ck", {"model": model, "optimizer": optimizer})  # the checksums name the file
+
+
 def test_checkpoint_dir_alone_writes_checkpoints_and_resume_auto_continues(tmp_path):
     """The README's Trainer(checkpoint_dir=..., resume="auto") as written, with no ModelCheckpoint."""
     first = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path, resume="auto")

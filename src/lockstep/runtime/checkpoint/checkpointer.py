@@ -25,6 +25,7 @@ import io
 import pickle
 import re
 import shutil
+import struct
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -272,7 +273,10 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
         seen = pending.pop()
         yield seen
         pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
-        pending += [e for e in getattr(seen, "failures", {}).values() if isinstance(e, BaseException)]
+        for failure in getattr(seen, "failures", {}).values():  # DCP's: (exception, its stack summary)
+            failure = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(failure, BaseException):
+                pending.append(failure)
 
 
 def _no_space(error: BaseException, free: int) -> bool:
@@ -302,12 +306,25 @@ def _refuse_unloadable(objects: dict[str, Any]) -> None:
                 "tensors (float(x), x.tolist(), str(path), list(d), ...).") from None
 
 
+# What reading damaged bytes raises: pickle's (DCP's .metadata, its shards' objects), a short read, a text
+# decoded from garbage. A checkpoint of another model reads well and fails at matching names or shapes.
+_UNREADABLE = (pickle.UnpicklingError, EOFError, UnicodeDecodeError, struct.error)
+
+
 def _load_error(path: Path, error: BaseException) -> CheckpointError:
-    """What a failed DCP load means: an unsafe file (refused), or another model's checkpoint."""
+    """What a failed DCP load means: an unsafe file (refused), a damaged one, or another model's checkpoint."""
     for seen in _causes(error):
         if isinstance(seen, UnsafeCheckpointError) or "UnsafeCheckpointError" in str(seen):
             reason = str(seen).strip().splitlines()[-1][:300]
             return CheckpointError(f"{path}: refused ({reason}).")
+    for seen in _causes(error):
+        if isinstance(seen, _UNREADABLE):  # the bytes, not the model: no model's mismatch reads like this
+            reason = f"{type(seen).__name__}: {str(seen).strip()[:200]}".rstrip(": ")
+            return CheckpointError(
+                f"{path}: damaged, not loaded: a file of it cannot be read ({reason}), which a truncated or "
+                "overwritten file gives. Its files were not checked before (a load with verify=False, or a folder "
+                f"without lockstep's checksums); `lockstep checkpoint verify {path}` names the damaged file. Load "
+                "an earlier checkpoint, or copy this one again from where it was saved.")
     first = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
     return CheckpointError(
         f"{path}: cannot load it into this model ({first}). It was saved from a different model or "
