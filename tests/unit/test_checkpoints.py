@@ -96,6 +96,25 @@ def test_a_damaged_file_loaded_without_its_checksums_is_called_damaged_not_anoth
         rt.load(tmp_path / "ck", {"model": model, "optimizer": optimizer})  # the checksums name the file
 
 
+def test_a_load_reads_the_checkpoints_metadata_file_once(tmp_path, monkeypatch):
+    """DCP's .metadata (every tensor's name, shape and place: megabytes for a large model) is read once per
+    load, although lockstep asks for it before DCP's own load does."""
+    import lockstep
+    from lockstep.runtime.checkpoint import integrity
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = rt.setup(torch.nn.Linear(4, 2))
+    rt.save(tmp_path / "ck", {"model": model})
+    read = integrity.read_dcp_metadata
+    files: list[str] = []
+    monkeypatch.setattr(integrity, "read_dcp_metadata", lambda folder, name: files.append(name) or read(folder, name))
+    with torch.no_grad():
+        saved = model.weight.clone()
+        model.weight.zero_()
+    rt.load(tmp_path / "ck", {"model": model}, verify=False)
+    assert files == [".metadata"] and torch.equal(model.weight, saved)
+
+
 def test_checkpoint_dir_alone_writes_checkpoints_and_resume_auto_continues(tmp_path):
     """The README's Trainer(checkpoint_dir=..., resume="auto") as written, with no ModelCheckpoint."""
     first = tc.quiet_trainer(max_epochs=2, checkpoint_dir=tmp_path, resume="auto")

@@ -130,12 +130,13 @@ class Checkpointer:
             if problems:
                 raise CheckpointError(f"{path}: damaged, not loaded:\n  " + "\n  ".join(problems))
         try:
-            stored = set(SafeReader(str(path)).read_metadata().state_dict_metadata)
+            reader = SafeReader(str(path))
+            stored = set(reader.read_metadata().state_dict_metadata)
             for name, part in sharded.items():  # which optimizer states the checkpoint holds (see ModelState)
                 part.stored = {key.removeprefix(f"{name}.") for key in stored if key.startswith(f"{name}.")}
             self._refuse_other_weights(path, stored, sharded)
             dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized(),
-                     storage_reader=SafeReader(str(path)), planner=SafePlanner())
+                     storage_reader=reader, planner=SafePlanner())
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's own is a BaseException

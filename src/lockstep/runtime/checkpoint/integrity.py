@@ -202,11 +202,15 @@ def read_dcp_metadata(folder: Path, name: str = DCP_METADATA) -> Any:
 
 class SafeReader(FileSystemReader):
     """DCP's file reader, with ``.metadata`` read by the restricted unpickler (tensors are already
-    read weights-only by DCP)."""
+    read weights-only by DCP), once: a load asks for it before DCP's own load does."""
+
+    _read: tuple[Path, Any] | None = None  # the metadata file read last, and what it held: read once per load
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = read_dcp_metadata(Path(os.fspath(self.path)), dcp_metadata_name(kwargs.get("rank")))
-        return stamp_load_id(metadata, self.load_id)
+        file = Path(os.fspath(self.path)) / dcp_metadata_name(kwargs.get("rank"))
+        if self._read is None or self._read[0] != file:
+            self._read = (file, read_dcp_metadata(file.parent, file.name))
+        return stamp_load_id(self._read[1], self.load_id)
 
 
 class SafePlanner(DefaultLoadPlanner):
