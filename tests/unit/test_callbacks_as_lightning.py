@@ -77,14 +77,24 @@ class LogsAtTheBatchEnd(LogsBatchIndex):
             "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), "interval": "step"}}
 
 
+class CommitsSteps(lockstep.Callback):
+    """A fault-tolerant fit's metrics in one process: a step's values count once the step commits."""
+
+    def on_train_epoch_start(self, trainer, module):
+        trainer.metrics.commits = True
+
+
+@pytest.mark.parametrize("commits", [False, True], ids=["plain", "values-count-at-commit"])
 @pytest.mark.parametrize("log_every", [2, 3], ids=["saved-at-logging-steps", "saved-inside-a-window"])
-def test_a_checkpoint_saved_at_a_logging_steps_batch_end_resumes_with_that_steps_log(tmp_path, log_every):
+def test_a_checkpoint_saved_at_a_logging_steps_batch_end_resumes_with_that_steps_log(tmp_path, log_every, commits):
     """ModelCheckpoint saves at a logging step's batch end, before its row (which waits for what the hooks
     there log): the resumed fit writes the row first, with the rate that step used and the module's own
-    train_loss, and its rows equal the uninterrupted fit's."""
+    train_loss, and its rows equal the uninterrupted fit's. Also where a step's values count once it commits
+    (fault tolerance): what the module logged at the batch's end, before the save, is the committed step's."""
     def fit(folder, steps, resume=None):
         trainer = tc.quiet_trainer(max_steps=steps, log_every_n_steps=log_every, loggers=("csv",), log_dir=folder,
                                    checkpoint_dir=folder, resume=resume, callbacks=[
+                                       *([CommitsSteps()] if commits else []),
                                        lockstep.ModelCheckpoint(every_n_steps=2, save_top_k=-1),
                                        lockstep.LearningRateMonitor("step")])
         trainer.fit(LogsAtTheBatchEnd(), TRAIN, batch_size=8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -196,6 +198,21 @@ class TrainingMetrics:
             self.settle()
         else:
             self.recent.reset()
+
+    @contextlib.contextmanager
+    def after_commit(self, step_ended: bool) -> Iterator[None]:
+        """Around the hooks at a batch's end. In a fault-tolerant fit, after a step that committed
+        (``step_ended``), what they log is the committed step's: it counts at once, as in any fit (a
+        checkpoint saved in those hooks keeps it), and a later step that does not commit cannot drop it."""
+        if not (step_ended and self.commits):
+            yield
+            return
+        self.commits = False
+        try:
+            yield
+        finally:
+            self.commits = True
+            self.settle()
 
     def state_dict(self, runtime: Any) -> dict[str, Any]:
         """Every rank's sums (a collective: every rank must call it); in a fault-tolerant fit without the

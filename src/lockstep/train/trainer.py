@@ -405,9 +405,8 @@ class Trainer:
         if samples is not None and not self._step_taken(samples):
             return False  # fault tolerance: a replica group died during the step; its batches come again
         if self._hooks.runs(2):  # also a callback added during this batch
-            self.fire("on_train_batch_end", outputs, batch, batch_idx)
-            if self.metrics.commits and loop.at_step_boundary:  # the committed step's (a later one may not commit)
-                self.metrics.settle()
+            with self.metrics.after_commit(loop.at_step_boundary):  # fault tolerance: a committed step's values
+                self.fire("on_train_batch_end", outputs, batch, batch_idx)
             if loop.log_due:  # a logging step: its row, with what the hooks logged (as Lightning writes it)
                 self._write_log(self.metrics.window_values(self._runtime))
         return loop.at_step_boundary
