@@ -343,15 +343,44 @@ def _token_steps(rt: Runtime, divide: int | None, steps: int = 2) -> tuple[nn.Mo
     return model, reference
 
 
-def test_accumulation_with_num_items_is_not_divided_by_the_steps_and_a_division_is_refused():
-    """The plain-loop habit ``loss / k`` with num_items would shrink the gradient k times: refused at
-    the first step. Undivided, the steps equal the hand-written mean over each step's tokens."""
+def test_accumulation_with_num_items_is_not_divided_by_the_steps_and_a_division_is_said():
+    """The plain-loop habit ``loss / k`` with num_items would shrink the gradient k times: said at the first
+    step (a warning: a loss may be a mean of k terms itself). Undivided, the steps equal the hand-written
+    mean over each step's tokens."""
     model, reference = _token_steps(runtime(), divide=None)
     assert checks.flat_weights(model).sub(checks.flat_weights(reference)).abs().max() < 1e-6
-    with pytest.raises(ValueError, match="every loss of the first optimizer step was divided by 4, its number of "
-                                         "micro-batches.*shrinks the gradient 4 times"):
-        _token_steps(runtime(), divide=4)
-    _token_steps(runtime(), divide=3, steps=1)  # a division by something else is the user's own business
+    with pytest.warns(UserWarning, match="every loss of the first optimizer step was divided by 4, its number of "
+                                         "micro-batches.*shrinks the gradient 4 times.*nothing is wrong"):
+        model, reference = _token_steps(runtime(), divide=4)
+    assert checks.flat_weights(model).sub(checks.flat_weights(reference)).abs().max() > 1e-3  # it was shrunk
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _token_steps(runtime(), divide=3, steps=1)  # a division by something else is the user's own business
+
+
+def test_num_items_may_be_a_weight_sum_below_one_and_keeps_a_float64_losss_precision():
+    """A weighted mean told its weight sum as num_items (fractional, below 1 over the whole step): the
+    step's gradient is that of the weighted mean over the global batch, to float64 precision."""
+    rt = runtime(precision="64-true")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    reference = nn.Linear(3, 1).double()
+    reference.load_state_dict(model.state_dict())
+    wrapped, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    weights = torch.linspace(1, 2, 16, dtype=torch.float64) * 0.01 / 3  # a step's sum: 0.04 (and not a float32)
+    for rows in (slice(0, 8), slice(8, 16)):
+        for half in (slice(rows.start, rows.start + 4), slice(rows.start + 4, rows.stop)):  # two micro-batches
+            w = weights[half]
+            rt.backward((w * (wrapped(x[half]) - y[half]).square().squeeze(1)).sum() / w.sum(), num_items=w.sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        w = weights[rows]
+        ((w * (reference(x[rows]) - y[rows]).square().squeeze(1)).sum() / w.sum()).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert checks.flat_weights(model).sub(checks.flat_weights(reference)).abs().max() < 1e-12
 
 
 def test_num_items_normalises_over_the_step_and_refuses_a_mix_within_one_step():

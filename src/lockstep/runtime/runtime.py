@@ -413,7 +413,7 @@ class Runtime:
 
         Gradient accumulation: with ``num_items``, never divide the loss by the accumulation steps
         (that shrinks the gradient k times; a first step whose every loss is divided by its number of
-        micro-batches is refused); without it, divide, as a plain loop does.
+        micro-batches is warned of); without it, divide, as a plain loop does.
         """
         self._current.backward_started()  # another loader's batch after this is the next loss's (no zip)
         if self._recorder is not None:

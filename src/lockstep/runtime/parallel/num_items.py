@@ -15,6 +15,7 @@ calibrates again, stays bitwise equal).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,10 @@ class ItemNormalizer:
         self._pending = count if self._pending is None else self._pending + count
         if self._first_divisors is not None and loss is not None:
             self._first_divisors.append((constant_divisor(loss), count))
-        return (count / self.scale).float()
+        # float32 (what a float16 loss's backward is scaled in), float64 for a float64 loss: a fractional count
+        # (a weighted mean's weight sum) is not rounded below the loss's own precision
+        dtype = torch.promote_types(loss.dtype, torch.float32) if loss is not None else torch.float32
+        return (count / self.scale).to(dtype)
 
     @property
     def counts_items(self) -> bool:
@@ -93,14 +97,18 @@ class ItemNormalizer:
         first, self._first_divisors = self._first_divisors, None
         if first is not None and _divided_by_accumulation(first):
             k = len(first)
-            raise ConfigError(
-                f"every loss of the first optimizer step was divided by {k:g}, its number of micro-batches, and "
-                f"given to rt.backward with num_items: that shrinks the gradient {k:g} times. With num_items the "
-                "gradient is already the mean over every item of every micro-batch of the step: remove the "
-                "division by the accumulation steps (docs/models.md, 'Token-averaged losses').")
+            warnings.warn(
+                f"lockstep: every loss of the first optimizer step was divided by {k:g}, its number of micro-batches, "
+                f"and given to rt.backward with num_items. If that is a division by the accumulation steps, it "
+                f"shrinks the gradient {k:g} times: with num_items the gradient is already the mean over every item "
+                "of every micro-batch of the step, so remove it (docs/models.md, 'Token-averaged losses'). If it "
+                f"belongs to the loss itself (a mean of {k:g} terms, half a squared error), nothing is wrong.",
+                stacklevel=4)
         pending, self._pending = self._pending, None
         total = self._sum_over_ranks(pending)
-        factor = (self._gradient_peers * self.scale) / total.clamp(min=1.0)
+        # no item anywhere (every label masked): the gradients are zero, and stay so; else divided by the total,
+        # also one below 1 (the weight sum of a weighted mean)
+        factor = (self._gradient_peers * self.scale) / torch.where(total > 0, total, torch.ones_like(total))
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for ref in self._optimizers:
