@@ -585,3 +585,30 @@ def distil_from_a_frozen_teacher() -> torch.Tensor:
         optimizer.step()
         optimizer.zero_grad()
     return torch.cat([p.detach().flatten() for p in lockstep.unwrap(student).parameters()])
+
+
+def gathered_rows_per_sample() -> dict:
+    """rt.gather of outputs collected one per sample (of varying lengths, of one shape, as dicts) over an evaluation
+    pass of 7 samples in batches of 2; then outputs that only rank 0 cannot join (chunks of other widths): every
+    rank is told, and the next gather still lines up."""
+    from lockstep.errors import ConfigError
+
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    data = torch.utils.data.TensorDataset(torch.arange(7))
+    varying, vectors, dicts, chunks = [], [], [], []
+    for (index,) in rt.eval_loader(data, batch_size=2):
+        varying.extend(torch.arange(int(i) % 3) + 100 * i for i in index)  # 0, 1 or 2 values a sample
+        vectors.extend(torch.stack([i, -i]) for i in index)
+        dicts.extend({"i": i, "v": torch.arange(int(i) % 3)} for i in index)
+        width = 3 if rt.rank == 0 and not chunks else 2  # rank 0's first batch is wider: its chunks do not join
+        chunks.append(index.unsqueeze(1).expand(-1, width))
+    out = {"varying": [v.tolist() for v in rt.gather(varying)], "vectors": rt.gather(vectors).tolist()}
+    gathered = rt.gather(dicts)
+    out["dicts"] = [gathered["i"].tolist(), [v.tolist() for v in gathered["v"]]]
+    try:
+        rt.gather(chunks)
+        out["refused"] = ""
+    except ConfigError as error:
+        out["refused"] = str(error)
+    out["after"] = rt.gather([c[:, 0] for c in chunks]).tolist()
+    return out

@@ -71,3 +71,17 @@ def test_a_frozen_teacher_sets_up_beside_its_student_and_the_student_trains_as_o
     two = run_ranks(checks.distil_from_a_frozen_teacher, 2)
     one = run_ranks(checks.distil_from_a_frozen_teacher, 1)
     assert torch.equal(two[0], two[1]) and torch.allclose(two[0], one[0], atol=1e-7)
+
+
+def test_outputs_collected_per_sample_are_rows_and_a_join_only_one_rank_fails_is_refused_on_every_rank():
+    """One output per sample (detections, generated tokens) are the rows themselves: before, a list of them was
+    joined as per-batch chunks, which gave row i another sample's values with no error where the lengths summed
+    to the sample count. A join that fails on rank 0 alone (per-batch chunks of other widths) raised there before
+    any collective, and the peer's next collectives no longer lined up (a hang)."""
+    varying = [[100 * i + k for k in range(i % 3)] for i in range(7)]
+    for out in run_ranks(checks.gathered_rows_per_sample, 2):
+        assert out["varying"] == varying
+        assert out["vectors"] == [[i, -i] for i in range(7)]
+        assert out["dicts"] == [list(range(7)), [list(range(i % 3)) for i in range(7)]]
+        assert "rank 0: its outputs cannot be joined (Sizes of tensors must match" in out["refused"]
+        assert out["after"] == list(range(7))

@@ -101,8 +101,11 @@ def test_gather_refuses_outputs_that_are_not_one_row_per_sample():
     loader = rt.loader(checks.Indexed(10), batch_size=4, shuffle=True, num_workers=0)
     outputs = [index for index, _, _ in loader]
     assert torch.equal(rt.gather(outputs), torch.arange(10))
-    with pytest.raises(ValueError, match="holds 8 rows, but the loader's last pass handed out 10"):
+    with pytest.raises(ValueError, match=r"a list of 2 tensors, neither one per batch of the loader's last pass "
+                                         r"\(3 batches of 4, 4, 2 rows here\) nor one per sample \(10\)"):
         rt.gather(outputs[:2])
+    with pytest.raises(ValueError, match="holds 8 rows, but the loader's last pass handed out 10"):
+        rt.gather(torch.cat(outputs[:2]))
     assert len(rt.gather(outputs[:2], order="rank")) == 8
     partial = rt.loader(checks.Indexed(10), batch_size=4, shuffle=True, num_workers=0)
     seen = []
@@ -111,6 +114,16 @@ def test_gather_refuses_outputs_that_are_not_one_row_per_sample():
         break
     assert torch.equal(rt.gather(seen), seen[0].sort().values)
     assert torch.equal(rt.gather(outputs, loader=loader), torch.arange(10))
+
+
+def test_gather_takes_one_output_per_sample_as_its_rows_even_where_their_lengths_add_up_to_the_samples():
+    """Detections per image (0, 1 or 2 each here) collected one per sample: their lengths add up to the 6
+    samples, and they were joined as per-batch chunks, row 0 holding sample 1's detection, with no error."""
+    rt = runtime()
+    detections = []
+    for index, _, _ in rt.eval_loader(checks.Indexed(6), batch_size=4):
+        detections.extend(torch.arange(int(i) % 3) + 100 * i for i in index)
+    assert [d.tolist() for d in rt.gather(detections)] == [[], [100], [200, 201], [], [400], [500, 501]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

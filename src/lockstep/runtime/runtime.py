@@ -538,7 +538,8 @@ class Runtime:
         ``order="rank"``, or no loader used yet: every rank's rows concatenated in rank order.
 
         Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
-        outputs) and joined first; a list of per-batch structures of tensors (dicts, ModelOutputs,
+        outputs) and joined first, or, one per sample of the pass, as its rows (stacked where their
+        shapes agree, else kept a list); a list of per-batch structures of tensors (dicts, ModelOutputs,
         namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
         concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
         On a mesh with tensor parallelism the ``tp`` peers hold the same rows: one copy is kept.
@@ -546,11 +547,11 @@ class Runtime:
         if order not in ("dataset", "rank"):
             raise ConfigError(f"order={order!r}: use 'dataset' (the rows of a loader pass) or 'rank'.")
         source = (loader if loader is not None else self._current.last) if order == "dataset" else None
-        indices, places = (source.handed_out(), source.handed_out_places()) if source is not None else (None, None)
+        handed = source.handed_rows() if source is not None else None
         # a tensor-parallel peer or a later pipeline rank of the one that keeps them (they hold the same rows)
         replica = not self.mesh.layout.keeps_rows(self.rank)
         with self._watchdog.watch("gather", data, exact_shapes=False):
-            return collectives.gather_rows(data, self.device, indices, replica=replica, places=places)
+            return collectives.gather_rows(data, self.device, handed, replica=replica)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict``, keyed as your module's own, as plain CPU tensors: shards

@@ -284,17 +284,26 @@ def _is_rows(node: Any) -> bool:
     return isinstance(node, list)
 
 
-def _join_chunks(leaf: Any) -> Any:
-    """A list of tensors is a sequence of chunks (e.g. per-batch outputs): join it into one."""
-    if isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
+def _join_chunks(leaf: Any, sizes: list[int] | None = None) -> Any:
+    """A list of tensors is a sequence of chunks (per-batch outputs): joined into one. With the pass's batch
+    sizes known (``sizes``), only where it is one chunk per batch of those rows; one tensor per sample is
+    the rows themselves (stacked where their shapes agree, else kept a list of rows); any other list is left
+    as it is (``_rows_problem`` says why)."""
+    if not (isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf)):
+        return leaf
+    lengths = [len(v) if v.dim() else -1 for v in leaf]
+    if sizes is None or lengths in (sizes, [n for n in sizes if n]):  # a batch of no rows may be left out
         return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in leaf])
+    if len(leaf) == sum(sizes) and all(v.shape == leaf[0].shape for v in leaf):
+        return torch.stack(leaf)
     return leaf
 
 
-def merge_batches(data: Any) -> Any:
+def merge_batches(data: Any, sizes: list[int] | None = None) -> Any:
     """A list of per-batch structures of tensors (dicts, ``ModelOutput``s, namedtuples, dataclasses,
-    tuples) of one shape becomes one structure whose tensors are the batches' joined along dim 0.
-    Anything else is returned as it is."""
+    tuples) of one shape becomes one structure whose tensors are the batches' joined along dim 0 (or,
+    one structure per sample of batches of ``sizes`` rows, stacked: ``_join_chunks``). Anything else is
+    returned as it is."""
     if not isinstance(data, list) or not data or any(isinstance(item, (torch.Tensor, list)) for item in data):
         return data
     flat = [flatten(item) for item in data]
@@ -304,19 +313,24 @@ def merge_batches(data: Any) -> Any:
     if any(item_spec != spec for _, item_spec in flat):
         return data
     columns = [[leaves[i] for leaves, _ in flat] for i in range(spec.num_leaves)]
-    return unflatten([_join_chunks(column) for column in columns], spec)
+    return unflatten([_join_chunks(column, sizes) for column in columns], spec)
 
 
-def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = None, replica: bool = False,
-                places: torch.Tensor | None = None) -> Any:
-    """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract); with
-    ``indices`` (the dataset index of each of this rank's rows), put the rows in dataset order, the rows of one
-    index in the order of their ``places`` (where each stands in the pass, the same on every rank: a sampler
-    that draws an index twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel
-    peer): it adds none."""
-    leaves, spec = flatten(merge_batches(keys_sorted(data)), is_leaf=_is_rows)
-    leaves = [_join_chunks(leaf) for leaf in leaves]
-    problem = _rows_problem(leaves, len(indices)) if indices is not None else None
+Handed = tuple[torch.Tensor, "torch.Tensor | None", list[int]]  # a loader pass's rows: indices, places, batch sizes
+
+
+def gather_rows(data: Any, device: torch.device, handed: Handed | None = None, replica: bool = False) -> Any:
+    """Concatenate every rank's rows in rank order (see ``Runtime.gather`` for the contract); with the rows a
+    loader pass ``handed`` this rank (each one's dataset index), put the rows in dataset order, the rows of one
+    index in the order of their places in the pass (the same on every rank: a sampler that draws an index
+    twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel peer): it adds none."""
+    indices, places, sizes = handed if handed is not None else (None, None, None)
+    try:  # a failure here is this rank's alone: said on every rank below, before any collective of the rows
+        leaves, spec = flatten(merge_batches(keys_sorted(data), sizes), is_leaf=_is_rows)
+        leaves = [_join_chunks(leaf, sizes) for leaf in leaves]
+        problem = _rows_problem(leaves, sizes) if sizes is not None else None
+    except RuntimeError as error:  # torch.cat of chunks of other shapes
+        leaves, spec, problem = [], flatten([])[1], f"its outputs cannot be joined ({str(error).splitlines()[0]})"
     if replica and problem is None:
         leaves = [leaf[:0] if isinstance(leaf, list) or (isinstance(leaf, torch.Tensor) and leaf.dim()) else leaf
                   for leaf in leaves]
@@ -350,8 +364,9 @@ def gather_rows(data: Any, device: torch.device, indices: torch.Tensor | None = 
                       for row in rows], spec)
 
 
-def _rows_problem(leaves: list[Any], count: int) -> str | None:
-    """Why the ``leaves`` are not ``count`` rows each (None when they are)."""
+def _rows_problem(leaves: list[Any], sizes: list[int]) -> str | None:
+    """Why the ``leaves`` are not one row per sample of batches of ``sizes`` rows each (None when they are)."""
+    count = sum(sizes)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             rows = leaf.shape[0] if leaf.dim() else None
@@ -359,12 +374,33 @@ def _rows_problem(leaves: list[Any], count: int) -> str | None:
             rows = len(leaf) if isinstance(leaf, list) else None
         if rows is None:
             return f"an output of type {type(leaf).__name__} has no rows"
+        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
+            return (f"an output is a list of {rows} tensors, neither one per batch of the loader's last pass "
+                    f"({len(sizes)} batches of {', '.join(map(str, sizes))} rows here) nor one per sample ({count})")
         if rows != count:
             return f"an output holds {rows} rows, but the loader's last pass handed out {count} samples here"
     return None
 
 
+class _Boxed:
+    """Rows that hold tensors of their own shapes (one per sample, of varying lengths): sent whole, pickled
+    from the CPU, as one leaf (a tensor collective needs as many tensors on every rank; the walker of nested
+    data opens a dataclass, not this)."""
+
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+
+def _box(leaf: Any) -> Any:
+    if isinstance(leaf, list) and any(isinstance(row, torch.Tensor) for row in leaf):
+        return _Boxed([map_tensors(lambda t: t.detach().cpu(), row) for row in leaf])
+    return leaf
+
+
 def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
+    home = next((row.device for leaf in leaves if isinstance(leaf, list) for row in leaf
+                 if isinstance(row, torch.Tensor)), torch.device("cpu"))  # where boxed rows come back to
+    leaves = [_box(leaf) for leaf in leaves]
     # Every rank's structure, tensors as slots: where this rank has no rows ([]), it takes the
     # others' structure (a whole one when it had no batches at all) with zero-row tensors.
     structures = _all_gather_object(unflatten(_skeleton(leaves), spec))
@@ -381,7 +417,10 @@ def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
     others = [leaves_of_rank for leaves_of_rank, _ in flat]
     leaves = [_fill_empty_rows(leaf, [o[i] if i < len(o) else None for o in others]) for i, leaf in enumerate(leaves)]
     per_rank = [flatten(d, is_leaf=_is_rows)[0] for d in all_gather(unflatten(leaves, spec), device)]
-    return unflatten([_concat_ranks([rank_leaves[i] for rank_leaves in per_rank]) for i in range(len(leaves))], spec)
+    joined = [_concat_ranks([rank_leaves[i] for rank_leaves in per_rank]) for i in range(len(leaves))]
+    if any(isinstance(leaf, _Boxed) for rank_leaves in per_rank for leaf in rank_leaves):
+        joined = [map_tensors(lambda t: t.to(home), leaf) if isinstance(leaf, list) else leaf for leaf in joined]
+    return unflatten(joined, spec)
 
 
 def _is_rows_or_slot(node: Any) -> bool:
@@ -399,6 +438,7 @@ def _fill_empty_rows(leaf: Any, others: list[Any]) -> Any:
 
 
 def _concat_ranks(per_rank: list[Any]) -> Any:
+    per_rank = [leaf.rows if isinstance(leaf, _Boxed) else leaf for leaf in per_rank]
     first = per_rank[0]
     if isinstance(first, torch.Tensor):
         return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in per_rank])

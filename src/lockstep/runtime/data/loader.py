@@ -13,7 +13,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate, get_worker_info
@@ -102,6 +102,17 @@ class TensorRows(Dataset[Any]):
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         rows = torch.as_tensor(indices, dtype=torch.int64)
         return [tensor.index_select(0, rows) for tensor in self.tensors]  # a little faster than tensor[rows]
+
+
+class HandedRows(NamedTuple):
+    """The rows a loader pass handed this rank, in order: their dataset indices (for a stream, positions in it);
+    where each stands in the pass's global order (what puts the rows of an index handed out more than once, by
+    a sampler that draws with replacement, in the order one process reads them; None where an index comes once
+    per pass: evaluation shards, streams); and each batch's number of rows."""
+
+    indices: torch.Tensor
+    places: torch.Tensor | None
+    sizes: list[int]
 
 
 class DistributedLoader:
@@ -381,22 +392,15 @@ class DistributedLoader:
             self._stream_batches.ended[step] = size
         return batch
 
-    def handed_out(self) -> torch.Tensor:
-        """The dataset indices of the rows this rank was handed in the current (or last) pass, in order
-        (for a stream: positions in the stream)."""
-        return self._over_pass(self.sampler.local_indices)
-
-    def handed_out_places(self) -> torch.Tensor | None:
-        """Where each row of ``handed_out()`` stands in the pass's global order: what puts the rows of an index
-        handed out more than once (a sampler that draws with replacement) in the order one process reads them.
-        None where an index comes once per pass (evaluation shards, streams)."""
-        places = getattr(self.sampler, "local_places", None)
-        return self._over_pass(places) if places is not None else None
-
-    def _over_pass(self, per_step: Callable[[int], list[int]]) -> torch.Tensor:
-        """``per_step``'s numbers for each batch of the current (or last) pass handed out so far, in order."""
+    def handed_rows(self) -> HandedRows:
+        """The rows this rank was handed in the current (or last) pass so far: what ``rt.gather`` orders by."""
         steps = range(self._pass_start, self._batches_done)
-        return torch.tensor([n for step in steps for n in per_step(step)], dtype=torch.int64)
+        per_step = [self.sampler.local_indices(step) for step in steps]
+        places = getattr(self.sampler, "local_places", None)
+        return HandedRows(torch.tensor([n for rows in per_step for n in rows], dtype=torch.int64),
+                          None if places is None else torch.tensor([n for step in steps for n in places(step)],
+                                                                   dtype=torch.int64),
+                          [len(rows) for rows in per_step])
 
     def state_dict(self) -> dict[str, Any]:
         """The position: ``batches_done`` batches of epoch ``epoch`` have been handed out; with the
