@@ -228,6 +228,20 @@ def stream_end_is_agreed() -> str:
     return "no error"
 
 
+def stream_with_a_last_batch_smaller_than_the_ranks() -> list:
+    """A training stream of 9 items in global batches of 4 on 3 ranks: its last batch of 1 leaves 2 ranks
+    without a row. Every rank must raise (only those ranks did), so a loop that catches the error can go on
+    with the same collectives on every rank."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    try:
+        for _ in rt.loader(IndexedStream(9), batch_size=4, num_workers=0):
+            pass
+        said = "no error"
+    except ValueError as error:
+        said = str(error)
+    return [said, rt.all_reduce(torch.tensor(float(rt.rank + 1)), op="sum").item()]
+
+
 def stream_until_killed(checkpoint: str, stateful: bool, kill_after: int) -> dict:
     """Train on a 1,003-item stream (see ``train_on``); also says whether it resumed, and how many
     items it read."""

@@ -158,6 +158,11 @@ def test_a_batch_sampler_batch_smaller_than_the_ranks_is_refused_on_every_rank_b
         assert "global batch 1 of the batch sampler holds 1 sample(s) for 2 data-parallel ranks" in message, message
 
 
+def test_a_training_stream_whose_last_batch_leaves_a_rank_without_rows_is_refused_on_every_rank():
+    for said, total in run_ranks(checks.stream_with_a_last_batch_smaller_than_the_ranks, 3):
+        assert "the stream's last global batch (step 2) holds 1 items for 3 ranks" in said and total == 6.0, said
+
+
 def test_gathered_rows_of_an_index_drawn_twice_come_in_the_order_one_process_reads_them():
     """A sampler that draws with replacement hands out an index several times: in dataset order, its rows
     follow their places in the pass, on 2 processes as on 1 (not rank 0's first)."""

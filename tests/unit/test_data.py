@@ -3,6 +3,7 @@ outputs in dataset order, each against a single-process run or a hand computatio
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import random
@@ -284,6 +285,24 @@ def test_a_stream_whose_len_is_not_what_it_yields_is_refused_at_the_batch_that_s
     rt = runtime()
     with pytest.raises(ValueError, match=f"Sized yielded .* for global batch {at} where its __len__ \\({length}\\)"):
         list(rt.loader(Sized(12), batch_size=4, drop_last=drop_last, num_workers=0))
+
+
+@pytest.mark.parametrize("length, drop_last", [(9, False), (10, True), (11, True)])
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_a_seekable_stream_longer_than_its_len_is_refused_not_cut_short(length, drop_last, evaluation):
+    """A stream whose iterator can skip is read only for this rank's items, its batches sized from __len__: 12
+    records said to be `length` were cut to `length`, an evaluation over fewer samples than the stream, with no
+    error (a stream without skip was refused)."""
+    class Said(checks.SeekableRecords):
+        def __len__(self):
+            return length
+
+    rt = runtime()
+    make = rt.eval_loader if evaluation else functools.partial(rt.loader, drop_last=drop_last)
+    with pytest.raises(ValueError, match=f"Said yields more items than the {length} its __len__ promises"):
+        list(make(Said(12), batch_size=4, num_workers=0))
+    assert [i.tolist() for i, _, _ in make(checks.SeekableRecords(12), batch_size=4, num_workers=0)] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # the same stream, told its length
 
 
 def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():

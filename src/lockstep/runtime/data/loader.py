@@ -384,7 +384,7 @@ class DistributedLoader:
         if item is _END:
             return _END
         assert got == step, f"stream batch {got} arrived at step {step}"
-        if batch is None:  # every rank sees the same size, so every rank raises here
+        if batch is None or (size < self._stream.membership.size and not self._stream.pad_empty):  # on every rank
             raise ConfigError(f"the stream's last global batch (step {step}) holds {size} items for "
                               f"{self._stream.membership.size} ranks: every rank needs one to train on. "
                               "Pass drop_last=True.")

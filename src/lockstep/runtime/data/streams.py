@@ -203,6 +203,13 @@ class StreamShard(IterableDataset[Any]):
         for step in steps:
             size = min(self.batch_size, self.length - step * self.batch_size)
             if size <= 0 or (self.drop_last and size < self.batch_size):
+                # the stream must end where __len__ says (read as the loader reads a stream without skip)
+                if reader.drop(max(size, 0)) < max(size, 0):
+                    raise self._ended_early(step)
+                if reader.drop(1):
+                    raise ConfigError(f"{type(self.stream).__name__} yields more items than the {self.length} its "
+                                      "__len__ promises: make __len__ the number of items it yields, or drop "
+                                      "__len__ (a stream without it is read to its end).")
                 return
             if not turn(step):
                 if reader.drop(size) < size:
