@@ -588,15 +588,16 @@ def distil_from_a_frozen_teacher() -> torch.Tensor:
 
 
 def gathered_rows_per_sample() -> dict:
-    """rt.gather of outputs collected one per sample (of varying lengths, of one shape, as dicts) over an evaluation
-    pass of 7 samples in batches of 2; then outputs that only rank 0 cannot join (chunks of other widths): every
-    rank is told, and the next gather still lines up."""
+    """rt.gather of outputs collected one per sample (of varying lengths, of one shape, as dicts), and per
+    batch with a list of texts, over an evaluation pass of 7 samples in global batches of 4; then outputs that
+    only rank 0 cannot join (chunks of other widths): every rank is told, and the next gather still lines up."""
     from lockstep.errors import ConfigError
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
     data = torch.utils.data.TensorDataset(torch.arange(7))
-    varying, vectors, dicts, chunks = [], [], [], []
-    for (index,) in rt.eval_loader(data, batch_size=2):
+    varying, vectors, dicts, chunks, texts = [], [], [], [], []
+    for (index,) in rt.eval_loader(data, batch_size=4):
+        texts.append({"index": index, "text": [f"s{int(i)}" for i in index]})  # per batch: decoded texts
         varying.extend(torch.arange(int(i) % 3) + 100 * i for i in index)  # 0, 1 or 2 values a sample
         vectors.extend(torch.stack([i, -i]) for i in index)
         dicts.extend({"i": i, "v": torch.arange(int(i) % 3)} for i in index)
@@ -605,6 +606,8 @@ def gathered_rows_per_sample() -> dict:
     out = {"varying": [v.tolist() for v in rt.gather(varying)], "vectors": rt.gather(vectors).tolist()}
     gathered = rt.gather(dicts)
     out["dicts"] = [gathered["i"].tolist(), [v.tolist() for v in gathered["v"]]]
+    gathered = rt.gather(texts)
+    out["texts"] = [gathered["index"].tolist(), gathered["text"]]
     try:
         rt.gather(chunks)
         out["refused"] = ""

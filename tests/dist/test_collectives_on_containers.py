@@ -74,7 +74,8 @@ def test_a_frozen_teacher_sets_up_beside_its_student_and_the_student_trains_as_o
 
 
 def test_outputs_collected_per_sample_are_rows_and_a_join_only_one_rank_fails_is_refused_on_every_rank():
-    """One output per sample (detections, generated tokens) are the rows themselves: before, a list of them was
+    """Per-batch lists of texts are joined into rows, as per-batch tensors are. One output per sample
+    (detections, generated tokens) are the rows themselves: before, a list of them was
     joined as per-batch chunks, which gave row i another sample's values with no error where the lengths summed
     to the sample count. A join that fails on rank 0 alone (per-batch chunks of other widths) raised there before
     any collective, and the peer's next collectives no longer lined up (a hang)."""
@@ -83,5 +84,6 @@ def test_outputs_collected_per_sample_are_rows_and_a_join_only_one_rank_fails_is
         assert out["varying"] == varying
         assert out["vectors"] == [[i, -i] for i in range(7)]
         assert out["dicts"] == [list(range(7)), [list(range(i % 3)) for i in range(7)]]
+        assert out["texts"] == [list(range(7)), [f"s{i}" for i in range(7)]]  # was refused: "holds 2 rows"
         assert "rank 0: its outputs cannot be joined (Sizes of tensors must match" in out["refused"]
         assert out["after"] == list(range(7))

@@ -444,6 +444,23 @@ def test_predict_and_gather_with_its_loader_over_a_stream_without_len_return_its
     assert rt.gather(rows, loader=loader).reshape(-1).tolist() == [2.0 * i for i in range(10)]
 
 
+def test_predict_steps_returning_decoded_texts_per_batch_give_one_text_per_sample_in_order():
+    """A predict_step that decodes its batch to strings (alone, or beside a tensor in a dict): before, refused
+    as "an output holds 3 rows" (the number of batches)."""
+    class Decodes(_ForwardOnly):
+        def predict_step(self, batch, batch_idx):
+            return {"index": batch, "text": [f"item {int(i)}" for i in batch]}
+
+    class Texts(_ForwardOnly):
+        def predict_step(self, batch, batch_idx):
+            return [f"item {int(i)}" for i in batch]
+
+    predicted = tc.quiet_trainer().predict(Decodes(), torch.arange(11), batch_size=4)
+    assert predicted["index"].tolist() == list(range(11))
+    assert predicted["text"] == [f"item {i}" for i in range(11)]
+    assert tc.quiet_trainer().predict(Texts(), torch.arange(11), batch_size=4) == [f"item {i}" for i in range(11)]
+
+
 def test_predict_without_predict_step_returns_forward_of_each_batch_in_order_as_lightnings_default():
     inputs = torch.randn(11, 8)
     module = _ForwardOnly()

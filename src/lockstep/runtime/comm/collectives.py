@@ -288,7 +288,11 @@ def _join_chunks(leaf: Any, sizes: list[int] | None = None) -> Any:
     """A list of tensors is a sequence of chunks (per-batch outputs): joined into one. With the pass's batch
     sizes known (``sizes``), only where it is one chunk per batch of those rows; one tensor per sample is
     the rows themselves (stacked where their shapes agree, else kept a list of rows); any other list is left
-    as it is (``_rows_problem`` says why)."""
+    as it is (``_rows_problem`` says why). A list of lists, one per batch of those rows (decoded texts), is
+    joined into one list of rows."""
+    if sizes is not None and isinstance(leaf, list) and leaf and all(isinstance(v, list) for v in leaf) and [
+            len(v) for v in leaf] in (sizes, [n for n in sizes if n]):
+        return [row for chunk in leaf for row in chunk]  # one list of rows per batch (decoded texts): joined
     if not (isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf)):
         return leaf
     lengths = [len(v) if v.dim() else -1 for v in leaf]
@@ -306,9 +310,10 @@ def merge_batches(data: Any, sizes: list[int] | None = None) -> Any:
     returned as it is."""
     if not isinstance(data, list) or not data or any(isinstance(item, (torch.Tensor, list)) for item in data):
         return data
-    flat = [flatten(item) for item in data]
-    spec = flat[0][1]
-    if spec.num_leaves == 0 or not all(isinstance(leaf, torch.Tensor) for leaves, _ in flat for leaf in leaves):
+    # in a loader's pass, a list in a batch's structure is that batch's rows (decoded texts), as a tensor is
+    flat = [flatten(item, is_leaf=_is_rows if sizes is not None else None) for item in data]
+    spec, kinds = flat[0][1], (torch.Tensor, list) if sizes is not None else torch.Tensor
+    if spec.num_leaves == 0 or not all(isinstance(leaf, kinds) for leaves, _ in flat for leaf in leaves):
         return data
     if any(item_spec != spec for _, item_spec in flat):
         return data
