@@ -82,24 +82,26 @@ class WrappedModule(nn.Module):
         own = self.__dict__
         if own["_tracks_stats"] and self.training and torch.is_grad_enabled():
             own["module"].__dict__[STATISTICS_MOVED] = True  # until rt.sync_buffers
-        watchdog: Watchdog | None = own["_watchdog"]
-        if watchdog is not None:
-            with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
-                return self._forward(args, kwargs)
-        clock = own["_clock"]
-        if clock is None:
-            return self._forward(args, kwargs)
-        clock.enter("forward")  # the straggler report times training forwards (the clock leaves out the others)
-        try:
-            return self._forward(args, kwargs)
-        finally:
-            clock.leave()
-
-    def _forward(self, args: Any, kwargs: Any) -> Any:
-        own = self.__dict__
         rows = own["_stand_in"]() if own["_stand_in"] is not None else None
         if rows:  # a zero-row padding batch: run on the row it was cut from, hand back zero rows
             args, kwargs = map_tensors(lambda t: rows.get(id(t), t), (args, kwargs))
+        watchdog: Watchdog | None = own["_watchdog"]
+        clock = own["_clock"]
+        if watchdog is not None:
+            with watchdog.step("forward"):  # its all-gathers (FSDP) and tensor-parallel collectives
+                output = self._forward(args, kwargs)
+        elif clock is None:
+            output = self._forward(args, kwargs)
+        else:
+            clock.enter("forward")  # the straggler report times training forwards (the clock leaves out the others)
+            try:
+                output = self._forward(args, kwargs)
+            finally:
+                clock.leave()
+        return empty_rows(output) if rows else output
+
+    def _forward(self, args: Any, kwargs: Any) -> Any:
+        own = self.__dict__
         training = torch.is_grad_enabled()
         batches = own["_batches"]
         if training and batches is not None:
@@ -126,7 +128,7 @@ class WrappedModule(nn.Module):
             if explained is None:
                 raise
             raise explained from error
-        return empty_rows(output) if rows else output
+        return output
 
     def train(self, mode: bool = True) -> WrappedModule:
         """``model.eval()`` after training on several ranks, whose BatchNorm statistics each moved with its

@@ -149,7 +149,7 @@ class PipelinedModule(WrappedModule):
                              "runs under torch.no_grad(), for evaluation).")
         return super().forward(*args, **kwargs)
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _forward(self, args: Any, kwargs: Any) -> Any:
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise UsageError("a model on pipeline stages is called with one tensor, its first stage's input (e.g. "
                              "model(batch['input_ids'])); the later stages receive what the one before returns.")
