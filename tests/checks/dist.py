@@ -614,4 +614,17 @@ def gathered_rows_per_sample() -> dict:
     except ConfigError as error:
         out["refused"] = str(error)
     out["after"] = rt.gather([c[:, 0] for c in chunks]).tolist()
+    # 3 samples: rank 0 holds a batch of 2, rank 1 a batch of 1, whose one row reads as a chunk too; the ranks
+    # must read each list alike (rank 0 stacked its rows and rank 1 joined its chunk: a failed all-gather)
+    columns, lengths = [], []
+    for (index,) in rt.eval_loader(torch.utils.data.TensorDataset(torch.arange(3)), batch_size=4):
+        columns.extend(index.float().unsqueeze(1))  # rows of shape (1,)
+        lengths.extend(torch.arange(int(i) + 3) for i in index)  # rank 1's one row has a shape of its own
+    gathered = rt.gather(columns)
+    out["few"] = [list(gathered.shape), [v.tolist() for v in rt.gather(lengths)]]
+    from lockstep.runtime.comm.collectives import _gather_leaves, _is_rows  # a rank without rows (a tp replica's)
+    from lockstep.runtime.tree import flatten
+
+    rows = [[torch.arange(3), torch.arange(5)]] if rt.rank == 0 else [[]]
+    out["replica"] = [v.tolist() for v in _gather_leaves(rows, flatten([[0]], is_leaf=_is_rows)[1], rt.device)]
     return out

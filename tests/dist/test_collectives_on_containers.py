@@ -87,3 +87,5 @@ def test_outputs_collected_per_sample_are_rows_and_a_join_only_one_rank_fails_is
         assert out["texts"] == [list(range(7)), [f"s{i}" for i in range(7)]]  # was refused: "holds 2 rows"
         assert "rank 0: its outputs cannot be joined (Sizes of tensors must match" in out["refused"]
         assert out["after"] == list(range(7))
+        assert out["few"] == [[3, 1], [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]]
+        assert out["replica"] == [[0, 1, 2], [0, 1, 2, 3, 4]]  # each row once (the empty rank sent them again)

@@ -304,6 +304,14 @@ def test_a_seekable_stream_longer_than_its_len_is_refused_not_cut_short(length, 
     assert [i.tolist() for i, _, _ in make(checks.SeekableRecords(12), batch_size=4, num_workers=0)] == [
         [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # the same stream, told its length
 
+    class Unclamped(checks.SeekableRecords):  # a seek that says it passed over items past the end
+        def __iter__(self):
+            cursor = super().__iter__()
+            cursor.skip = lambda count: setattr(cursor, "position", cursor.position + count) or count
+            return cursor
+
+    assert len(list(make(Unclamped(12), batch_size=4, num_workers=0))) == 3
+
 
 def test_stream_drop_last_and_a_last_batch_smaller_than_the_world():
     rt = runtime()

@@ -284,41 +284,66 @@ def _is_rows(node: Any) -> bool:
     return isinstance(node, list)
 
 
-def _join_chunks(leaf: Any, sizes: list[int] | None = None) -> Any:
-    """A list of tensors is a sequence of chunks (per-batch outputs): joined into one. With the pass's batch
-    sizes known (``sizes``), only where it is one chunk per batch of those rows; one tensor per sample is
-    the rows themselves (stacked where their shapes agree, else kept a list of rows); any other list is left
-    as it is (``_rows_problem`` says why). A list of lists, one per batch of those rows (decoded texts), is
-    joined into one list of rows."""
-    if sizes is not None and isinstance(leaf, list) and leaf and all(isinstance(v, list) for v in leaf) and [
-            len(v) for v in leaf] in (sizes, [n for n in sizes if n]):
-        return [row for chunk in leaf for row in chunk]  # one list of rows per batch (decoded texts): joined
-    if not (isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf)):
+def _reading(leaf: Any, sizes: list[int] | None) -> tuple[bool, bool, tuple[int, ...] | None] | None:
+    """How this rank could read ``leaf``, a list of tensors or of lists in a loader's pass of batches of ``sizes``
+    rows: (as one chunk per batch, as one row per sample, the rows' common shape: None for lists or where the
+    shapes differ). None for anything else, and outside a pass."""
+    if sizes is None or not isinstance(leaf, list) or not leaf:
+        return None
+    if all(isinstance(v, torch.Tensor) for v in leaf):
+        lengths = [len(v) if v.dim() else -1 for v in leaf]
+        shape = tuple(leaf[0].shape) if all(v.shape == leaf[0].shape for v in leaf) else None
+    elif all(isinstance(v, list) for v in leaf):
+        lengths, shape = [len(v) for v in leaf], None
+    else:
+        return None
+    return lengths in (sizes, [n for n in sizes if n]), len(leaf) == sum(sizes), shape  # a batch of no rows: left out
+
+
+def _agreed(mine: list[Any], everyone: list[list[Any]]) -> list[str | None]:
+    """One reading of each list for every rank (a rank's reading alone may differ from its peers': a rank
+    whose batches hold one row each): "chunks" where every rank's list is one chunk per batch, else "stack"
+    or "rows" where every rank's is one row per sample (stacked where all the rows share one shape)."""
+    agreed: list[str | None] = []
+    for i, reading in enumerate(mine):
+        votes = [theirs[i] for theirs in everyone if len(theirs) == len(mine) and theirs[i] is not None]
+        if reading is None:
+            agreed.append(None)
+        elif all(chunks for chunks, _, _ in votes):
+            agreed.append("chunks")
+        elif all(rows for _, rows, _ in votes):
+            agreed.append("stack" if reading[2] is not None and all(v[2] == reading[2] for v in votes) else "rows")
+        else:
+            agreed.append(None)  # read as it is: its number of rows says what is wrong
+    return agreed
+
+
+def _joined(leaf: Any, reading: str | None, in_pass: bool) -> Any:
+    """``leaf`` as rows: chunks joined (a list of tensors outside a loader's pass is taken as chunks, as
+    always), per-sample tensors stacked, anything else as it is."""
+    if not (isinstance(leaf, list) and leaf) or reading in ("rows", None) and in_pass:
         return leaf
-    lengths = [len(v) if v.dim() else -1 for v in leaf]
-    if sizes is None or lengths in (sizes, [n for n in sizes if n]):  # a batch of no rows may be left out
-        return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in leaf])
-    if len(leaf) == sum(sizes) and all(v.shape == leaf[0].shape for v in leaf):
+    if reading == "stack":
         return torch.stack(leaf)
-    return leaf
+    if all(isinstance(v, torch.Tensor) for v in leaf):
+        return torch.cat([v.reshape(1) if v.dim() == 0 else v for v in leaf])
+    return [row for chunk in leaf for row in chunk] if in_pass else leaf  # one list of rows per batch (texts)
 
 
 def merge_batches(data: Any, sizes: list[int] | None = None) -> Any:
     """A list of per-batch structures of tensors (dicts, ``ModelOutput``s, namedtuples, dataclasses,
-    tuples) of one shape becomes one structure whose tensors are the batches' joined along dim 0 (or,
-    one structure per sample of batches of ``sizes`` rows, stacked: ``_join_chunks``). Anything else is
-    returned as it is."""
+    tuples) of one shape becomes one structure whose leaves are the lists of the batches' values (joined
+    along dim 0 later, ``_joined``); in a loader's pass (``sizes``), a list in them is a batch's rows too
+    (decoded texts). Anything else is returned as it is."""
     if not isinstance(data, list) or not data or any(isinstance(item, (torch.Tensor, list)) for item in data):
         return data
-    # in a loader's pass, a list in a batch's structure is that batch's rows (decoded texts), as a tensor is
     flat = [flatten(item, is_leaf=_is_rows if sizes is not None else None) for item in data]
     spec, kinds = flat[0][1], (torch.Tensor, list) if sizes is not None else torch.Tensor
     if spec.num_leaves == 0 or not all(isinstance(leaf, kinds) for leaves, _ in flat for leaf in leaves):
         return data
     if any(item_spec != spec for _, item_spec in flat):
         return data
-    columns = [[leaves[i] for leaves, _ in flat] for i in range(spec.num_leaves)]
-    return unflatten([_join_chunks(column, sizes) for column in columns], spec)
+    return unflatten([[leaves[i] for leaves, _ in flat] for i in range(spec.num_leaves)], spec)
 
 
 Handed = tuple[torch.Tensor, "torch.Tensor | None", list[int]]  # a loader pass's rows: indices, places, batch sizes
@@ -330,28 +355,31 @@ def gather_rows(data: Any, device: torch.device, handed: Handed | None = None, r
     index in the order of their places in the pass (the same on every rank: a sampler that draws an index
     twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel peer): it adds none."""
     indices, places, sizes = handed if handed is not None else (None, None, None)
+    leaves, spec = flatten(merge_batches(keys_sorted(data), sizes), is_leaf=_is_rows)
+    readings: list[Any] = [_reading(leaf, sizes) for leaf in leaves]
+    if active():  # every rank must take the same path: all in dataset order, or none; each list read alike
+        reports = _all_gather_object((indices is not None, readings))
+        if len({ordered for ordered, _ in reports}) > 1:
+            raise ConfigError("rt.gather: some ranks have a loader pass to order the rows by and others not ("
+                              + ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, (o, _) in enumerate(reports))
+                              + "). Every rank must iterate the same loaders; or pass order='rank'.")
+        readings = _agreed(readings, [theirs for _, theirs in reports])
+    else:
+        readings = _agreed(readings, [readings])
     try:  # a failure here is this rank's alone: said on every rank below, before any collective of the rows
-        leaves, spec = flatten(merge_batches(keys_sorted(data), sizes), is_leaf=_is_rows)
-        leaves = [_join_chunks(leaf, sizes) for leaf in leaves]
+        leaves = [_joined(leaf, reading, sizes is not None) for leaf, reading in zip(leaves, readings, strict=True)]
         problem = _rows_problem(leaves, sizes) if sizes is not None else None
     except RuntimeError as error:  # torch.cat of chunks of other shapes
-        leaves, spec, problem = [], flatten([])[1], f"its outputs cannot be joined ({str(error).splitlines()[0]})"
+        problem = f"its outputs cannot be joined ({str(error).splitlines()[0]})"
     if replica and problem is None:
         leaves = [leaf[:0] if isinstance(leaf, list) or (isinstance(leaf, torch.Tensor) and leaf.dim()) else leaf
                   for leaf in leaves]
         indices = indices[:0] if indices is not None else None
         places = places[:0] if places is not None else None
-    if active():  # every rank must take the same path: all in dataset order, or none
-        reports = _all_gather_object((indices is not None, problem))
-        if len({ordered for ordered, _ in reports}) > 1:
-            raise ConfigError("rt.gather: some ranks have a loader pass to order the rows by and others not ("
-                              + ", ".join(f"rank {r}: {'yes' if o else 'no'}" for r, (o, _) in enumerate(reports))
-                              + "). Every rank must iterate the same loaders; or pass order='rank'.")
-        problems = [p for _, p in reports]
-    else:
-        problems = [problem]
+    problems = _all_gather_object(problem) if active() else [problem]
     if any(problems):
-        raise ConfigError("rt.gather cannot put these outputs in dataset order: "
+        raise ConfigError("rt.gather cannot " + ("put these outputs in dataset order: " if sizes is not None else
+                                                 "join these outputs: ")
                           + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
                           + ". Collect one output row per sample of one loader pass, batch by batch, or "
                           "pass order='rank' for data that does not come from a loader.")
@@ -404,16 +432,17 @@ def _box(leaf: Any) -> Any:
 
 def _gather_leaves(leaves: list[Any], spec: Spec, device: torch.device) -> Any:
     home = next((row.device for leaf in leaves if isinstance(leaf, list) for row in leaf
-                 if isinstance(row, torch.Tensor)), torch.device("cpu"))  # where boxed rows come back to
+                 if isinstance(row, torch.Tensor)), device)  # where boxed rows come back to
     leaves = [_box(leaf) for leaf in leaves]
     # Every rank's structure, tensors as slots: where this rank has no rows ([]), it takes the
     # others' structure (a whole one when it had no batches at all) with zero-row tensors.
-    structures = _all_gather_object(unflatten(_skeleton(leaves), spec))
+    structures = _all_gather_object(unflatten([_Boxed([]) if isinstance(leaf, _Boxed) else leaf  # rows apart
+                                               for leaf in _skeleton(leaves)], spec))
     if spec.is_leaf() and isinstance(leaves[0], list) and not leaves[0]:  # no batches: []
         other = next((s for s in structures if not (isinstance(s, list) and not s)), None)
         if other is not None:
             leaves, spec = flatten(other, is_leaf=_is_rows_or_slot)
-            leaves = [[] if isinstance(leaf, list) else leaf for leaf in leaves]
+            leaves = [[] if isinstance(leaf, (list, _Boxed)) else leaf for leaf in leaves]
     flat = [flatten(s, is_leaf=_is_rows_or_slot) for s in structures]
     shapes = {str(shape) for s, (_, shape) in zip(structures, flat, strict=True) if not (isinstance(s, list) and not s)}
     if len(shapes) > 1:

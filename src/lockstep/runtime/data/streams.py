@@ -206,7 +206,7 @@ class StreamShard(IterableDataset[Any]):
                 # the stream must end where __len__ says (read as the loader reads a stream without skip)
                 if reader.drop(max(size, 0)) < max(size, 0):
                     raise self._ended_early(step)
-                if reader.drop(1):
+                if reader.take(1):  # read, not skipped: a seek's skip may pass over items that are not there
                     raise ConfigError(f"{type(self.stream).__name__} yields more items than the {self.length} its "
                                       "__len__ promises: make __len__ the number of items it yields, or drop "
                                       "__len__ (a stream without it is read to its end).")
