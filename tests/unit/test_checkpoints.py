@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import pytest
@@ -94,6 +95,10 @@ def test_a_damaged_file_loaded_without_its_checksums_is_called_damaged_not_anoth
     assert "different model" not in str(refused.value)
     with pytest.raises(CheckpointError, match=f"damaged, not loaded:\n  .*{name}"):
         rt.load(tmp_path / "ck", {"model": model, "optimizer": optimizer})  # the checksums name the file
+    from lockstep.runtime.checkpoint.checkpointer import _load_error
+
+    refused = _load_error(tmp_path / "ck", pickle.UnpicklingError("Weights only load failed. Unsupported global: X"))
+    assert "damaged, not loaded" not in str(refused)  # read whole, and refused by the weights-only load: not damaged bytes
 
 
 def test_a_load_reads_the_checkpoints_metadata_file_once(tmp_path, monkeypatch):

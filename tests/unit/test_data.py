@@ -203,6 +203,8 @@ def test_loader_options_that_contradict_each_other_are_refused():
         rt.loader(checks.IndexedStream(10), batch_size=2, shuffle=True)
     with pytest.raises(ValueError, match="has no __len__"):
         rt.loader(object(), batch_size=2)
+    with pytest.raises(ValueError, match="timeout=5 is how long to wait for a worker's batch, and num_workers=0"):
+        rt.loader(data, batch_size=2, num_workers=0, timeout=5)  # ignored by the fetch without workers
 
 
 def test_an_evaluation_dataloader_keeps_the_samples_its_sampler_chose_or_is_refused():

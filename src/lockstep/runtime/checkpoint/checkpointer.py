@@ -319,7 +319,8 @@ def _load_error(path: Path, error: BaseException) -> CheckpointError:
             reason = str(seen).strip().splitlines()[-1][:300]
             return CheckpointError(f"{path}: refused ({reason}).")
     for seen in _causes(error):
-        if isinstance(seen, _UNREADABLE):  # the bytes, not the model: no model's mismatch reads like this
+        if isinstance(seen, _UNREADABLE) and "Weights only load failed" not in str(seen):  # the bytes, not a
+            # model's mismatch (nor a value a weights-only load refuses: a tensor subclass, a newer torch's)
             reason = f"{type(seen).__name__}: {str(seen).strip()[:200]}".rstrip(": ")
             return CheckpointError(
                 f"{path}: damaged, not loaded: a file of it cannot be read ({reason}), which a truncated or "

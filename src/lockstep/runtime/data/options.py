@@ -187,6 +187,9 @@ def resolve_loader_options(
     if "num_workers" not in opts:
         opts["num_workers"] = default_num_workers(local_world_size)
     opts.setdefault("pin_memory", device.type == "cuda")
+    if opts.get("timeout") and opts["num_workers"] == 0:  # torch's own iterator asserted it; lockstep's fetch here
+        raise ConfigError(f"timeout={opts['timeout']!r} is how long to wait for a worker's batch, and num_workers=0 "
+                          "starts none: give num_workers, or drop timeout.")
     if opts["num_workers"] > 0:
         opts.setdefault("persistent_workers", True)
         # torch's worker watchdog watches the worker's parent, a forkserver under lockstep.launch
