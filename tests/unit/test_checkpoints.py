@@ -98,7 +98,7 @@ def test_a_damaged_file_loaded_without_its_checksums_is_called_damaged_not_anoth
     from lockstep.runtime.checkpoint.checkpointer import _load_error
 
     refused = _load_error(tmp_path / "ck", pickle.UnpicklingError("Weights only load failed. Unsupported global: X"))
-    assert "damaged, not loaded" not in str(refused)  # read whole, and refused by the weights-only load: not damaged bytes
+    assert "damaged, not loaded" not in str(refused)  # read whole, refused by the weights-only load: not damage
 
 
 def test_a_load_reads_the_checkpoints_metadata_file_once(tmp_path, monkeypatch):
