@@ -184,6 +184,11 @@ def resolve_loader_options(
         check_batch_size(opts["batch_size"])
     if opts.get("sampler") is not None and opts.get("shuffle"):
         raise ConfigError("sampler= and shuffle=True contradict each other: the sampler chooses the order.")
+    return dataset, _with_workers(opts, local_world_size, device)
+
+
+def _with_workers(opts: dict[str, Any], local_world_size: int, device: torch.device) -> dict[str, Any]:
+    """The options' workers, ``pin_memory`` and persistent workers, lockstep's defaults where unset."""
     if "num_workers" not in opts:
         opts["num_workers"] = default_num_workers(local_world_size)
     opts.setdefault("pin_memory", device.type == "cuda")
@@ -195,7 +200,7 @@ def resolve_loader_options(
         # torch's worker watchdog watches the worker's parent, a forkserver under lockstep.launch
         # (or Python 3.14's default): this one watches the rank itself.
         opts["worker_init_fn"] = DieWithParent(os.getpid(), opts.get("worker_init_fn"))
-    return dataset, opts
+    return opts
 
 
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:
