@@ -33,17 +33,19 @@ def committed_steps(tmp: Path, pattern: str = "*.log") -> dict[int, list[int]]:
     gradient (its last share of the step, over as many members as the committed step had)."""
     committed: dict[int, list[int]] = defaultdict(list)
     sizes: dict[int, set[int]] = defaultdict(set)
+    seen: dict[int, list[str]] = defaultdict(list)  # each group's entries of a step, for the failure's message
     shares: list[dict[int, dict]] = []
     for log in tmp.glob(pattern):
         entries = [json.loads(line) for line in log.read_text().splitlines()]
         for entry in entries:
+            seen[entry["step"]].append(f"{log.name}: size {entry['size']}, committed {entry['committed']}")
             if entry["committed"]:
                 committed[entry["step"]] += entry["indices"]
                 sizes[entry["step"]].add(entry["size"])
         done = {e["step"] for e in entries if e["committed"]}
         shares.append({e["step"]: e for e in entries if not e["committed"] and e["step"] not in done})
     for step, size in sizes.items():
-        assert len(size) == 1, f"step {step} committed with different memberships: {size}"
+        assert len(size) == 1, f"step {step} committed with different memberships: {size} ({seen[step]})"
         for pending in shares:
             if step in pending and pending[step]["size"] in size:
                 committed[step] += pending[step]["indices"]

@@ -230,3 +230,69 @@ def test_a_group_left_out_of_one_quorum_does_not_leave_out_another_at_the_next()
         beating.join(timeout=5)
         house.shutdown()
     assert quorums == {name: names for name in names}
+
+
+class _Work:
+    """An all-reduce that is still running at the first poll and done right after it."""
+
+    def __init__(self) -> None:
+        self.polls, self.asked = 0, 0
+
+    def wait(self, timeout=None) -> bool:
+        self.polls += 1
+        if self.polls == 1:
+            raise RuntimeError("Wait timeout")
+        return True
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.asked > 1  # still running when the poll ran out, done right after
+
+
+class _GoneStore:
+    def check(self, keys):
+        raise RuntimeError("Connection reset by peer")  # the store's host ended its job
+
+
+def test_an_all_reduce_done_when_a_finished_peer_took_the_store_with_it_counts_as_done():
+    """The first participant ends its job right after the step's all-reduce (its store goes with it):
+    a slower participant whose all-reduce was done meanwhile takes it, not an alarm (it would not commit
+    the step and train it again alone)."""
+    from lockstep.runtime.fault_tolerance.alarm import Alarm
+
+    alarm = Alarm(group_rank=0, connect_timeout=1, cuda=False)
+    alarm._store, alarm._key = _GoneStore(), "failed-19"
+    work = _Work()
+    alarm.wait(work)  # no error
+    assert work.polls == 2
+
+
+class _Waiting(_Work):
+    """An all-reduce that never ends."""
+
+    def wait(self, timeout=None):
+        self.polls += 1
+        raise RuntimeError("Wait timeout")
+
+    def is_completed(self):
+        return False
+
+
+class _Said:
+    def check(self, keys):
+        return keys == ["failed-19"]  # a participant said this step failed
+
+
+@pytest.mark.parametrize("store, waits", [(_GoneStore(), 2), (_Said(), 1)])
+def test_an_all_reduce_still_waiting_when_the_store_is_gone_or_a_failure_is_said_is_ended(store, waits):
+    """A failure said in the store ends the wait at once; a store gone, after a grace for the
+    all-reduce to end (its host may have ended after it), too."""
+    from lockstep.errors import CollectiveError
+    from lockstep.runtime.fault_tolerance.alarm import Alarm
+
+    alarm = Alarm(group_rank=0, connect_timeout=1, cuda=False)
+    alarm._store, alarm._key = store, "failed-19"
+    work = _Waiting()
+    with pytest.raises(CollectiveError, match="another participant's all-reduce of this step failed"):
+        alarm.wait(work)
+    assert work.polls == waits

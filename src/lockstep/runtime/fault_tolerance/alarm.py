@@ -17,7 +17,8 @@ class Alarm:
     - tell the others: a key in the quorum's store (the one torchft's process group rendezvouses
       through), read by the participants whose all-reduce still waits (on one that failed, not on the
       one that died: Gloo's abort closes no connection). A store that cannot be reached (its host died
-      with its group) counts as the key;
+      with its group) counts as the key, once the all-reduce has had ``GONE_GRACE_S`` more to end (the
+      host may have ended its job after the same all-reduce: its data is then already on the way);
     - abort the group without waiting for it: a Gloo group released while one of its all-reduces still
       waits blocks until that all-reduce times out, so the group is kept until it has ended.
 
@@ -25,6 +26,7 @@ class Alarm:
     """
 
     POLL_S = 0.1  # how often a waiting all-reduce looks at the key
+    GONE_GRACE_S = 2.0  # how long an all-reduce may still take once the store's host is gone
 
     def __init__(self, group_rank: int, connect_timeout: float, cuda: bool) -> None:
         self._group_rank, self._timeout, self._cuda = group_rank, connect_timeout, cuda
@@ -55,22 +57,32 @@ class Alarm:
         if self._cuda or self._store is None:
             work.wait()
             return
-        poll = timedelta(seconds=self.POLL_S)
-        while True:
-            try:
-                work.wait(poll)
-                return
-            except RuntimeError:
-                if work.is_completed():  # it failed, not the poll that ran out
-                    raise
-            if self._rung():
+        while not self._done(work, self.POLL_S):
+            rung = self._rung()
+            if rung == "gone" and self._done(work, self.GONE_GRACE_S):
+                return  # the store's host ended its job after this same all-reduce: ours was finishing too
+            if rung and not work.is_completed():  # done meanwhile: its own outcome counts
                 raise CollectiveError("another participant's all-reduce of this step failed (a participant was lost)")
 
-    def _rung(self) -> bool:
+    @staticmethod
+    def _done(work: Any, seconds: float) -> bool:
+        """Whether ``work`` ended within ``seconds``; raise if it failed."""
         try:
-            return bool(self._store.check([self._key]))
-        except RuntimeError:  # the store's host is gone with its group
+            work.wait(timedelta(seconds=seconds))
             return True
+        except RuntimeError:
+            if work.is_completed():  # it failed, not the wait that ran out
+                raise
+            return False
+
+    def _rung(self) -> str | None:
+        """"key": a participant said the step failed; "gone": the store cannot be reached (its host died
+        with its group, or ended its job after the step: a participant ends only after its all-reduce,
+        so then this one's ends within moments); else None."""
+        try:
+            return "key" if self._store.check([self._key]) else None
+        except RuntimeError:
+            return "gone"
 
     def fail(self, pg: Any, work: Any) -> None:
         """This participant's all-reduce ``work`` on torchft's group ``pg`` failed: tell the others, and
