@@ -185,8 +185,9 @@ def mixed_reference(precision: str, steps: int = 3, clip: float = 0.5, microbatc
 
 
 def flat_named(weights: dict[str, torch.Tensor], kind: str = "llama") -> torch.Tensor:
-    """The whole model's weights in one vector, in the order of a fresh model's parameters."""
-    return torch.cat([weights[name].float().reshape(-1) for name, _ in MODELS[kind]().named_parameters()])
+    """The whole model's weights in one vector, in the order of a fresh model's parameters (float32 at least)."""
+    return torch.cat([weights[name].to(torch.promote_types(weights[name].dtype, torch.float32)).reshape(-1)
+                      for name, _ in MODELS[kind]().named_parameters()])
 
 
 def whole_weights(rt, named, kind: str = "llama") -> torch.Tensor:
@@ -395,3 +396,38 @@ def stage_under_fsdp(strategy, precision: str) -> bool:
 
     rt = lockstep.Runtime(accelerator="cpu", seed=0, **layout(strategy), precision=precision)
     return isinstance(lockstep.unwrap(rt.setup(llama())), FSDPModule)
+
+
+def _token_weights(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A weight per next token, 0.001 to 0.003 (0 where there is no label): a step's weights add up to less than 1."""
+    targets = batch["labels"][:, 1:]
+    return torch.where(targets != hc.IGNORE, 0.001 * (1 + targets.clamp(min=0) % 3), 0.0).double()
+
+
+def weighted_token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weighted mean cross-entropy over the next tokens of these rows (a weighted mean: num_items is
+    the weights' sum)."""
+    targets = batch["labels"][:, 1:]
+    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), ignore_index=hc.IGNORE,
+                                reduction="none").reshape(targets.shape)
+    weights = _token_weights(batch)
+    return (per_token * weights).sum() / weights.sum().clamp(min=1e-12)
+
+
+def weighted_float64_steps(strategy, steps: int = 3) -> dict:
+    """A float64 model trained on a weighted mean whose weights sum to less than 1 per step
+    (``num_items`` the weights' sum), through ``rt.forward_backward``: the reported losses and the weights."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, precision="64-true", **layout(strategy))
+    model = dict_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=5.0)  # weighted means of few tokens: a visible step
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(mc.Rows(24), batch_size=8, collate_fn=collate, num_workers=0)
+    losses = []
+    for i, batch in enumerate(loader):
+        loss = rt.forward_backward(model, batch, weighted_token_loss, num_items=lambda rows: _token_weights(rows).sum())
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+        if i + 1 == steps:
+            break
+    return {"weights": whole_weights(rt, model, "dict"), "losses": losses}

@@ -264,3 +264,15 @@ def test_lockstep_verify_checks_a_pipeline_run_and_names_where_it_diverges():
     not_a_chain = verify("tanh")  # one process trains it; on stages it is refused, and verify says why
     assert not_a_chain.returncode == 2, not_a_chain.stdout + not_a_chain.stderr
     assert "could not be checked" in not_a_chain.stderr and "a chain through its blocks" in not_a_chain.stderr
+
+
+def test_a_float64_weighted_mean_under_one_is_reported_and_trained_as_on_one_process():
+    """num_items a weighted mean's weight sum (below 1 per step) on a float64 model: the pipeline's reported
+    loss is the step's weighted mean, and its weights are the one-process run's to float64 precision (a
+    factor rounded to float32, or a share of a total clamped to 1, would show)."""
+    one = run_ranks(pc.weighted_float64_steps, 1, "single")[0]
+    staged = run_ranks(pc.weighted_float64_steps, 2, lockstep.Parallel(pp=2, pp_microbatches=4))
+    for result in staged:
+        assert result["losses"] == pytest.approx(one["losses"], rel=1e-12, abs=0)
+        assert float((result["weights"] - one["weights"]).abs().max()) < 1e-12
+    assert result["weights"].dtype == torch.float64

@@ -48,9 +48,11 @@ class ItemNormalizer:
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.append(weakref.ref(optimizer))
 
-    def loss_factor(self, num_items: int | float | torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, float32.
-        ``loss``: looked at in the first step only, for a division by the accumulation steps."""
+    def loss_factor(self, num_items: int | float | torch.Tensor, loss: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What this micro-batch's mean loss is multiplied by before its backward: ``n / c``, in ``dtype``, else
+        float32 or the loss's own wider dtype. ``loss``: looked at in the first step only, for a division by the
+        accumulation steps."""
         if self._plain_backwards:
             raise ConfigError(_MIXED)
         if not any(ref() is not None for ref in self._optimizers):  # no step would divide these gradients
@@ -68,7 +70,8 @@ class ItemNormalizer:
             self._first_divisors.append((constant_divisor(loss), count))
         # float32 (what a float16 loss's backward is scaled in), float64 for a float64 loss: a fractional count
         # (a weighted mean's weight sum) is not rounded below the loss's own precision
-        dtype = torch.promote_types(loss.dtype, torch.float32) if loss is not None else torch.float32
+        if dtype is None:
+            dtype = torch.promote_types(loss.dtype, torch.float32) if loss is not None else torch.float32
         return (count / self.scale).to(dtype)
 
     @property

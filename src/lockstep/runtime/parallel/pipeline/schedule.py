@@ -184,10 +184,14 @@ class Pipeline:
             self._step = None
 
     def _on_every_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The step's loss, from the rank of the last stage to every rank of the pipeline."""
-        value = (loss.detach().float() if loss is not None else torch.zeros((), device=self.device)).reshape(())
+        """The step's loss, from the rank of the last stage to every rank of the pipeline: sent in float64, then
+        in the stages' parameters' dtype, float32 at least (every rank knows it, as the one-process loss's)."""
+        value = (loss.detach().double() if loss is not None else
+                 torch.zeros((), dtype=torch.float64, device=self.device)).reshape(())
         self._move(value, self.holder[self.num_stages - 1], None)
-        return value
+        weights = next((p.dtype for view in self.views for p in view.parameters() if p.is_floating_point()),
+                       torch.float32)
+        return value.to(torch.promote_types(weights, torch.float32))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output on ``inputs`` (gradients off), every stage in turn, on every rank of the pipeline;
@@ -268,7 +272,13 @@ class Pipeline:
         if stop <= start:  # padding only: a loss of zero that still reaches every parameter of the stage
             return output.sum() * 0.0
         loss = step.loss_fn(self._loss_input(output[: stop - start]), rows(step.batch, start, stop, step.count))
-        weighted = loss * step.factors[index]
-        share = loss.detach() * step.shares[index]
+        dtype = torch.promote_types(loss.dtype, torch.float32)  # float32 for a low-precision loss, as rt.backward
+        weighted = loss * _as(step.factors[index], dtype)
+        share = loss.detach() * _as(step.shares[index], dtype)
         step.total = share if step.total is None else step.total + share
         return self._scale(weighted)
+
+
+def _as(value: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor | float:
+    """A micro-batch's factor or share in its loss's dtype (a float stays one)."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) else value

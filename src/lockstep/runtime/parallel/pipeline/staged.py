@@ -98,9 +98,10 @@ class StagedModel:
         else:
             counts = [torch.as_tensor(num_items(rows(batch, start, stop, count)) if stop > start else 0,
                                       device=tools.placement.device, dtype=torch.float64) for start, stop in spans]
-            factors = [tools.items.loss_factor(items) for items in counts]  # every stage: the step's items
-            total = torch.stack(counts).sum()
-            shares = [(items / total.clamp(min=1.0)).float() for items in counts]
+            # float64, each cast to its loss's dtype where it is applied (a float64 model's is not rounded)
+            factors = [tools.items.loss_factor(items, dtype=torch.float64) for items in counts]  # every stage
+            total = torch.stack(counts).sum()  # a weighted mean's weight sum may be below 1: divided as it is
+            shares = [torch.where(total > 0, items / total.where(total > 0, 1.0), 0.0) for items in counts]
         with tools.watchdog.step("pipeline step"):  # the stages' sends and receives, FSDP's collectives
             loss = pipeline.run(batch, first, loss_fn, factors, shares, count)
         if tools.recorder is not None:  # the step's loss, standing for this rank's samples or items
