@@ -593,3 +593,32 @@ def test_a_parameter_without_optimizer_state_yet_saves_and_loads_without_it(tmp_
     run(save_at=3)
     resumed = run(resume=True)
     assert all(torch.equal(resumed[name], value) for name, value in whole.items())
+
+
+def test_ray_copies_of_deleted_checkpoints_go_and_nothing_else_does(tmp_path, monkeypatch):
+    """The record of Ray's copies (``as-the-script``) is read as untrusted: a copy whose source the script
+    deleted goes; a name that is "..", a path or a link deletes nothing (it once emptied the experiment)."""
+    from types import SimpleNamespace
+
+    ray_train = pytest.importorskip("ray.train")
+    from pyarrow.fs import LocalFileSystem
+
+    from lockstep.runtime.checkpoint.ray_record import _SOURCES, RayRecord
+
+    experiment = tmp_path / "experiment"
+    run, other = experiment / "run", experiment / "other-run"
+    (run / "step=1").mkdir(parents=True)
+    other.mkdir()
+    (other / "result.json").write_text("{}")
+    (run / "linked").symlink_to(other)
+    gone = str(tmp_path / "deleted-by-the-script")
+    (run / _SOURCES).write_text(json.dumps({"step=1": gone, "..": gone, "../other-run": gone, str(other): gone,
+                                            "linked": gone, "": gone, "step=9": 7}))
+    storage = SimpleNamespace(storage_filesystem=LocalFileSystem(), experiment_fs_path=str(run))
+    monkeypatch.setattr(ray_train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    newest = tmp_path / "checkpoints" / "step=2"
+    newest.mkdir(parents=True)
+    RayRecord._keep_as_the_script(newest)
+    assert not (run / "step=1").exists()  # its source is gone: Ray's copy goes too
+    assert (other / "result.json").exists() and (run / "linked").is_symlink()
+    assert json.loads((run / _SOURCES).read_text()) == {"step=2": str(newest.resolve())}

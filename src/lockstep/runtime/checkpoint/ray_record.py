@@ -19,6 +19,12 @@ from lockstep.env.settings import RAY_CHECKPOINTS
 _SOURCES = "lockstep-sources.json"
 
 
+def _plain_name(name: object) -> bool:
+    """A folder's own name: no separator, not "." or ".."."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
+
+
 class RayRecord:
     """Reports checkpoints to Ray Train and finds the newest one it holds. Every rank calls both
     methods the same number of times: Ray's report is a barrier across its workers."""
@@ -62,12 +68,16 @@ class RayRecord:
             sources = json.loads(record.read_text()) if record.exists() else {}
         except (OSError, ValueError):
             sources = {}  # a damaged record: start it again, deleting nothing
-        sources = sources if isinstance(sources, dict) else {}
+        # read as untrusted: only a copy's own plain name in the run's folder is ever deleted (not "..", a path,
+        # a link); an entry of another shape is dropped from the record, deleting nothing
+        sources = {name: source for name, source in (sources.items() if isinstance(sources, dict) else ())
+                   if _plain_name(name) and isinstance(source, str)}
         sources[path.name] = str(path.resolve())
         for name, source in list(sources.items()):
-            copy = run / str(name)
-            if name != path.name and not Path(str(source)).exists() and copy.parent == run:
-                shutil.rmtree(copy, ignore_errors=True)
+            copy = run / name
+            if name != path.name and not Path(source).exists():
+                if copy.is_dir() and not copy.is_symlink():
+                    shutil.rmtree(copy, ignore_errors=True)
                 del sources[name]
         record.write_text(json.dumps(sources, indent=1))
 
