@@ -38,11 +38,11 @@ def membership_change(address: str, rank: int, world_size: int, all_gather: Call
         return ""
     host, _, port = address.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    previous = store.get(_KEY).decode().split("\n") if store.check([_KEY]) else None
+    previous = _previous(store.get(_KEY)) if store.check([_KEY]) else None
     store.set(_KEY, "\n".join([str(world_size), *nodes]))
     if previous is None:
         return ""
-    before, old_nodes = int(previous[0]), previous[1:]
+    before, old_nodes = previous
     left = [node for node in old_nodes if node not in nodes]
     joined = [node for node in nodes if node not in old_nodes]
     if not left and not joined and before == world_size:
@@ -50,6 +50,15 @@ def membership_change(address: str, rank: int, world_size: int, all_gather: Call
     parts = [f"node {', '.join(names)} {verb}" for names, verb in ((left, "left"), (joined, "joined")) if names]
     return (f"the job re-formed: {'; '.join(parts) or 'same nodes'}; world size {before} -> {world_size} "
             f"on {len(nodes)} node(s)")
+
+
+def _previous(raw: bytes) -> tuple[int, list[str]] | None:
+    """The previous attempt's world size and node labels, read as untrusted (anyone who reaches the store may
+    have written it): None when it is not that, as when there was no previous attempt."""
+    lines = raw[:65536].decode(errors="replace").split("\n")
+    if not (lines[0].isdigit() and len(lines[0]) <= 9) or len(lines) > 1 + 4096:
+        return None
+    return int(lines[0]), ["".join(c for c in line[:128] if c.isprintable()) for line in lines[1:]]
 
 
 def report_membership(address: str, rank: int, world_size: int, all_gather: Callable[[Any], list[Any]]) -> None:

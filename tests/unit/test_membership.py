@@ -1,0 +1,29 @@
+"""The note of a re-formed elastic job (``launch/membership.py``): the previous attempt's value in the
+rendezvous store is read as untrusted."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from lockstep.runtime.launch import membership
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("written", [b"not-a-number\nhost-a", b"\xff\xfe\x00", b"", b"9" * 70000, b"2\n" * 5000])
+def test_a_damaged_or_forged_previous_attempt_reads_as_none_and_is_written_again(written):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(membership._KEY, written)
+    address = f"127.0.0.1:{store.port}"
+    same_node = lambda label: [label, label]  # noqa: E731 - two ranks on this node
+    assert membership.membership_change(address, 0, 2, same_node) == ""  # no error: as if there were no attempt
+    assert membership.membership_change(address, 0, 4, same_node) == (
+        "the job re-formed: same nodes; world size 2 -> 4 on 1 node(s)")
+
+
+def test_a_forged_label_is_shown_printable_and_short():
+    size, nodes = membership._previous(b"3\nnode-\x1b[31mred\n" + b"y" * 500)
+    assert size == 3 and nodes[0] == "node-[31mred" and len(nodes[1]) == 128
