@@ -296,3 +296,15 @@ def test_an_all_reduce_still_waiting_when_the_store_is_gone_or_a_failure_is_said
     with pytest.raises(CollectiveError, match="another participant's all-reduce of this step failed"):
         alarm.wait(work)
     assert work.polls == waits
+
+
+def test_a_replica_that_is_not_one_of_the_jobs_groups_is_refused_by_name():
+    """The lighthouse takes any replica id: one that is not ``lockstep_<group>:<uuid>`` in a quorum is refused
+    with what to do, not an IndexError (its gradients would go into every group's step)."""
+    from lockstep.errors import CollectiveError
+    from lockstep.runtime.fault_tolerance.groups import _group_index
+
+    assert _group_index("lockstep_3:0b6c3a52-1f0e-4c1e-9a43-2f1e9c3b7d10") == 3
+    for forged in ("evil", "lockstep_x:1", "lockstep_1", "lockstep_1:uuid;rm", None, "\x1b[2Jlockstep_1:ab"):
+        with pytest.raises(CollectiveError, match="not one of this job's groups joined the lighthouse"):
+            _group_index(forged)

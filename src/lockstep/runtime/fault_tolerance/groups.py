@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -67,10 +68,17 @@ def _manager_store(index: int, address: str, group_size: int) -> tuple[Any, int]
                           "must be an address of this node (lockstep run --fault-tolerant sets it).") from None
 
 
-def _group_index(replica_id: str) -> int:
-    """The group index in a torchft replica id (``lockstep_<index>:<uuid>``)."""
-    name = replica_id.split(":")[0]
-    return int(name.rsplit("_", 1)[1])
+def _group_index(replica_id: object) -> int:
+    """The group index in a torchft replica id (``lockstep_<index>:<uuid>``). Anything else joined the
+    lighthouse from outside this job (its port is reachable by whoever reaches its address): refused, since
+    a participant's gradients go into every group's step."""
+    found = re.fullmatch(r"lockstep_(\d{1,6}):[0-9a-f-]{1,64}", replica_id) if isinstance(replica_id, str) else None
+    if found is None:
+        shown = "".join(c for c in str(replica_id)[:80] if c.isprintable())
+        raise CollectiveError(f"a replica {shown!r} that is not one of this job's groups joined the lighthouse's "
+                              "quorum: stop it, and keep the lighthouse's address reachable only by the job's nodes "
+                              "(lockstep run --fault-tolerant binds it to loopback on one node).")
+    return int(found.group(1))
 
 
 class ReplicaGroups:
