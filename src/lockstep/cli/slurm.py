@@ -38,6 +38,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=slurm_command)
 
 
+def _breaks_a_line(args: argparse.Namespace, name: str, folder: Path) -> str:
+    """The first value written into a line of the script's header that a control character would break
+    (named with its option), or ''. The script's own arguments are quoted on the srun line; the header's
+    comment shows them escaped."""
+    values = [("--job-name (or the script's name)", name), ("--dir", str(folder.resolve())), ("--time", args.time),
+              ("--partition", args.partition), ("--account", args.account),
+              *(("--sbatch-arg", extra) for extra in args.sbatch_arg)]
+    return next((f"{option} {value!r}" for option, value in values
+                 if value and not all(c.isprintable() for c in str(value))), "")
+
+
 def sbatch_script(args: argparse.Namespace, folder: Path, python: str) -> str:
     """The job script, commented line by line: its #SBATCH directives, then the shell that runs the tasks."""
     return "\n".join(_directives(args, folder) + _task_shell(args, python))
@@ -48,7 +59,7 @@ def _directives(args: argparse.Namespace, folder: Path) -> list[str]:
     name = args.job_name or Path(args.script).stem
     lines = [
         "#!/bin/bash",
-        "# Written by: lockstep slurm " + shlex.join(sys.argv[2:]),
+        "# Written by: lockstep slurm " + _escaped(shlex.join(sys.argv[2:])),
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={args.nodes}",
         f"#SBATCH --ntasks-per-node={args.devices}   # one task per device; lockstep checks it matches devices",
@@ -69,6 +80,11 @@ def _directives(args: argparse.Namespace, folder: Path) -> list[str]:
         lines += ["#SBATCH --no-requeue",
                   f"#SBATCH --signal=B:USR1@{args.signal_lead}   # still warn: checkpoint and exit cleanly"]
     return lines + [f"#SBATCH {extra}" for extra in args.sbatch_arg]
+
+
+def _escaped(text: str) -> str:
+    """``text`` on one line: each control character (a line break in an argument) written as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _task_shell(args: argparse.Namespace, python: str) -> list[str]:
@@ -140,6 +156,11 @@ def slurm_command(args: argparse.Namespace) -> int:
         return 2
     name = args.job_name or Path(args.script).stem
     folder = Path(args.dir or Path("slurm") / name)
+    broken = _breaks_a_line(args, name, folder)
+    if broken:
+        print(f"lockstep slurm: {broken} holds a line break or another control character: it would end its "
+              "#SBATCH line, and the rest would run as a command of the job's shell. Remove it.", file=sys.stderr)
+        return 2
     text = sbatch_script(args, folder, sys.executable)
     if args.dry_run:
         print(text)
