@@ -29,8 +29,9 @@ def test_an_argument_with_a_line_break_stays_in_the_comment_and_in_the_quoted_co
     # run with srun, scontrol and touch standing in: the argument reaches srun whole, nothing else runs it
     stand_ins = ('srun() { printf "srun got: %q\\n" "${@: -1}"; }; scontrol() { echo node0; }; '
                  'touch() { echo RAN-TOUCH; }\n')
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_NODELIST": "node0", "SLURM_JOB_ID": "7"}
     bash = subprocess.run(["bash"], input=stand_ins + done.stdout, capture_output=True, text=True, timeout=20,
-                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "SLURM_JOB_NODELIST": "node0", "SLURM_JOB_ID": "7"})
+                          cwd=tmp_path, env=env)
     assert bash.returncode == 0, bash.stderr
     assert "RAN-TOUCH" not in bash.stdout and "srun got: $'hello\\ntouch /tmp/pwned #'" in bash.stdout, bash.stdout
 
