@@ -264,17 +264,9 @@ def test_two_groups_of_two_fsdp_processes_heal_shard_by_shard_after_a_kill(tmp_p
 def test_a_trainer_fit_trains_on_when_a_group_is_killed_and_ends_at_the_one_process_weights(tmp_path):
     """The Trainer under `lockstep run --fault-tolerant`: no code of its own for it; group 1 is killed
     at step 3 of 12, its replacement joins, every group ends at the one-process fit's weights."""
-    script = ROOT / "tests" / "scripts" / "ft_trainer.py"
-    alone = subprocess.run([sys.executable, str(script), str(tmp_path / "alone.pt")], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
-                          "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(script),
-                          str(tmp_path / "g{group}.pt"), "--slow", "1.0", "--die-at", "3", "--die-group", "1",
-                          "--marks", str(tmp_path / "marks"), "--hold-at", "5", "--hold-for", "3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    reference = torch.load(tmp_path / "alone.pt")
+    reference, run = _alone_then_two_groups("ft_trainer.py", tmp_path, "--slow", "1.0", "--die-at", "3",
+                                            "--die-group", "1", "--marks", str(tmp_path / "marks"), "--hold-at", "5",
+                                            "--hold-for", "3")
     results = [torch.load(tmp_path / f"g{g}.pt") for g in range(2)]
     assert [r["steps"] for r in results] == [12, 12]
     for result in results:
@@ -396,3 +388,30 @@ def _cmdline_has(pid: int, text: str) -> bool:
         return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_an_expert_that_one_group_never_used_gets_the_other_groups_gradient(tmp_path):
+    """Group 0's rows all go to expert a, group 1's to expert b: each group lacks the other expert's gradient.
+    Both groups end at the one-process weights (the gradients were once summed by position: a's with b's)."""
+    reference, _ = _alone_then_two_groups("ft_experts.py", tmp_path)
+    assert reference["steps"] == 3
+    for group in range(2):
+        result = torch.load(tmp_path / f"g{group}.pt")
+        assert result["steps"] == 3
+        for expert in ("a", "b"):
+            assert torch.allclose(result[expert], reference[expert], atol=1e-6, rtol=0), (group, expert, result)
+
+
+def _alone_then_two_groups(name: str, tmp_path: Path, *options: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """tests/scripts/``name`` alone (the one-process reference, what it saved), then under ``lockstep run
+    --fault-tolerant`` as 2 groups of one process each (``g{group}.pt``) with ``options``."""
+    script = ROOT / "tests" / "scripts" / name
+    alone = subprocess.run([sys.executable, str(script), str(tmp_path / "alone.pt")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--fault-tolerant", "--replicas", "2",
+                          "--devices", "2", "--accelerator", "cpu", "--step-timeout", "10", str(script),
+                          str(tmp_path / "g{group}.pt"), *options], cwd=ROOT, capture_output=True, text=True,
+                         timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(tmp_path / "alone.pt"), run

@@ -622,3 +622,63 @@ def test_ray_copies_of_deleted_checkpoints_go_and_nothing_else_does(tmp_path, mo
     assert not (run / "step=1").exists()  # its source is gone: Ray's copy goes too
     assert (other / "result.json").exists() and (run / "linked").is_symlink()
     assert json.loads((run / _SOURCES).read_text()) == {"step=2": str(newest.resolve())}
+
+
+def _crafted(tmp_path, name: str, edit) -> tuple:
+    """A one-process checkpoint of a Linear, its DCP metadata edited by ``edit`` and its checksums written
+    again (anyone who can write the folder can), and the Checkpointer that saved it."""
+    from torch import nn
+
+    from lockstep.runtime.checkpoint.checkpointer import Checkpointer
+    from lockstep.runtime.checkpoint.integrity import checksum_of
+    from lockstep.runtime.checkpoint.parts import ModelState
+
+    torch.manual_seed(0)
+    checkpointer = Checkpointer(0, 1, barrier=lambda: None)
+    for folder, model in ((tmp_path / "other", nn.Linear(4, 4)), (tmp_path / name, nn.Linear(4, 4))):
+        checkpointer.save(folder, {"model": ModelState(model)}, {"n": 1}, {"step": 1})
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    edit(metadata, folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    info = json.loads((folder / "lockstep.json").read_text())
+    info["files"] = {p.name: dict(zip(("size", "xxh3"), checksum_of(p), strict=True)) for p in folder.iterdir()
+                     if p.is_file() and p.name != "lockstep.json"}
+    (folder / "lockstep.json").write_text(json.dumps(info))
+    return folder, checkpointer, ModelState(nn.Linear(4, 4))
+
+
+def _half(metadata, folder):
+    metadata.state_dict_metadata["model.model.weight"].chunks[0].sizes = torch.Size([2, 4])
+
+
+def _elsewhere(metadata, folder):
+    for info in metadata.storage_data.values():
+        info.relative_path = "../other/" + info.relative_path
+    for shard in folder.glob("__*"):
+        shard.unlink()
+
+
+@pytest.mark.parametrize("edit, said", [(_half, "its chunks hold 8 of its 16 elements"),
+                                        (_elsewhere, "not a file of its folder")])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_checkpoint_whose_metadata_was_crafted_is_refused_even_with_matching_checksums(tmp_path, edit, said,
+                                                                                         verify):
+    """DCP's metadata read as untrusted: chunks that leave part of a tensor out (the load kept the model's own
+    values there) or shard paths outside the folder (another checkpoint's weights) are refused by `verify`
+    and by a load, with or without checksums."""
+    from lockstep.runtime.checkpoint.consolidate import problems_of
+
+    folder, checkpointer, fresh = _crafted(tmp_path, "crafted", edit)
+    assert any(said in problem for problem in problems_of(folder)), problems_of(folder)
+    with pytest.raises(CheckpointError, match=said):
+        checkpointer.load(folder, {"model": fresh}, read_metadata(folder), verify_files=verify)
+
+
+def test_a_shard_left_off_the_commits_list_is_named_by_verify(tmp_path):
+    from lockstep.runtime.checkpoint.consolidate import problems_of
+
+    folder, _, _ = _crafted(tmp_path, "listed", lambda metadata, folder: None)
+    info = json.loads((folder / "lockstep.json").read_text())
+    info["files"] = {name: entry for name, entry in info["files"].items() if not name.startswith("__")}
+    (folder / "lockstep.json").write_text(json.dumps(info))
+    assert any("a file its commit did not list" in problem for problem in problems_of(folder)), problems_of(folder)

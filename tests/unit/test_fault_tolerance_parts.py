@@ -308,3 +308,42 @@ def test_a_replica_that_is_not_one_of_the_jobs_groups_is_refused_by_name():
     for forged in ("evil", "lockstep_x:1", "lockstep_1", "lockstep_1:uuid;rm", None, "\x1b[2Jlockstep_1:ab"):
         with pytest.raises(CollectiveError, match="not one of this job's groups joined the lighthouse"):
             _group_index(forged)
+
+
+@pytest.mark.skipif(not HAS_TORCHFT, reason="the ft extra")
+def test_a_step_that_does_not_commit_steps_none_of_the_optimizers():
+    """Two optimizers, one replica group; the first step fails (a participant died): neither optimizer steps
+    (the second once stepped: its vote was read only while the step was undecided); the step is drawn again."""
+    from lockstep.runtime.launch.replicas import Lighthouse
+
+    house = Lighthouse(FaultTolerance(step_timeout=10))
+    try:
+        config = FaultTolerance(step_timeout=10, replica_group=0, lighthouse=house.address)
+        rt = lockstep.Runtime(accelerator="cpu", seed=0, fault_tolerance=config)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        first, second = (torch.optim.SGD(model[i].parameters(), lr=0.1) for i in (0, 1))
+        model, first, second = rt.setup(model, first, second)
+        generator = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=generator),
+                                              torch.randint(0, 2, (24,), generator=generator))
+        loader = rt.loader(data, batch_size=8, num_workers=0)
+        rt.resume("/nonexistent-checkpoints", {"model": model, "first": first, "second": second, "loader": loader})
+        plain = lockstep.unwrap(model)
+        seen = []
+        for x, y in loader:
+            before = [p.detach().clone() for p in plain.parameters()]
+            F.cross_entropy(model(x), y).backward()
+            if not seen:
+                rt.replication.manager.report_error(RuntimeError("a participant died"))
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+            changed = [not torch.equal(b, p) for b, p in zip(before, plain.parameters(), strict=True)]
+            seen.append((rt.step_committed, changed))
+        rt.close()
+    finally:
+        house.shutdown()
+    assert seen[0] == (False, [False] * 4)
+    assert all(committed and all(changed) for committed, changed in seen[1:]) and len(seen) == 4

@@ -584,3 +584,25 @@ def test_an_optimizer_stepped_with_a_closure_gets_gradients_divided_by_the_closu
         return torch.cat([p.detach().flatten() for p in lockstep.unwrap(model).parameters()])
 
     assert torch.allclose(run(True), run(False), atol=1e-6)
+
+
+def test_a_rank_position_read_from_the_store_is_shown_bounded_and_printable():
+    """What another rank (or anyone who reaches the store) wrote is quoted by hang reports: at most 1,000
+    printable characters (a 2 MB value with terminal escapes once became the error's text whole)."""
+    from lockstep.runtime.faults.watchdog import Watchdog
+
+    class Store:
+        values = {"lockstep/where/0": b"forward #3 at train.py:12 in main\nin training_step",
+                  "lockstep/where/1": b"\x1b[2Jended the script " + b"x" * 2_000_000}
+
+        def check(self, keys):
+            return keys[0] in self.values
+
+        def get(self, key):
+            return self.values[key]
+
+    watchdog = Watchdog(0, 3, 30.0, False)
+    watchdog.store = Store()
+    found = watchdog.positions()
+    assert found[0] == "forward #3 at train.py:12 in main\nin training_step" and 2 not in found
+    assert found[1].startswith("[2Jended the script xx") and len(found[1]) == 1003

@@ -200,3 +200,22 @@ def test_the_factor_is_checked():
     for bad in ("0.9", "nan", "fast"):
         with pytest.raises(ConfigError, match="LOCKSTEP_STRAGGLER_FACTOR"):
             straggler_factor_from_environ({"LOCKSTEP_STRAGGLER_FACTOR": bad})
+
+
+def test_times_whose_parts_exceed_the_whole_or_that_change_are_not_judged():
+    """A forged entry cannot name an honest peer: a wait longer than the backward (a negative own time) or
+    parts longer than the step are no clock's readings; a step published twice with different times is
+    judged on neither."""
+    store, (judge, said) = Store(), judge_of(2)
+    publish(store, 0, [step(n) for n in range(1, 9)])
+    publish(store, 1, [[n, 0.036, 0.001, 0.010, 0.025, 5.0] for n in range(1, 9)])  # wait 5 s in a 25 ms backward
+    judge.read(store)
+    assert said == [] and judge.report().get("stragglers", {}) == {}
+    store, (judge, said) = Store(), judge_of(3)
+    for rank in range(3):
+        publish(store, rank, [step(n) for n in range(1, 9)])
+    judge.read(store)
+    publish(store, 2, [step(n, data=0.5) for n in range(1, 9)])  # the same steps again, now slow: overwritten
+    judge.read(store)
+    assert said == [] and judge.report().get("stragglers", {}) == {}
+    assert judge.ranks[2].conflicted == set(range(1, 9))

@@ -94,9 +94,9 @@ class OptimizerStep:
         self.items.finish_step()                                # 2
         if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
             self._reduce_over_replicas()
-            if not self.replication.commit():
-                self.precision.step_not_taken(optimizer)  # gradients unscaled by a clip are dropped with the step
-                return None
+        if not self.replication.commit():  # decided at the step's first optimizer: its others follow it
+            self.precision.step_not_taken(optimizer)  # gradients unscaled by a clip are dropped with the step
+            return None
         if self.recorder is not None:
             self.recorder.before_step()                         # 4
         result = self.precision.optimizer_step(optimizer, step)  # 3 (unscale, if not done) and 5

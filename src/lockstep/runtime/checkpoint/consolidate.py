@@ -54,7 +54,7 @@ def model_weights(folder: Path, part: str | None = None) -> dict[str, torch.Tens
     if not wanted:
         raise CheckpointError(f"{folder}: holds no model {part!r}; it holds {parts}.")
     metadata = tensors_of(folder)
-    buffers = {name: torch.empty(tuple(metadata[full].size), dtype=metadata[full].properties.dtype)
+    buffers = {name: torch.zeros(tuple(metadata[full].size), dtype=metadata[full].properties.dtype)
                for name, full in wanted.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lockstep.errors import UnsafeCheckpointError
+from lockstep.errors import CheckpointError, UnsafeCheckpointError
 from lockstep.runtime._torch_compat import (
     DCP_METADATA_PRIVATE_NAMES,
     dcp_metadata_name,
@@ -146,6 +147,14 @@ def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int]
         return [f"{folder / 'lockstep.json'}: its list of files is damaged"]
     problems = []
     index, count = share
+    if index == 0 and (folder / DCP_METADATA).is_file():  # what DCP reads must be what the commit listed
+        if DCP_METADATA not in recorded:
+            problems.append(f"{folder / DCP_METADATA}: not among the files its commit listed")
+        try:
+            problems += [f"{folder / DCP_METADATA}: {problem}"
+                         for problem in layout_problems(read_dcp_metadata(folder), recorded)]
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as error:
+            problems.append(f"{folder / DCP_METADATA}: unreadable ({type(error).__name__})")
     for name in sorted(recorded)[index::count]:
         entry = recorded[name]
         path = folder / name
@@ -200,6 +209,44 @@ def read_dcp_metadata(folder: Path, name: str = DCP_METADATA) -> Any:
         return _MetadataUnpickler(io.BytesIO(handle.read())).load()
 
 
+def layout_problems(metadata: Any, listed: dict[str, Any] | None = None) -> list[str]:
+    """What DCP's ``metadata`` says that no checkpoint says: a shard that is a path rather than a file of the
+    folder, one its commit did not list (``listed``: lockstep.json's files), a tensor whose chunks do not
+    cover it exactly (a load would keep the model's own values there). Read as untrusted."""
+    problems: dict[str, None] = {}
+    for info in dict(getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            problems[f"it names the shard file {str(name)[:200]!r}, not a file of its folder"] = None
+        elif listed is not None and name not in listed:
+            problems[f"it reads {name!r}, a file its commit did not list"] = None
+    for fqn, entry in dict(getattr(metadata, "state_dict_metadata", None) or {}).items():
+        chunks = getattr(entry, "chunks", None)
+        problem = _coverage(tuple(getattr(entry, "size", ())), chunks) if chunks is not None else ""
+        if problem:
+            problems[f"the tensor {str(fqn)[:200]!r}: {problem}"] = None
+    return list(problems)[:20]
+
+
+def _coverage(size: tuple[int, ...], chunks: Any) -> str:
+    """'' when the ``chunks`` (DCP's offsets and sizes) cover a tensor of ``size`` exactly once, else why not."""
+    boxes, volume = [], 0
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                not 0 <= o <= o + n <= whole for o, n, whole in zip(offsets, sizes, size, strict=True)):
+            return "a chunk lies outside it"
+        volume += math.prod(sizes)
+        boxes.append((offsets, sizes))
+    if volume != math.prod(size):
+        return f"its chunks hold {volume:,} of its {math.prod(size):,} elements"
+    if len(boxes) <= 64 and any(
+            all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True))
+            and math.prod(a[1]) and math.prod(b[1]) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+        return "two of its chunks overlap"
+    return ""
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader, with ``.metadata`` read by the restricted unpickler (tensors are already
     read weights-only by DCP), once: a load asks for it before DCP's own load does."""
@@ -209,7 +256,11 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         file = Path(os.fspath(self.path)) / dcp_metadata_name(kwargs.get("rank"))
         if self._read is None or self._read[0] != file:
-            self._read = (file, read_dcp_metadata(file.parent, file.name))
+            metadata = read_dcp_metadata(file.parent, file.name)
+            problems = layout_problems(metadata)
+            if problems:
+                raise CheckpointError(f"{file}: damaged or crafted, not loaded: " + "; ".join(problems))
+            self._read = (file, metadata)
         return stamp_load_id(self._read[1], self.load_id)
 
 

@@ -11,9 +11,10 @@ Exactness, the promise (docs/fault-tolerance.md):
 - the quorum is synchronous, so the participants of step ``s`` are known before its forward: the
   data-parallel ``Membership`` becomes this group's share of them, and the loaders split global
   batch ``s`` over the participants (the global batch never shrinks; no sample is lost or read twice);
-- ``s`` is the number of committed steps: a step that does not commit (a participant died during
-  it) is not stepped anywhere, and the loaders serve the same global batch again, split over the
-  new quorum;
+- ``s`` is the number of committed steps: a group whose step does not commit (a participant died
+  during it) steps none of its optimizers, and its loaders serve the same global batch again, split
+  over the new quorum; each group votes on its own (torchft), so a group that failed alone is a step
+  behind at the next quorum and takes a live group's state;
 - the loss weights come from the participants' shares of the global batch, and the cross-group
   average divides by the same number of participants, so the gradients are those of the mean loss
   over the global batch, whoever computed them.
@@ -246,25 +247,40 @@ class ReplicaGroups:
 
     def reduce_gradients(self, parameters: list[torch.Tensor]) -> None:
         """Average the gradients over the participants (once a step; a group's own ranks already
-        averaged theirs). A participant lost during it makes the step fail to commit."""
+        averaged theirs). A participant lost during it makes the step fail to commit.
+
+        The all-reduce's layout is the optimizers' trained parameters, the same in every group: a parameter
+        without a gradient here (no row of this group's share used it: an expert, a head) takes part as zeros,
+        with a flag, and gets the average where another group's share used it."""
         if self._reduced:
             return
         self._reduced = True
-        grads = [p.grad for p in parameters if p.grad is not None]
-        local = [getattr(g, "_local_tensor", g) for g in grads]  # FSDP: this rank's shard
-        if not local:
+        trained = [p for p in parameters if p.requires_grad]
+        if not trained:
             return
-        participants = self.manager.num_participants()
+        local = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in trained]
+        like, participants = local[0], self.manager.num_participants()
+        had = torch.tensor([p.grad is not None for p in trained], dtype=like.dtype, device=like.device)
         # each participant's own time of its previous step, in a slot of its own (the groups' pace)
-        slots = self._pace.slots(self.manager.participating_rank() or 0, participants, local[0])
-        flat = torch.cat([*(g.reshape(-1) for g in local), slots])
+        slots = self._pace.slots(self.manager.participating_rank() or 0, participants, like)
+        flat = torch.cat([*(g.reshape(-1) for g in local), had, slots])
         self._all_reduce(flat, average=True)
         self._pace.reduced(flat[-participants:] * participants, self._members, self.manager.current_step(),
                            valid=self.manager.errored() is None)
-        offset = 0
-        for g in local:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset, missing = 0, []
+        for index, (p, g) in enumerate(zip(trained, local, strict=True)):
+            part = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
+            if p.grad is not None:
+                g.copy_(part)
+            else:
+                missing.append((index, p, part))
+        if missing:  # rare: the flags are read (a device sync) only when this group lacks a gradient
+            used = (flat[offset:offset + len(trained)] > 0).tolist()
+            for index, p, part in missing:
+                if used[index]:
+                    p.grad = torch.zeros_like(p)
+                    _local(p.grad).copy_(part)
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the participants (the item counts of ``num_items``)."""
@@ -420,6 +436,11 @@ class ReplicaGroups:
         if not self._closed:
             self._closed = True
             self.manager.shutdown(wait=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (FSDP's shard of a DTensor), else the tensor."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 def _unwrapped(value: Any) -> Any:

@@ -184,6 +184,7 @@ class _Rank:
 
     def __init__(self) -> None:
         self.steps: dict[int, Times] = {}
+        self.conflicted: set[int] = set()  # step numbers published with two different times: judged on neither
         self.host, self.local_rank, self.group = "?", -1, 0
         self.queued: list[tuple[int, float]] = []  # (steps counted, run-queue seconds), oldest first
 
@@ -192,11 +193,20 @@ class _Rank:
         self.host = "".join(c for c in str(payload.get("host", "?"))[:64] if c.isprintable())
         self.local_rank, self.group = _count(payload.get("local_rank"), -1), _count(payload.get("group"), 0)
         for entry in list(payload.get("steps", []))[-KEPT:]:
-            n, *times = entry
-            if not isinstance(n, int) or n in self.steps:  # known already (a step's times do not change)
+            n, *times = entry if isinstance(entry, list) and entry else (None,)
+            if not isinstance(n, int) or n in self.conflicted:
                 continue
-            if len(times) == 5 and all(_seconds(t) for t in times):
-                self.steps[n] = Times(*(float(t) for t in times))
+            if len(times) != 5 or not all(_seconds(t) for t in times):
+                continue
+            reading = Times(*(float(t) for t in times))
+            if not reading.consistent():  # parts longer than the whole: not a clock's reading
+                continue
+            known = self.steps.get(n)
+            if known is not None and known != reading:  # a step's times never change: one of them is forged
+                del self.steps[n]
+                self.conflicted = {*sorted(self.conflicted)[-4 * KEPT:], n}
+            elif known is None:
+                self.steps[n] = reading
         for n in sorted(self.steps)[:-KEPT]:
             del self.steps[n]
         readings = payload.get("queued")
@@ -240,6 +250,13 @@ class Times(NamedTuple):
     @property
     def compute(self) -> float:
         return self.forward + self.backward - self.wait
+
+    def consistent(self) -> bool:
+        """Whether the parts fit in the whole, as a clock's readings do (the wait is part of the backward;
+        the forward and the backward, and the data's wait, lie within the step)."""
+        slack = 1e-4 + 1e-3 * self.step
+        return (self.wait <= self.backward + slack and self.forward + self.backward <= self.step + slack
+                and self.data <= self.step + slack)
 
 
 def _seconds(value: Any) -> bool:

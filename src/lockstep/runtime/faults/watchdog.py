@@ -72,6 +72,12 @@ def current_line(thread_id: int | None) -> str:
     return _where(frame) if frame is not None else ""
 
 
+def _printable(text: str, limit: int) -> str:
+    """``text`` as a report may quote it: its lines' printable characters, at most ``limit`` of them."""
+    kept = "".join(c for c in text if c.isprintable() or c == "\n")
+    return kept if len(kept) <= limit else kept[:limit] + "..."
+
+
 class _StepCollectives:
     """Around the step's own collectives (``Watchdog.step``): a collective's failure inside becomes the
     hang report, the model's own errors pass through. A class, not a generator: it runs every step."""
@@ -287,8 +293,8 @@ class Watchdog:
         for rank in range(self.world_size):
             key = self._key(rank, kind)
             with contextlib.suppress(Exception):
-                if self.store.check([key]):
-                    found[rank] = self.store.get(key).decode()
+                if self.store.check([key]):  # read as untrusted: what a report quotes, bounded and printable
+                    found[rank] = _printable(self.store.get(key)[:8192].decode(errors="replace"), 1000)
         return found
 
     def _liveness(self, ranks: list[int]) -> dict[int, str]:

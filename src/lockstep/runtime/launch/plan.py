@@ -94,6 +94,19 @@ def _elastic_rendezvous(request: RunRequest) -> tuple[str, int, bool, list[str]]
     return host, port, hosting, options + (["--rdzv-conf", conf] if conf else [])
 
 
+def _elastic_store(host: str, port: int) -> object | None:
+    """The c10d rendezvous store, bound here to the endpoint's own address when that is this node's (torch's
+    would listen on every interface; its agent in this process takes this one, as for a static rendezvous).
+    None where another node hosts it, or another agent on this node already does (torch's then connects)."""
+    address = _resolve(host)
+    if not (address.startswith("127.") or address in interfaces().values()):
+        return None
+    try:
+        return host_store(address, port)[0]
+    except OSError:  # another agent on this node hosts it: this one is a client, as torch's own would be
+        return None
+
+
 def _static_rendezvous(request: RunRequest, nodes: int) -> tuple[str, int, object | None, list[str]]:
     """(host, port, store hosted here, torchrun options) of a static rendezvous on node 0."""
     if request.master:
@@ -140,7 +153,7 @@ def plan(request: RunRequest, check_names: Callable[[], None],
                "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
         host, port, hosting, rendezvous = _elastic_rendezvous(request)
-        store = None
+        store = _elastic_store(host, port)
     else:
         host, port, store, rendezvous = _static_rendezvous(request, nodes[0])
         hosting = store is not None
