@@ -153,6 +153,8 @@ def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int]
         try:
             problems += [f"{folder / DCP_METADATA}: {problem}"
                          for problem in layout_problems(read_dcp_metadata(folder), recorded)]
+        except UnsafeCheckpointError as error:  # it names code: said as such
+            problems.append(f"{folder / DCP_METADATA}: {error}")
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as error:
             problems.append(f"{folder / DCP_METADATA}: unreadable ({type(error).__name__})")
     for name in sorted(recorded)[index::count]:
