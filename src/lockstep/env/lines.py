@@ -26,6 +26,12 @@ SHOW_VARIABLE = "LOCKSTEP_SHOW_RANKS"
 _PIECES = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+")
 
 
+def printable(text: object, limit: int, lines: bool = False) -> str:
+    """Text another process, the store or a file gave, as lockstep quotes it: its first ``limit`` characters,
+    less those that are not printable (a terminal's escapes, line breaks unless ``lines``)."""
+    return "".join(c for c in str(text)[:limit] if c.isprintable() or (lines and c == "\n"))
+
+
 def shown_ranks(value: str, given_as: str = SHOW_VARIABLE) -> frozenset[int]:
     """The ranks of ``--show-ranks`` / ``LOCKSTEP_SHOW_RANKS``: whole numbers, separated by commas."""
     try:

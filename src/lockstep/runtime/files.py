@@ -1,4 +1,4 @@
-"""Files written whole or not at all."""
+"""Files written whole or not at all; names read from files checked before they name a file."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+
+def own_name(name: object) -> bool:
+    """Whether ``name``, read from a file, is a file's or folder's own name in its folder: no separator, not
+    "." or ".." (a path there would reach outside the folder)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:

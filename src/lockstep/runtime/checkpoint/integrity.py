@@ -40,6 +40,7 @@ from lockstep.runtime._torch_compat import (
     stamp_load_id,
     use_file_system,
 )
+from lockstep.runtime.files import own_name
 
 DCP_METADATA = dcp_metadata_name(None)
 _CHUNK = 8 << 20
@@ -160,7 +161,7 @@ def verify(folder: Path, recorded: dict[str, Any] | None, share: tuple[int, int]
     for name in sorted(recorded)[index::count]:
         entry = recorded[name]
         path = folder / name
-        if Path(name).name != name or not isinstance(entry, dict):
+        if not own_name(name) or not isinstance(entry, dict):
             problems.append(f"{folder / 'lockstep.json'}: a damaged entry for {name!r}")
         elif not path.is_file() or path.is_symlink():
             problems.append(f"{path}: missing")
@@ -218,7 +219,7 @@ def layout_problems(metadata: Any, listed: dict[str, Any] | None = None) -> list
     problems: dict[str, None] = {}
     for info in dict(getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        if not own_name(name):
             problems[f"it names the shard file {str(name)[:200]!r}, not a file of its folder"] = None
         elif listed is not None and name not in listed:
             problems[f"it reads {name!r}, a file its commit did not list"] = None

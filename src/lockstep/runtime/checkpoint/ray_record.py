@@ -14,15 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.env.settings import RAY_CHECKPOINTS
+from lockstep.runtime.files import own_name
 
 #: In the run's folder of Ray's storage: each copy's name and the folder lockstep wrote it from.
 _SOURCES = "lockstep-sources.json"
-
-
-def _plain_name(name: object) -> bool:
-    """A folder's own name: no separator, not "." or ".."."""
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
-        and "\0" not in name
 
 
 class RayRecord:
@@ -71,7 +66,7 @@ class RayRecord:
         # read as untrusted: only a copy's own plain name in the run's folder is ever deleted (not "..", a path,
         # a link); an entry of another shape is dropped from the record, deleting nothing
         sources = {name: source for name, source in (sources.items() if isinstance(sources, dict) else ())
-                   if _plain_name(name) and isinstance(source, str)}
+                   if own_name(name) and isinstance(source, str)}
         sources[path.name] = str(path.resolve())
         for name, source in list(sources.items()):
             copy = run / name

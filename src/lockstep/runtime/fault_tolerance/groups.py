@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lockstep.env.fault_tolerance import FaultTolerance, import_torchft
+from lockstep.env.lines import printable
 from lockstep.env.settings import straggler_factor_from_environ
 from lockstep.errors import CollectiveError, ConfigError, StateError
 from lockstep.runtime.fault_tolerance._torchft_compat import manager_bound_to, record_quorums
@@ -75,7 +76,7 @@ def _group_index(replica_id: object) -> int:
     a participant's gradients go into every group's step."""
     found = re.fullmatch(r"lockstep_(\d{1,6}):[0-9a-f-]{1,64}", replica_id) if isinstance(replica_id, str) else None
     if found is None:
-        shown = "".join(c for c in str(replica_id)[:80] if c.isprintable())
+        shown = printable(replica_id, 80)
         raise CollectiveError(f"a replica {shown!r} that is not one of this job's groups joined the lighthouse's "
                               "quorum: stop it, and keep the lighthouse's address reachable only by the job's nodes "
                               "(lockstep run --fault-tolerant binds it to loopback on one node).")
@@ -258,9 +259,11 @@ class ReplicaGroups:
         trained = [p for p in parameters if p.requires_grad]
         if not trained:
             return
+        present = [p.grad is not None for p in trained]
         local = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in trained]
         like, participants = local[0], self.manager.num_participants()
-        had = torch.tensor([p.grad is not None for p in trained], dtype=like.dtype, device=like.device)
+        had = (torch.ones(len(trained), dtype=like.dtype, device=like.device) if all(present)  # no copy from the
+               else torch.tensor(present, dtype=like.dtype, device=like.device))  # host on the usual path
         # each participant's own time of its previous step, in a slot of its own (the groups' pace)
         slots = self._pace.slots(self.manager.participating_rank() or 0, participants, like)
         flat = torch.cat([*(g.reshape(-1) for g in local), had, slots])
@@ -271,7 +274,7 @@ class ReplicaGroups:
         for index, (p, g) in enumerate(zip(trained, local, strict=True)):
             part = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
-            if p.grad is not None:
+            if present[index]:
                 g.copy_(part)
             else:
                 missing.append((index, p, part))

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lockstep.env.lines import printable
 from lockstep.env.settings import straggler_factor_from_environ, straggler_summary_from_environ
 from lockstep.runtime.files import write_atomic
 
@@ -190,7 +191,7 @@ class _Rank:
 
     def take(self, payload: dict[str, Any]) -> None:
         """A rank's published entry, read as untrusted: only bounded numbers and printable text are kept."""
-        self.host = "".join(c for c in str(payload.get("host", "?"))[:64] if c.isprintable())
+        self.host = printable(payload.get("host", "?"), 64)
         self.local_rank, self.group = _count(payload.get("local_rank"), -1), _count(payload.get("group"), 0)
         for entry in list(payload.get("steps", []))[-KEPT:]:
             n, *times = entry if isinstance(entry, list) and entry else (None,)

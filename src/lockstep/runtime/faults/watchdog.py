@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.env.lines import printable
 from lockstep.errors import CollectiveError
 from lockstep.runtime._torch_compat import default_store
 from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
@@ -74,7 +75,7 @@ def current_line(thread_id: int | None) -> str:
 
 def _printable(text: str, limit: int) -> str:
     """``text`` as a report may quote it: its lines' printable characters, at most ``limit`` of them."""
-    kept = "".join(c for c in text if c.isprintable() or c == "\n")
+    kept = printable(text, len(text), lines=True)
     return kept if len(kept) <= limit else kept[:limit] + "..."
 
 

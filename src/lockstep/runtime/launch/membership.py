@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep.env.lines import printable
 from lockstep.runtime.comm.network import ipv4_of
 
 _KEY = "lockstep/membership"
@@ -58,7 +59,7 @@ def _previous(raw: bytes) -> tuple[int, list[str]] | None:
     lines = raw[:65536].decode(errors="replace").split("\n")
     if not (lines[0].isdigit() and len(lines[0]) <= 9) or len(lines) > 1 + 4096:
         return None
-    return int(lines[0]), ["".join(c for c in line[:128] if c.isprintable()) for line in lines[1:]]
+    return int(lines[0]), [printable(line, 128) for line in lines[1:]]
 
 
 def report_membership(address: str, rank: int, world_size: int, all_gather: Callable[[Any], list[Any]]) -> None:

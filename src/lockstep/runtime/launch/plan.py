@@ -78,9 +78,9 @@ def _network(host: str, nodes: int) -> tuple[dict[str, str], list[str], str]:
     return variables, [line] if line else [], source
 
 
-def _elastic_rendezvous(request: RunRequest) -> tuple[str, int, bool, list[str]]:
-    """(host, port, whether this node hosts it, torchrun options) of a c10d rendezvous on
-    ``--rdzv-endpoint`` or ``--master``."""
+def _elastic_rendezvous(request: RunRequest) -> tuple[str, int, bool, object | None, list[str]]:
+    """(host, port, whether this node hosts it, its store when bound here, torchrun options) of a c10d
+    rendezvous on ``--rdzv-endpoint`` or ``--master``."""
     endpoint = request.rdzv_endpoint or request.master
     if not endpoint:
         raise PreflightError("--nodes MIN:MAX needs --master HOST:PORT (the node hosting the rendezvous).")
@@ -88,19 +88,18 @@ def _elastic_rendezvous(request: RunRequest) -> tuple[str, int, bool, list[str]]
     # This node hosts the rendezvous store when the endpoint is one of its addresses. torch's own
     # test compares with the address of the host name, a loopback address on many images.
     address = _resolve(host)
-    hosting = not address.startswith("127.") and address in interfaces().values()
+    loopback = address.startswith("127.")
+    hosting = not loopback and address in interfaces().values()
     conf = ",".join(filter(None, ["is_host=true" if hosting else "", request.rdzv_conf]))
     options = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", request.rdzv_id]
-    return host, port, hosting, options + (["--rdzv-conf", conf] if conf else [])
+    store = _elastic_store(address, port) if hosting or loopback else None
+    return host, port, hosting, store, options + (["--rdzv-conf", conf] if conf else [])
 
 
-def _elastic_store(host: str, port: int) -> object | None:
-    """The c10d rendezvous store, bound here to the endpoint's own address when that is this node's (torch's
-    would listen on every interface; its agent in this process takes this one, as for a static rendezvous).
-    None where another node hosts it, or another agent on this node already does (torch's then connects)."""
-    address = _resolve(host)
-    if not (address.startswith("127.") or address in interfaces().values()):
-        return None
+def _elastic_store(address: str, port: int) -> object | None:
+    """The c10d rendezvous store on this node's ``address`` (the endpoint's), bound there only: torch's would
+    listen on every interface; its agent in this process takes this one, as for a static rendezvous. None
+    when another agent on this node already hosts it (torch's then connects)."""
     try:
         return host_store(address, port)[0]
     except OSError:  # another agent on this node hosts it: this one is a client, as torch's own would be
@@ -152,8 +151,7 @@ def plan(request: RunRequest, check_names: Callable[[], None],
     options = ["--nnodes", f"{nodes[0]}:{nodes[1]}", "--nproc-per-node", str(nproc),
                "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     if elastic:
-        host, port, hosting, rendezvous = _elastic_rendezvous(request)
-        store = _elastic_store(host, port)
+        host, port, hosting, store, rendezvous = _elastic_rendezvous(request)
     else:
         host, port, store, rendezvous = _static_rendezvous(request, nodes[0])
         hosting = store is not None
