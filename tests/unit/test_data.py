@@ -277,6 +277,21 @@ def test_a_dataloader_brings_its_sampler_and_a_distributed_sampler_becomes_shuff
         rt.loader(DataLoader(data, batch_size=None, sampler=of_batches, collate_fn=len))
 
 
+def test_a_batch_sampler_over_a_distributed_sampler_of_several_ranks_is_refused():
+    """A plain DDP script's BatchSampler(DistributedSampler(...)) yields this rank's batches: lockstep split each
+    again, and every rank trained on half of its own (half the data an epoch, with no error)."""
+    rt = runtime()
+    data = checks.Indexed(16)
+    per_rank = torch.utils.data.BatchSampler(torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0), 4,
+                                             False)
+    for given in (dict(data=DataLoader(data, batch_sampler=per_rank)), dict(data=data, batch_sampler=per_rank)):
+        with pytest.raises(ValueError, match="draws from a DistributedSampler of 2 replicas"):
+            rt.loader(**given, num_workers=0)
+    whole = torch.utils.data.BatchSampler(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0), 4, False)
+    loader = rt.loader(DataLoader(data, batch_sampler=whole), num_workers=0)
+    assert sorted(i for index, _, _ in loader for i in index.tolist()) == list(range(16))
+
+
 @pytest.mark.parametrize("length, drop_last, at", [(5, False, 1), (15, False, 3), (9, True, 2), (17, True, 3)])
 def test_a_stream_whose_len_is_not_what_it_yields_is_refused_at_the_batch_that_shows_it(length, drop_last, at):
     """The global batch sizes, hence the loss weights, follow from __len__: 12 items said to be `length`."""

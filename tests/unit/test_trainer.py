@@ -469,3 +469,21 @@ def test_predict_without_predict_step_returns_forward_of_each_batch_in_order_as_
         assert torch.allclose(predicted, module.net(inputs), atol=1e-6)
     with pytest.raises(lockstep.UsageError, match="_NoForward has neither predict_step"):
         tc.quiet_trainer().predict(_NoForward(), inputs, batch_size=4)
+
+
+def test_a_value_logged_with_a_tensor_count_of_zero_weighs_nothing():
+    """A batch without tokens logs 0/0 with ``batch_size=`` its token count, a tensor 0: it adds nothing (it
+    made the mean NaN, where the same count given as an int was left out). By hand: 5 of 6 tokens."""
+    class Tokens(lockstep.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(1, 1)
+
+        def validation_step(self, batch, batch_idx):
+            x, mask = batch
+            tokens = mask.sum()
+            self.log("accuracy", (mask * (x[:, 0] > 2)).sum() / tokens, batch_size=tokens)
+
+    x, mask = torch.arange(8.0).unsqueeze(1), torch.tensor([0.0, 0, 1, 1, 1, 1, 1, 1])
+    result = tc.quiet_trainer().validate(Tokens(), torch.utils.data.TensorDataset(x, mask), batch_size=2)
+    assert result["accuracy"] == pytest.approx(5 / 6)

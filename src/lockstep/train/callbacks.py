@@ -47,6 +47,12 @@ class Callback:
     def on_load_checkpoint(self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]) -> None: ...
     def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None: ...
 
+    @property
+    def state_key(self) -> str:
+        """The name of its state in a checkpoint: its class's name. A callback of which a fit may hold several
+        with different settings names them too (EarlyStopping: its monitor and mode), as in Lightning."""
+        return type(self).__qualname__
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -229,6 +235,11 @@ class ModelCheckpoint(Callback):
         self._unscored_warned = False
         self._after_validation = False  # a step's save waits for the step's validation
 
+    @property
+    def state_key(self) -> str:
+        return (f"ModelCheckpoint{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}, 'every_n_steps': "
+                f"{self.every_n_steps!r}, 'every_n_epochs': {self.every_n_epochs!r}}}")
+
     def on_fit_start(self, trainer: Trainer, module: Module) -> None:
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is not None:
@@ -380,6 +391,10 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.wait = 0
         self.stopped_at_step: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
     def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None:
         self._check(trainer)

@@ -7,6 +7,8 @@ Finding, agreeing on, verifying and loading a checkpoint folder are the Runtime'
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,26 +22,68 @@ if TYPE_CHECKING:
 
 
 class _Each:
-    """A list of stateful objects (schedulers, callbacks) as one part."""
+    """The learning-rate schedulers, in configure_optimizers' order, as one part."""
 
-    def __init__(self, items: list[Any], keys: list[str] | None = None) -> None:
-        self.items, self.keys = items, keys
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
 
     def state_dict(self) -> Any:
-        states = [item.state_dict() for item in self.items]
-        return dict(zip(self.keys, states, strict=True)) if self.keys is not None else states
+        return [item.state_dict() for item in self.items]
 
     def load_state_dict(self, state: Any) -> None:
-        if self.keys is not None:
-            for key, item in zip(self.keys, self.items, strict=True):
-                item.load_state_dict(state.get(key, {}))
-            return
         if not isinstance(state, list) or len(state) != len(self.items):
             raise CheckpointError(f"the checkpoint holds {len(state) if isinstance(state, list) else 'no list of'} "
                                   f"learning-rate scheduler(s) where configure_optimizers returns {len(self.items)}: "
                                   "resume with the schedulers of the run that saved it (or start a new run).")
         for item, saved in zip(self.items, state, strict=True):
             item.load_state_dict(saved)
+
+
+class _Callbacks:
+    """The callbacks' states, each under its ``state_key`` (its class's name unless it says otherwise; the
+    second with the same key is ``KEY#2``, and so on): adding, removing or reordering other callbacks between
+    a save and the resume leaves each callback its own state. A saved state that no callback takes is said
+    (rank 0 prints it): its callback is missing from the resumed fit."""
+
+    def __init__(self, callbacks: list[Any], say: Callable[[str], None]) -> None:
+        self.callbacks, self.say = callbacks, say
+        seen: dict[str, int] = {}
+        self.keys: list[str] = []
+        for callback in callbacks:
+            key = str(getattr(callback, "state_key", type(callback).__qualname__))
+            seen[key] = seen.get(key, 0) + 1
+            self.keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: callback.state_dict() for key, callback in zip(self.keys, self.callbacks, strict=True)}
+
+    def load_state_dict(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"the checkpoint's callback states are a {type(state).__name__}, not a dict "
+                                  "(damaged): resume from another checkpoint.")
+        state = self._by_position(state) if state and all(_POSITION_KEY.match(str(k)) for k in state) else state
+        for key, callback in zip(self.keys, self.callbacks, strict=True):
+            callback.load_state_dict(state.get(key, {}))
+        left = sorted(str(key) for key in set(state) - set(self.keys))
+        if left:
+            self.say(f"lockstep: the checkpoint holds the state of callback(s) {', '.join(left)}, which this fit "
+                     "does not have: their state is not restored (give the same callbacks to resume them).")
+
+    def _by_position(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint that keyed each state by its callback's position (``EarlyStopping-1``): the n-th saved
+        state of a class goes to the n-th callback of that class."""
+        saved: dict[str, list[Any]] = {}
+        for key in sorted(state, key=lambda k: int(str(k).rsplit("-", 1)[1])):
+            saved.setdefault(str(key).rsplit("-", 1)[0], []).append(state[key])
+        moved: dict[str, Any] = {}
+        for key, callback in zip(self.keys, self.callbacks, strict=True):
+            mine = saved.get(type(callback).__name__)
+            if mine:
+                moved[key] = mine.pop(0)
+        return {**moved, **{f"{name}-{i}": left for name, rest in saved.items() for i, left in enumerate(rest)}}
+
+
+_POSITION_KEY = re.compile(r"^[A-Za-z_]\w*-\d+$")  # how checkpoints before state keys named a callback's state
 
 
 class _Metrics:
@@ -65,7 +109,7 @@ def parts(trainer: Trainer) -> dict[str, Any]:
         "schedulers": _Each([s.scheduler for s in trainer.lr_schedulers]),
         "precision": trainer.runtime.precision,
         "metrics": _Metrics(trainer),
-        "callbacks": _Each(list(callbacks), [f"{type(c).__name__}-{i}" for i, c in enumerate(callbacks)]),
+        "callbacks": _Callbacks(list(callbacks), trainer.runtime.print),
     }
     if trainer.train_loader is not None:
         named["loader"] = trainer.train_loader
@@ -143,6 +187,7 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
     state = rt.load(found, {**_model_and_optimizers(trainer), **dict.fromkeys(saved)}, verify=False)
     if isinstance(state.get("loop"), dict):  # before the parts: the metrics ask whether mid-epoch
         trainer.loop.place(state["loop"], state.get("loader"))
+    _same_accumulation(trainer, state.get("config"), found.path)
     for name, part in parts(trainer).items():
         if name not in state:
             raise CheckpointError(f"{found.path}: holds no {name!r} state; it holds {sorted(state)}.")
@@ -157,6 +202,20 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
     trainer.fire("on_load_checkpoint", state)
     rt.random_states().load_state_dict(state["rng"])  # last: nothing may draw random numbers after it
     return list(state.get("loggers", []))
+
+
+def _same_accumulation(trainer: Trainer, config: Any, path: Path) -> None:
+    """Inside an epoch, the steps' micro-batches continue as the saving fit grouped them: a different
+    ``accumulate_grad_batches`` would make a step of the wrong micro-batches, its loss divided by the new count."""
+    saved = config.get("accumulate_grad_batches") if isinstance(config, dict) else None
+    wanted = trainer.config.accumulate_grad_batches
+    done = trainer.batches_done_in_epoch
+    if saved is not None and str(saved) != str(wanted) and done and not trainer.loop.end_left():
+        raise CheckpointError(f"{path} was written after batch {done} of epoch {trainer.current_epoch + 1} with "
+                              f"accumulate_grad_batches={saved}; this fit has {wanted}, which would group that "
+                              f"epoch's remaining batches into different steps: resume with "
+                              f"accumulate_grad_batches={saved} (change it at an epoch's start, from a checkpoint "
+                              "written at an epoch's end).")
 
 
 def restore(trainer: Trainer) -> list[dict[str, Any]] | None:

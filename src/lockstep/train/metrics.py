@@ -239,6 +239,8 @@ def weighted_value(name: str, value: float | torch.Tensor, weight: float | torch
     tensor = torch.as_tensor(value).detach()
     if tensor.numel() != 1:
         raise ConfigError(f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(tensor.shape)}.")
-    if isinstance(weight, torch.Tensor):
+    weighted = tensor.to(device=device, dtype=torch.float64).reshape(())
+    if isinstance(weight, torch.Tensor):  # a count of 0 (a rank's share without tokens) adds nothing, not 0/0 * 0
         weight = weight.detach().to(device=device, dtype=torch.float64).reshape(())
-    return tensor.to(device=device, dtype=torch.float64).reshape(()) * weight
+        return torch.where(weight == 0, torch.zeros_like(weighted), weighted * weight)
+    return weighted * weight

@@ -124,8 +124,9 @@ class Trainer:
     # -- where this rank sits ----------------------------------------------------------------------
     @property
     def callbacks(self) -> CallbackList:
-        """The callbacks, in the order their hooks run (lockstep's defaults last). Change them in place, or
-        assign new ones: an assigned plain list is copied, so change ``trainer.callbacks`` after that."""
+        """The callbacks, in the order their hooks run (lockstep's defaults, then the ModelCheckpoints, last).
+        Change them in place, or assign new ones: an assigned plain list is copied (and kept in its order), so
+        change ``trainer.callbacks`` after that."""
         return self._callbacks
 
     @callbacks.setter
@@ -530,8 +531,11 @@ class Trainer:
 
 def _with_default_callbacks(callbacks: Sequence[Callback], checkpoints: bool, throughput: bool,
                             progress: bool) -> list[Callback]:
-    """The given callbacks, then lockstep's defaults. A checkpoint_dir means checkpoints: unless a
-    ModelCheckpoint is given, the default one writes one per epoch and keeps the newest, plus last.ckpt."""
-    default_checkpoints = checkpoints and not any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    return [*callbacks, *([ModelCheckpoint()] if default_checkpoints else []),
-            *([ThroughputMonitor()] if throughput else []), *([ProgressBar()] if progress else [])]
+    """The given callbacks, then lockstep's defaults, then the checkpoint callbacks (as Lightning orders them):
+    a checkpoint written in a hook holds what every other callback did in it (EarlyStopping's judgement). A
+    checkpoint_dir means checkpoints: unless a ModelCheckpoint is given, the default one writes one per epoch
+    and keeps the newest, plus last.ckpt."""
+    given = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    savers = given or ([ModelCheckpoint()] if checkpoints else [])
+    return [*(c for c in callbacks if not isinstance(c, ModelCheckpoint)),
+            *([ThroughputMonitor()] if throughput else []), *([ProgressBar()] if progress else []), *savers]

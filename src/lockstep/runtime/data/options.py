@@ -116,6 +116,18 @@ def plain_distributed(sampler: Any) -> TypeGuard[DistributedSampler[Any]]:
     return True
 
 
+def _not_per_rank(batch_sampler: Any) -> None:
+    """A batch sampler over a ``DistributedSampler`` of several replicas (a plain DDP script's) yields this
+    rank's batches, and lockstep would split each again: refused, as every rank would train on part of its own."""
+    inner = getattr(batch_sampler, "sampler", None)
+    if isinstance(inner, DistributedSampler) and inner.num_replicas > 1:
+        raise ConfigError(f"this batch_sampler ({type(batch_sampler).__name__}) draws from a DistributedSampler of "
+                          f"{inner.num_replicas} replicas, which gives each rank its own samples; lockstep splits "
+                          "each global batch over the ranks itself. Give it a sampler of the whole dataset "
+                          "(BatchSampler(RandomSampler(dataset), global_batch, drop_last)), or pass "
+                          "batch_size= (the global batch) and shuffle= instead.")
+
+
 def _say_per_rank_batch(given: int | None, batch_size: int | None, replicas: int) -> None:
     """A torchrun script's DataLoader given as it is (no ``batch_size`` given to the call): its ``batch_size`` was
     each rank's, lockstep's is global."""
@@ -175,6 +187,7 @@ def resolve_loader_options(
         opts["shuffle"] = sampler.shuffle
         _say_per_rank_batch(batch_size, opts.get("batch_size"), sampler.num_replicas)
     if opts.get("batch_sampler") is not None:
+        _not_per_rank(opts["batch_sampler"])
         clashes = [name for name in ("batch_size", "sampler", "shuffle", "drop_last") if opts.get(name)]
         if clashes:
             raise ConfigError(f"batch_sampler= chooses the global batches itself: drop {', '.join(clashes)}=.")

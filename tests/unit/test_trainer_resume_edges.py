@@ -1,0 +1,110 @@
+"""A resumed fit equals the uninterrupted one whatever the callbacks' order: ModelCheckpoint runs last in a hook
+(its checkpoint holds EarlyStopping's judgement of that hook), each callback's state is found by its own key
+(not its place in the list), and a different gradient accumulation inside an epoch is refused. 64 samples in
+batches of 16: 4 steps an epoch; no validation data (EarlyStopping judges each epoch's training loss)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import lockstep
+from checks import trainer as tc
+from lockstep.errors import CheckpointError
+
+pytestmark = pytest.mark.timeout(120)
+
+_g = torch.Generator().manual_seed(0)
+DATA = TensorDataset(torch.randn(64, 8, generator=_g), torch.randint(0, 4, (64,), generator=_g))
+
+
+class Net(lockstep.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(folder, epochs: int, *callbacks, **options):
+    """EarlyStopping(mode="max") on a falling loss: it stops the fit at the end of epoch 3 (patience 2)."""
+    stopping, module = lockstep.EarlyStopping(monitor="train_loss", mode="max", patience=2), Net()
+    fit = tc.quiet_trainer(max_epochs=epochs, checkpoint_dir=folder, resume="auto",
+                           callbacks=[*callbacks, stopping], **options)
+    fit.fit(module, DATA, batch_size=16)
+    return fit, stopping, module
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_model_checkpoint_runs_after_the_other_callbacks_so_its_epoch_checkpoint_holds_early_stoppings_verdict(
+        tmp_path):
+    saver = lockstep.ModelCheckpoint(save_top_k=-1)
+    whole, stopped, module = _fit(tmp_path / "whole", 10, saver)
+    assert isinstance(whole.callbacks[-1], lockstep.ModelCheckpoint)  # given first, it runs last
+    assert (whole.global_step, stopped.wait) == (12, 2)
+    _fit(tmp_path / "cut", 2, lockstep.ModelCheckpoint(save_top_k=-1))  # ends after epoch 2 (step 8)
+    resumed, stopped_again, module_again = _fit(tmp_path / "cut", 10, lockstep.ModelCheckpoint(save_top_k=-1))
+    assert (resumed.global_step, stopped_again.wait) == (12, 2)  # before: the judgement of epoch 2 was lost (16)
+    _same_weights(module, module_again)
+    again, _, _ = _fit(tmp_path / "whole", 10, lockstep.ModelCheckpoint(save_top_k=-1))  # the finished fit, again
+    assert again.global_step == 12  # its last checkpoint records the stop: no further step
+
+
+def test_a_callback_keeps_its_state_when_another_callback_is_left_out_of_the_resumed_fit(tmp_path, capsys):
+    _, _, module = _fit(tmp_path / "whole", 10)
+    _fit(tmp_path / "cut", 2, lockstep.LearningRateMonitor())
+    resumed, stopped, module_again = _fit(tmp_path / "cut", 10)  # without the LearningRateMonitor
+    assert (resumed.global_step, stopped.wait) == (12, 2)  # before: EarlyStopping started again (20)
+    _same_weights(module, module_again)
+    assert "holds the state of callback(s) LearningRateMonitor, which this fit does not have" in capsys.readouterr().out
+
+
+def test_callback_states_saved_by_position_go_to_the_callbacks_of_their_class():
+    """Checkpoints written before state keys named each state ``Class-position``: the n-th saved state of a
+    class goes to the n-th callback of that class, wherever the callbacks now stand."""
+    from lockstep.train.checkpoint import _Callbacks
+
+    first, second = lockstep.EarlyStopping(monitor="a"), lockstep.EarlyStopping(monitor="b")
+    said: list[str] = []
+    part = _Callbacks([lockstep.ModelCheckpoint(), first, second], said.append)
+    part.load_state_dict({"EarlyStopping-0": {"best": 1.0, "wait": 1}, "LearningRateMonitor-1": {"used": {}},
+                          "EarlyStopping-2": {"best": 2.0, "wait": 2}, "ModelCheckpoint-3": {}})
+    assert (first.best, first.wait, second.best, second.wait) == (1.0, 1, 2.0, 2)
+    assert len(said) == 1 and "LearningRateMonitor-0" in said[0]
+    # saved now by key: the monitors tell the two apart in any order
+    saved = part.state_dict()
+    fresh_b, fresh_a = lockstep.EarlyStopping(monitor="b"), lockstep.EarlyStopping(monitor="a")
+    _Callbacks([fresh_b, fresh_a, lockstep.ModelCheckpoint()], said.append).load_state_dict(saved)
+    assert (fresh_a.best, fresh_b.best) == (1.0, 2.0)
+    with pytest.raises(CheckpointError, match="not a dict"):
+        part.load_state_dict([{"best": 1.0}])
+
+
+def test_a_different_accumulation_inside_an_epoch_is_refused_and_at_an_epochs_start_taken(tmp_path):
+    class CrashAt(lockstep.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and trainer.at_step_boundary:
+                raise RuntimeError("crash")
+
+    def fit(epochs, accumulate, *callbacks):
+        tc.quiet_trainer(max_epochs=epochs, checkpoint_dir=tmp_path, resume="auto", accumulate_grad_batches=accumulate,
+                         callbacks=[lockstep.ModelCheckpoint(every_n_steps=1, save_top_k=-1), *callbacks]
+                         ).fit(Net(), DATA, batch_size=8)
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(2, 2, CrashAt())  # the last checkpoint: step 1, after batch 2 of 8 in epoch 1
+    with pytest.raises(CheckpointError, match="accumulate_grad_batches=2; this fit has 4"):
+        fit(2, 4)
+    fit(1, 2)  # the same accumulation: the epoch ends, saved at its end
+    fit(2, 4)  # from the epoch's end: the next epoch groups its batches by 4
