@@ -5,6 +5,8 @@ batches of 16: 4 steps an epoch; no validation data (EarlyStopping judges each e
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +110,42 @@ def test_a_different_accumulation_inside_an_epoch_is_refused_and_at_an_epochs_st
         fit(2, 4)
     fit(1, 2)  # the same accumulation: the epoch ends, saved at its end
     fit(2, 4)  # from the epoch's end: the next epoch groups its batches by 4
+
+
+class _LogsAtEpochStart(Net):
+    def on_train_epoch_start(self):
+        self.log("step_at_epoch_start", float(self.trainer.global_step), on_step=False, on_epoch=True)
+
+
+def _rows(folder) -> list[dict[str, str]]:
+    """metrics.csv without the checkpoints' own seconds (a time, not a value of the fit)."""
+    with open(folder / "metrics.csv") as table:
+        rows = [{k: v for k, v in row.items() if k != "checkpoint_blocked_s"} for row in csv.DictReader(table)]
+    return [row for row in rows if any(v for k, v in row.items() if k != "step")]
+
+
+def test_a_resumed_epochs_start_hook_runs_again_and_what_it_logs_counts_once(tmp_path):
+    """Resumed after step 5 (inside epoch 2): the epoch's start ran before the checkpoint. Its value logged there
+    was added to the restored epoch sums again (step_at_epoch_start_epoch 6.0 became 7.5) and
+    LearningRateMonitor("epoch") wrote a second row for the epoch."""
+    class CrashAt(lockstep.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:
+                raise RuntimeError("crash")
+
+    def fit(folder, *callbacks):
+        module = _LogsAtEpochStart()
+        tc.quiet_trainer(max_epochs=3, checkpoint_dir=folder, resume="auto", loggers=("csv",), log_every_n_steps=2,
+                         callbacks=[lockstep.ModelCheckpoint(every_n_steps=1, save_top_k=-1),
+                                    lockstep.LearningRateMonitor("epoch"), *callbacks]).fit(module, DATA, batch_size=16)
+        return module
+
+    whole = fit(tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "cut", CrashAt())
+    resumed = fit(tmp_path / "cut")
+    _same_weights(whole, resumed)
+    expected = _rows(tmp_path / "whole")
+    assert [row["step_at_epoch_start_epoch"] for row in expected if row["step_at_epoch_start_epoch"]] == \
+        ["0.0", "4.0", "8.0"]
+    assert _rows(tmp_path / "cut") == expected

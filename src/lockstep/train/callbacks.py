@@ -462,5 +462,5 @@ class LearningRateMonitor(Callback):
         self._used = {str(k): float(v) for k, v in used.items()} if isinstance(used, dict) else {}
 
     def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
-        if self.logging_interval == "epoch":
+        if self.logging_interval == "epoch" and not trainer.batches_done_in_epoch:  # else resumed: its row is written
             trainer.log_metrics(self._rates(trainer))
