@@ -149,3 +149,39 @@ def test_a_resumed_epochs_start_hook_runs_again_and_what_it_logs_counts_once(tmp
     assert [row["step_at_epoch_start_epoch"] for row in expected if row["step_at_epoch_start_epoch"]] == \
         ["0.0", "4.0", "8.0"]
     assert _rows(tmp_path / "cut") == expected
+
+
+class _Seen(lockstep.Callback):
+    """The validation loss each batch of the fit sees (what a plateau scheduler or a callback reads)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float | None] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.seen[trainer.global_step] = trainer.callback_metrics.get("val_loss")
+
+
+class _Validated(Net):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+
+def test_a_fit_resumed_from_a_max_steps_end_continues_as_one_longer_fit_without_its_extra_validation(tmp_path):
+    """max_steps=6 ends inside epoch 2 (4 steps an epoch, validation at each epoch's end): the fit's end
+    validates step 6. EarlyStopping (mode="max" on a falling loss: never better) counted that validation,
+    and the resumed fit read its val_loss until the next validation; the longer fit had neither."""
+    def fit(folder, steps):
+        stopping, seen, module = lockstep.EarlyStopping(monitor="val_loss", mode="max", patience=2), _Seen(), \
+            _Validated()
+        fit = tc.quiet_trainer(max_steps=steps, checkpoint_dir=folder, resume="auto", callbacks=[stopping, seen])
+        fit.fit(module, DATA, TensorDataset(DATA.tensors[0][:32], DATA.tensors[1][:32]), batch_size=16)
+        return fit, stopping, seen.seen, module
+
+    whole, stopped, seen, module = fit(tmp_path / "whole", 20)
+    assert (whole.global_step, stopped.wait) == (12, 2)
+    cut, stopped_cut, _, _ = fit(tmp_path / "cut", 6)
+    assert (cut.global_step, stopped_cut.wait) == (6, 0)  # step 6's validation ran, and was left out of the count
+    resumed, stopped_again, seen_again, module_again = fit(tmp_path / "cut", 20)
+    assert (resumed.global_step, stopped_again.wait) == (12, 2)  # before: it stopped at step 8
+    assert seen_again == {step: seen[step] for step in range(6, 12)}  # before: steps 6 and 7 read step 6's
+    _same_weights(module, module_again)

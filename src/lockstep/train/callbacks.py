@@ -397,7 +397,8 @@ class EarlyStopping(Callback):
         return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
     def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None:
-        self._check(trainer)
+        if trainer.loop.fit_end is None:  # else the fit's end added this validation: its verdict would change
+            self._check(trainer)  # nothing in this fit, and a fit resumed from its end never had it
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         if not trainer.validates:  # no validation to wait for: judge each epoch (a training metric)

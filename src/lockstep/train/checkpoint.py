@@ -196,6 +196,11 @@ def resume(trainer: Trainer, found: Checkpoint) -> list[dict[str, Any]]:
     if isinstance(metrics, dict):  # what the callbacks and schedulers saw, until the resumed fit logs anew
         trainer.callback_metrics.update({k: float(v) for k, v in metrics.items()
                                          if isinstance(k, str) and isinstance(v, (int, float))})
+    before = trainer.loop.fit_end
+    if before is not None:  # the saving fit's end added a validation: continue from before it
+        trainer.callback_metrics.clear()
+        trainer.callback_metrics.update(before["metrics"])
+        trainer.loop.validated_at, trainer.loop.fit_end = before["validated_at"], None
     if trainer.loop.plateau_due:  # written during the epoch's end, before its plateau schedulers stepped
         trainer.lr_schedulers.step("epoch", trainer.current_epoch, trainer.callback_metrics, on_plateau=True)
         trainer.loop.plateau_due = False
@@ -222,6 +227,7 @@ def restore(trainer: Trainer) -> list[dict[str, Any]] | None:
     """The fit's start: resume from ``Trainer(resume=...)``; returns the loggers' saved states, or None when
     nothing was resumed. In a fault-tolerant fit, then join the replica groups: a group behind the live
     ones takes their state (``rt.join``)."""
+    trainer.loop.fit_end = None  # of a fit before on this Trainer
     saved = _resume_asked(trainer)
     if trainer.runtime.replication.fault_tolerant:
         trainer.runtime.join(replica_state(trainer), trainer.global_step)

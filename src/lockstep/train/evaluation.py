@@ -69,9 +69,12 @@ class Evaluation:
         return self.inside_epochs and step % (self.trainer.config.val_check_interval or 1) == 0
 
     def at_fit_end(self) -> None:
-        """Whatever ended the fit, its final step is validated (unless it just was)."""
+        """Whatever ended the fit, its final step is validated (unless it just was). That validation was due to no
+        schedule: the loop keeps what came before it (``LoopState.fit_end``), where a fit resumed from the final
+        checkpoint continues, as one longer fit would have (EarlyStopping leaves it out)."""
         t = self.trainer
         if t.validates and t.loop.validated_at != t.global_step:
+            t.loop.fit_end = {"metrics": dict(t.callback_metrics), "validated_at": t.loop.validated_at}
             self.during_fit()
 
     def during_fit(self) -> None:

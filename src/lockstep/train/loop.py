@@ -35,6 +35,9 @@ class LoopState:
     step_samples: int = 0  # the global samples of the micro-batches of the step under way
     resume_batches: int = 0  # where the next epoch's pass starts (a resumed epoch)
     validated_at: int | None = None  # the step of the last validation in this fit
+    # a validation that the fit's end added (its step was not due one): the callback metrics and validated_at as
+    # they were before it, where a fit resumed from its checkpoint continues (None: no such validation)
+    fit_end: dict[str, Any] | None = None
     pass_over: bool = False  # resumed after the pass's last batch (a stream's, whose length is unknown)
     only_end_left: bool = False  # the current epoch's pass has no batch left, only its end to run
     between_epochs: bool = False  # an epoch ended (current_epoch counts it) and the next has not started
@@ -104,7 +107,8 @@ class LoopState:
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch_ended": self.epoch_ended, "samples_seen": self.samples_seen,
                 "plateau_due": self.plateau_due, "step_plateau_due": self.step_plateau_due,
-                "validated_at": self.validated_at, "should_stop": self.should_stop, "log_due": self.log_due}
+                "validated_at": self.validated_at, "should_stop": self.should_stop, "log_due": self.log_due,
+                "fit_end": self.fit_end}
 
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.global_step, self.samples_seen = int(loop["global_step"]), int(loop["samples_seen"])
@@ -115,6 +119,7 @@ class LoopState:
         # written after a callback stopped the fit (EarlyStopping): the resumed fit stops there too
         self.should_stop = loop.get("should_stop") is True
         self.log_due = loop.get("log_due") is True  # saved at a logging step's batch end, before its log
+        self.fit_end = _before_fit_end(loop.get("fit_end"))
 
     def place(self, loop: dict[str, Any], position: dict[str, Any] | None) -> None:
         """Where the resumed fit continues: the epoch and batch of the loader's saved ``position`` (in
@@ -134,6 +139,15 @@ class LoopState:
         # saved after the pass's last batch, before the epoch's end: the pass is not read again (a stream's would
         # be, to find its end)
         self.pass_over = done > 0 and position is not None and position.get("ended") is True
+
+
+def _before_fit_end(saved: Any) -> dict[str, Any] | None:
+    """A checkpoint's ``fit_end`` as read from the file: float metrics by name and an int step, else None."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("metrics"), dict):
+        return None
+    metrics = {k: float(v) for k, v in saved["metrics"].items() if isinstance(k, str) and isinstance(v, (int, float))}
+    validated = saved.get("validated_at")
+    return {"metrics": metrics, "validated_at": validated if isinstance(validated, int) else None}
 
 
 class LoopCounter(Generic[T]):
