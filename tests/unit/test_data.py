@@ -117,6 +117,21 @@ def test_gather_refuses_outputs_that_are_not_one_row_per_sample():
     assert torch.equal(rt.gather(outputs, loader=loader), torch.arange(10))
 
 
+def test_gather_does_not_read_a_batchs_list_of_fields_as_its_rows():
+    """Per-batch outputs written as a list ``[x * 2, x * 3]`` in batches of 2 rows: as many fields as rows, each
+    batch's list was read as its 2 rows, and 8 "rows" came back, the fields' tensors, with no error."""
+    rt = runtime()
+    listed = [[index * 2, index * 3] for index, _, _ in rt.eval_loader(checks.Indexed(8), batch_size=2)]
+    with pytest.raises(ValueError, match=r"a list of 4 lists of tensors, each a batch's fields \(\[logits, labels\]\), "
+                                         "not its rows: collect each batch's fields as a tuple or a dict"):
+        rt.gather(listed)
+    doubled, tripled = rt.gather([(index * 2, index * 3) for index, _, _ in rt.eval_loader(checks.Indexed(8),
+                                                                                              batch_size=2)])
+    assert torch.equal(doubled, torch.arange(8) * 2) and torch.equal(tripled, torch.arange(8) * 3)
+    texts = [[f"s{i}" for i in index.tolist()] for index, _, _ in rt.eval_loader(checks.Indexed(8), batch_size=2)]
+    assert rt.gather(texts) == [f"s{i}" for i in range(8)]  # a batch's list of its rows' texts stays its rows
+
+
 def test_gather_takes_one_output_per_sample_as_its_rows_even_where_their_lengths_add_up_to_the_samples():
     """Detections per image (0, 1 or 2 each here) collected one per sample: their lengths add up to the 6
     samples, and they were joined as per-batch chunks, row 0 holding sample 1's detection, with no error."""

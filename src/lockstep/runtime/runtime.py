@@ -540,7 +540,8 @@ class Runtime:
         Tensors concatenate along dim 0; a list of tensors is taken as chunks of rows (per-batch
         outputs) and joined first, or, one per sample of the pass, as its rows (stacked where their
         shapes agree, else kept a list); a list of per-batch structures of tensors (dicts, ModelOutputs,
-        namedtuples, dataclasses, tuples) is merged into one, each field joined; other lists
+        namedtuples, dataclasses, tuples) is merged into one, each field joined (a list in a batch holds
+        its rows, e.g. texts: a batch's fields given as a list are refused, naming a tuple); other lists
         concatenate; dicts and tuples are gathered per entry. A rank with no rows may pass ``[]``.
         On a mesh with tensor parallelism the ``tp`` peers hold the same rows: one copy is kept.
         """

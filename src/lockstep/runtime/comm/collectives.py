@@ -294,10 +294,21 @@ def _reading(leaf: Any, sizes: list[int] | None) -> tuple[bool, bool, tuple[int,
         lengths = [len(v) if v.dim() else -1 for v in leaf]
         shape = tuple(leaf[0].shape) if all(v.shape == leaf[0].shape for v in leaf) else None
     elif all(isinstance(v, list) for v in leaf):
-        lengths, shape = [len(v) for v in leaf], None
+        # a batch's list of its fields ([logits, labels]), each with the batch's rows, is not that batch's rows,
+        # also where it holds as many fields as the batch has rows
+        lengths, shape = [-1 if _fields(v) else len(v) for v in leaf], None
     else:
         return None
     return lengths in (sizes, [n for n in sizes if n]), len(leaf) == sum(sizes), shape  # a batch of no rows: left out
+
+
+def _fields(values: list[Any], as_many_as_fields: bool = True) -> bool:
+    """A list of two or more tensors with as many rows each (a batch's fields); ``as_many_as_fields``: as many
+    rows as the list has items (where read as the batch's rows, they would be the fields' tensors)."""
+    if len(values) < 2 or not all(isinstance(v, torch.Tensor) and v.dim() for v in values):
+        return False
+    rows = len(values) if as_many_as_fields else len(values[0])
+    return all(len(v) == rows for v in values)
 
 
 def _agreed(mine: list[Any], everyone: list[list[Any]]) -> list[str | None]:
@@ -410,6 +421,11 @@ def _rows_problem(leaves: list[Any], sizes: list[int]) -> str | None:
         if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
             return (f"an output is a list of {rows} tensors, neither one per batch of the loader's last pass "
                     f"({len(sizes)} batches of {', '.join(map(str, sizes))} rows here) nor one per sample ({count})")
+        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, list) and _fields(v, False)
+                                                                     for v in leaf):
+            return (f"an output is a list of {rows} lists of tensors, each a batch's fields ([logits, labels]), "
+                    f"not its rows: collect each batch's fields as a tuple or a dict, which are gathered field by "
+                    f"field")
         if rows != count:
             return f"an output holds {rows} rows, but the loader's last pass handed out {count} samples here"
     return None
