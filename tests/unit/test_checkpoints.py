@@ -682,3 +682,27 @@ def test_a_shard_left_off_the_commits_list_is_named_by_verify(tmp_path):
     info["files"] = {name: entry for name, entry in info["files"].items() if not name.startswith("__")}
     (folder / "lockstep.json").write_text(json.dumps(info))
     assert any("a file its commit did not list" in problem for problem in problems_of(folder)), problems_of(folder)
+
+
+def test_a_save_replaces_a_checkpoint_a_link_or_an_empty_folder_and_refuses_to_delete_anything_else(tmp_path):
+    """rt.save renamed whatever stood at its path aside and deleted it: a run's folder, its logs, a file."""
+    import lockstep
+
+    rt = lockstep.Runtime(accelerator="cpu", env=lockstep.DistEnv())
+    model = torch.nn.Linear(2, 2)
+    run = tmp_path / "run"
+    (run / "step=1").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,loss\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for taken, kept in ((run, ["metrics.csv", "step=1"]), (notes, None)):
+        with pytest.raises(CheckpointError, match=f"cannot save to {taken}: it is "):
+            rt.save(taken, {"model": model})
+        assert (sorted(p.name for p in taken.iterdir()) == kept) if kept else taken.read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "empty", run / "step=2"):  # an empty folder, then a checkpoint
+        rt.save(path, {"model": model})
+        assert (path / "lockstep.json").is_file()
+    (tmp_path / "last.ckpt").symlink_to(run / "step=2")
+    rt.save(tmp_path / "last.ckpt", {"model": model})
+    assert (tmp_path / "last.ckpt").is_dir() and (run / "step=2" / "lockstep.json").is_file()

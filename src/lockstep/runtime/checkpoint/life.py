@@ -119,6 +119,7 @@ class Checkpoints:
         from lockstep.runtime.checkpoint.hf_export import describe
         from lockstep.runtime.checkpoint.parts import OPTIMIZERS_BY_PARAMETER, split_state
 
+        _replaceable(Path(path))
         state = self._with_loss_scale(state)
         sharded, objects, optimizer_of = split_state(state)
         for part in sharded.values():  # the ranks' buffers may differ: rank 0's are the model's
@@ -329,6 +330,24 @@ def _holds_gradients(model: Any) -> bool:
 
     grads = [p.grad for p in model.parameters() if p.grad is not None] + list(fsdp_unsynced_grads(model))
     return any(bool(to_local(g).detach().ne(0).any()) for g in grads)
+
+
+def _replaceable(path: Path) -> None:
+    """A save replaces what is at ``path`` only where that is a checkpoint, a link (``last.ckpt``) or an empty
+    folder: anything else there (a run's folder, a file) is the user's, and is refused, not deleted. Every rank
+    asks (the folder is shared), so every rank refuses alike."""
+    if path.is_symlink() or not path.exists() or is_checkpoint_folder(path):
+        return
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    what = "a file" if not path.is_dir() else f"a folder that is no checkpoint (it holds {_some(path)})"
+    raise CheckpointError(f"cannot save to {path}: it is {what}, which a save would replace. Give the checkpoint "
+                          f"a name of its own, such as {path / 'step-1'}.")
+
+
+def _some(folder: Path) -> str:
+    names = sorted(entry.name for _, entry in zip(range(4), folder.iterdir(), strict=False))
+    return ", ".join(names) + (", ..." if len(names) == 4 else "")
 
 
 def _say_pending_gradients(names: list[str]) -> None:
