@@ -430,6 +430,14 @@ def runtime_of_rank_layout(layouts: list) -> str:
     return "built"
 
 
+def runtime_of_rank_precision(precisions: list) -> str:
+    """A Runtime on this rank's entry of ``precisions``: ranks that disagree are refused (they trained on)."""
+    import torch.distributed as dist
+
+    lockstep.Runtime(accelerator="cpu", precision=precisions[dist.get_rank()], timeout=60)
+    return "built"
+
+
 def plan_by_function_in_other_names(model: nn.Module, tp_mesh) -> None:
     """A plan function whose names match nothing in ``model`` (torch warns and skips each)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module

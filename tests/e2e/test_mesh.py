@@ -140,6 +140,8 @@ def test_ranks_given_different_layouts_are_refused_at_once_naming_each():
     with pytest.raises(RanksFailed, match=r"different layouts .*'b\.\*'"):  # the same degrees, another plan
         run_ranks(mc.runtime_of_rank_layout, 2, [tp, lockstep.Parallel(tp=2, tp_plan={"b.*": "colwise"})])
     assert run_ranks(mc.runtime_of_rank_layout, 2, [tp, tp]) == ["built", "built"]
+    with pytest.raises(RanksFailed, match=r"different layouts \(rank 0: .*precision '32-true'.*; rank 1: .*'16-mixed'"):
+        run_ranks(mc.runtime_of_rank_precision, 2, ["32-true", "16-mixed"])
 
 
 def test_a_plan_function_that_splits_nothing_is_refused():

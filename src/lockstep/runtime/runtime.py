@@ -128,8 +128,8 @@ class Runtime:
         self.mesh = Mesh(layout, self.rank, self.device.type)  # the degrees, the DeviceMesh, the data-parallel ranks
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
-        check_ranks_agree(self.strategy.name, self.config.parallel or Parallel(),  # not a collective of the script's:
-                          lambda text: collectives.all_gather(text, self.device), self.world_size)  # uncounted
+        check_ranks_agree(self.strategy.name, self.precision.name, self.config.parallel or Parallel(),  # uncounted,
+                          lambda text: collectives.all_gather(text, self.device), self.world_size)  # not the script's
         self._current = CurrentBatch(self._watchdog)
         self.replication = self._make_replication()
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)

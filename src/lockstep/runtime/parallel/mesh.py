@@ -76,19 +76,21 @@ def parallel_from_text(text: str) -> Parallel:
     return Parallel(**given)
 
 
-def check_ranks_agree(strategy: str, parallel: Parallel, all_gather: Callable[[Any], list[Any]],
+def check_ranks_agree(strategy: str, precision: str, parallel: Parallel, all_gather: Callable[[Any], list[Any]],
                       world_size: int) -> None:
-    """Every rank was given the same strategy and layout; else each says so at once, before any collective of
-    the layout's shapes (a rank with other degrees or another plan would meet the others in collectives of
-    other shapes and wait out the timeout)."""
+    """Every rank was given the same strategy, precision and layout; else each says so at once, before any
+    collective of the layout's shapes (a rank with other degrees or another plan would meet the others in
+    collectives of other shapes and wait out the timeout; one with another precision would train on, its
+    gradients averaged with theirs)."""
     if world_size == 1:
         return
-    mine = f"strategy {strategy!r}, {parallel.signature()}"
+    mine = f"strategy {strategy!r}, precision {precision!r}, {parallel.signature()}"
     everyone = all_gather(mine)
     if any(theirs != mine for theirs in everyone):
         shown = "; ".join(f"rank {rank}: {theirs}" for rank, theirs in enumerate(everyone))
-        raise ConfigError(f"the ranks were given different layouts ({shown}): give every rank the same strategy "
-                          "and Parallel (the same arguments to Runtime or Trainer, the same --parallel).")
+        raise ConfigError(f"the ranks were given different layouts ({shown}): give every rank the same strategy, "
+                          "precision and Parallel (the same arguments to Runtime or Trainer, the same --precision "
+                          "and --parallel on every node).")
 
 
 @dataclass(frozen=True)
