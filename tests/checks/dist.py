@@ -426,6 +426,16 @@ def loader_of_sharded_data(evaluation: bool = False) -> str:
     return "accepted"
 
 
+def loader_of_rank_settings(evaluation: bool, options: list[dict]) -> str:
+    """What ``rt.loader`` (``rt.eval_loader``) says when each rank gives it other ``options`` (its entry)."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0)
+    try:
+        (rt.eval_loader if evaluation else rt.loader)(TensorDataset(torch.arange(64)), **options[rt.rank])
+    except lockstep.ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
 def torchrun_loader_warnings() -> list[list[str]]:
     """A torchrun script's DataLoader (per-rank batch 6, DistributedSampler) given to rt.loader as it is, then
     with the global batch given: the warnings of each."""

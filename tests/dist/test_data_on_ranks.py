@@ -92,6 +92,22 @@ def test_data_already_split_by_rank_is_refused_by_the_training_loader_naming_eac
             assert "give every rank the whole dataset" in message
 
 
+def test_a_loader_given_another_batch_size_or_shuffle_on_each_rank_is_refused_naming_each():
+    """Each rank drew its rows from its own global batches (16 and 17, shuffled on rank 0 only): rank 0 saw 32 of
+    the 64 samples, rank 1 30, with no error."""
+    from checks import dist as checks
+    from lockstep.testing import run_ranks
+
+    training = [dict(batch_size=16, shuffle=True), dict(batch_size=17, shuffle=False)]
+    for message in run_ranks(checks.loader_of_rank_settings, 2, False, training):
+        assert "the training loader was made with other settings on each rank (rank 0: batch_size=16, shuffle=True, " \
+               "drop_last=False; rank 1: batch_size=17, shuffle=False, drop_last=False)" in message, message
+    for message in run_ranks(checks.loader_of_rank_settings, 2, True, [dict(batch_size=8), dict(batch_size=4)]):
+        assert "the evaluation loader was made with other settings on each rank (rank 0: batch_size=8; rank 1: " \
+               "batch_size=4)" in message, message
+    assert run_ranks(checks.loader_of_rank_settings, 2, False, [dict(batch_size=16)] * 2) == ["accepted"] * 2
+
+
 def test_a_torchrun_dataloader_given_as_it_is_says_its_per_rank_batch_is_read_as_the_global_one():
     from checks import dist as checks
     from lockstep.testing import run_ranks

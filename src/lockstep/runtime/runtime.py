@@ -201,7 +201,7 @@ class Runtime:
     def _make_loaders(self) -> Loaders:
         count = ((lambda flag: int(self._sum_over_data_parallel(torch.tensor(int(flag)))))
                  if self.world_size > 1 else None)
-        every_rank = (lambda number: [int(n) for n in self.all_gather(number)]) if self.world_size > 1 else None
+        every_rank = self.all_gather if self.world_size > 1 else None
         return Loaders(self.membership, self.env.local_world_size, self.device,
                        self.seed, self._current, self.config.per_sample_rng, self.strategy.collective_forward, count,
                        self.print, self.replication.gate, self.replication.evaluation_membership(self.membership),

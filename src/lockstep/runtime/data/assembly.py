@@ -46,7 +46,7 @@ class Loaders:
     say: Callable[[str], None]
     gate: Callable[[DistributedLoader, int], int] | None = None  # fault tolerance: the step to draw
     evaluation_membership: Membership | None = None  # fault tolerance: the group's own ranks
-    every_rank: Callable[[int], list[int]] | None = None  # a number of each rank (an all-gather; None: one rank)
+    every_rank: Callable[[Any], list[Any]] | None = None  # a value of each rank (an all-gather; None: one rank)
     cut: Callable[[Any, Callable[[Any], Any]], Any] | None = None  # context parallel: this rank's part of a batch
 
     def training(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> DistributedLoader:
@@ -54,7 +54,8 @@ class Loaders:
         dataset, opts = resolve_loader_options(data, batch_size, options, self.local_world_size, self.device)
         shuffle, drop_last = bool(opts.pop("shuffle", False)), bool(opts.pop("drop_last", False))
         if not is_stream(dataset) and hasattr(dataset, "__len__"):  # first: the checks below then agree on every rank
-            self._check_whole(len(dataset), type(dataset).__name__)
+            self._check_whole(len(dataset), type(dataset).__name__,
+                              settings=f"batch_size={opts.get('batch_size')}, shuffle={shuffle}, drop_last={drop_last}")
         batches = global_batches(dataset, opts, shuffle, drop_last, self.seed)
         size, ranks = getattr(batches, "batch_size", None), self.membership.size
         if size is not None and size < ranks:
@@ -82,7 +83,7 @@ class Loaders:
             return self._loader(dataset, GlobalBatchSampler(batches, members), opts, training=False)
         samples = dataset_length(dataset)
         if self.evaluation_membership is None:  # every rank makes it (``if rank == 0:`` would see its shard alone)
-            self._check_whole(samples, type(dataset).__name__, "evaluation")
+            self._check_whole(samples, type(dataset).__name__, "evaluation", f"batch_size={opts.get('batch_size')}")
         per_rank = -(-opts.pop("batch_size") // world_size)  # a global batch the ranks do not divide: rounded up
         sampler = ShardSampler(samples, per_rank, rank, world_size, equal_steps=self.equal_steps)
         return self._loader(dataset, sampler, opts, training=False)
@@ -111,18 +112,24 @@ class Loaders:
                               "ranks: some ranks would get none. Pass drop_last=True, or a batch size that leaves "
                               f"at least {ranks} samples in the last batch.")
 
-    def _check_whole(self, samples: int, name: str, stage: str = "training") -> None:
+    def _check_whole(self, samples: int, name: str, stage: str = "training", settings: str = "") -> None:
         """Every rank was given the whole dataset: lockstep splits it itself. Data already split by rank
         (``files[rank::world_size]``, a per-rank reader) would be split again (half the data per epoch, or
-        ranks that disagree on the number of steps): refused where the ranks' lengths differ. One small
-        all-gather, so every rank must make the loader: an evaluation loader made under ``if rank == 0:``
+        ranks that disagree on the number of steps): refused where the ranks' lengths differ; so are other
+        ``settings`` (a batch size, shuffle), with which each rank would draw batches of another order. One
+        small all-gather, so every rank must make the loader: an evaluation loader made under ``if rank == 0:``
         stops there (a hang report names it) instead of evaluating rank 0's shard alone."""
-        lengths = self.every_rank(samples) if self.every_rank is not None else [samples]
+        everyone = self.every_rank((samples, settings)) if self.every_rank is not None else [(samples, settings)]
+        lengths = [int(length) for length, _ in everyone]
         if len(set(lengths)) > 1:
             shown = ", ".join(f"rank {rank}: {length}" for rank, length in enumerate(lengths))
             raise ConfigError(f"the {stage} data ({name}) holds a different number of samples on each rank ({shown}): "
                               "lockstep splits the data over the ranks itself, so give every rank the whole dataset "
                               "(no files[rank::world_size] or per-rank reader).")
+        if any(theirs != settings for _, theirs in everyone):
+            shown = "; ".join(f"rank {rank}: {theirs}" for rank, (_, theirs) in enumerate(everyone))
+            raise ConfigError(f"the {stage} loader was made with other settings on each rank ({shown}): each rank "
+                              "would draw its rows from other global batches. Give every rank the same arguments.")
 
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler | ShardSampler, opts: dict[str, Any],
                 training: bool) -> DistributedLoader:
