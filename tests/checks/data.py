@@ -372,12 +372,13 @@ def looked_ahead(how: str) -> torch.Tensor:
     more than one batch: ``"same"``, it fetches the next batch before training on this one (to know which is
     the last, as a port of Accelerate's ``end_of_dataloader`` or a prefetcher does) and gives the model the
     batch's tensors; ``"derived"``, the same with tensors made from them; ``"two"``, it fetches two batches,
-    then trains on each (on views of their tensors); ``"two_dicts"``, the same over 7 samples (the second
+    then trains on each (on views of their tensors; ``"two_derived"``, over 7 samples, on tensors made from
+    them, which cannot name either batch); ``"two_dicts"``, the same over 7 samples (the second
     batch split 2/1) in dict batches whose first tensor is the target, not the model's input, with a tensor
     without elements and one that every batch shares; ``"skip"``, ``"skip_derived"`` and ``"skip_tuples"``
     (a collate_fn that returns a tuple), a plain loop that passes over batch 1 before its forward. The
     weights after the pass."""
-    n = 7 if how == "two_dicts" else 11
+    n = 7 if how in ("two_dicts", "two_derived") else 11
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
     rt = lockstep.Runtime(accelerator="cpu", seed=0)
@@ -413,7 +414,7 @@ def looked_ahead(how: str) -> torch.Tensor:
         for index, (xb, yb) in enumerate(batches):
             if index != 1:
                 train(xb, yb)
-    elif how == "two":
+    elif how in ("two", "two_derived"):
         while fetched := [batch for batch in (next(batches, None), next(batches, None)) if batch is not None]:
             for xb, yb in fetched:
                 train(xb, yb)

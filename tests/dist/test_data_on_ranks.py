@@ -157,6 +157,17 @@ def test_a_loop_that_holds_several_batches_or_skips_one_weighs_each_loss_by_its_
         assert (weights - reference).abs().max() < 1e-6
 
 
+def test_a_loop_holding_two_batches_of_other_weights_that_trains_on_tensors_made_from_them_is_refused():
+    """Two batches fetched, then a forward on ``x * 1.0`` of each: the second (the last, split 2/1) cannot be told
+    from the first, trained on already; it took the first's loss weight (1.0, for 4/3 and 2/3), with no error.
+    One process: every weight is 1, and the weights are the plain loop's."""
+    from lockstep.testing import RanksFailed
+
+    assert (checks.looked_ahead("two_derived") - checks.looked_ahead_by_hand(n=7)).abs().max() < 1e-6
+    with pytest.raises(RanksFailed, match="rt.backward cannot tell which it trains on, and their loss weights differ"):
+        run_ranks(checks.looked_ahead, 2, "two_derived")
+
+
 def test_evaluation_without_no_grad_on_uneven_shards_runs_no_collective_of_ddp_and_keeps_dataset_order():
     reference = checks.evaluated_by_hand()
     for predictions in run_ranks(checks.evaluated_under_grad_mode, 2):

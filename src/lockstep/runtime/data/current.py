@@ -42,7 +42,8 @@ class CurrentBatch:
     several (it fetched the next batch before training on this one, to know which is the last, or a
     prefetcher did; it fetched a step's micro-batches first): a training forward then names the one it
     trains on by its tensors (the batch's own or views of them; a tensor with no elements, or one that
-    several held batches share, names none), else the oldest of those the loop still holds. The latest
+    several held batches share, names none), else the oldest of those the loop still holds (refused where that
+    one was trained on and the next differs in loss weight: ``_one_reading``). The latest
     batch is kept as handed out, the earlier ones' tensors weakly: a batch the loop let go of (one it
     skipped) is never chosen, and no batch outlives the loop's own references.
     """
@@ -124,6 +125,7 @@ class CurrentBatch:
         chosen = next((entry for (entry, _), mine in zip(alive, owned, strict=True) if (mine - shared) & given), None)
         if chosen is None and len(held) > 1 and not self.ended:
             chosen = held[0]  # tensors made from a batch's: the oldest the loop holds
+            _one_reading(chosen, next((entry for entry in held if not entry[4]), None))
         elif chosen is None and self.ended:  # after the pass: a look-ahead's last batch, else other data
             chosen = next((entry for entry in held if not entry[4]), None)
         if chosen is not None:
@@ -164,6 +166,18 @@ class CurrentBatch:
             self.loader, self.loss_weight, self.ended = None, 1.0, True
             if self.watchdog.clock is not None:
                 self.watchdog.clock.pass_ended()
+
+
+def _one_reading(oldest: list[Any], untrained: list[Any] | None) -> None:
+    """A forward on tensors made from a held batch's, where the oldest was trained on already: it trains on the
+    oldest again (a second loss on one batch) or on the next (a step's micro-batches fetched first), and only the
+    loop knows which. Where their loss weights differ (a short last batch), refused: a guess is a wrong gradient."""
+    if oldest[4] and untrained is not None and untrained[2] != oldest[2]:
+        raise UsageError(
+            f"a training forward on tensors made from a batch's (x.float(), a normalisation), while the loop holds "
+            f"batches {oldest[1]} and {untrained[1]}: rt.backward cannot tell which it trains on, and their loss "
+            f"weights differ ({oldest[2]:.4g} and {untrained[2]:.4g}: a short last batch split unevenly over the "
+            "ranks). Give the model the batch's own tensors (or views of them), converting inside its forward.")
 
 
 def _first(batch: Any) -> torch.Tensor | None:
