@@ -187,16 +187,46 @@ def test_wrapped_model_keeps_names_and_checkpoint_keys():
         ({"devices": 0}, "devices=0: ask for at least one device"),
         ({"devices": [0, 1]}, "lists GPU indices but the accelerator is the CPU"),
         ({"devices": 2, "strategy": "single"}, "devices=2 asks for 2 processes, but this process was started alone"),
-        ({"timeout": -1}, "positive number of seconds"),
+        ({"timeout": -1}, "timeout=-1: give a positive, finite number of seconds"),
         ({"backend": "nccl"}, "backend 'nccl'"),
         ({"strategy": "dp"}, "strategy 'dp' needs CUDA GPUs"),
         ({"deterministic": True, "benchmark": True}, "contradict"),
+        # of a type that was a bare TypeError from inside, or read wrongly ("no" as debug on)
+        ({"timeout": "30"}, "timeout='30': give a positive, finite number of seconds \\(or a timedelta\\)"),
+        ({"timeout": float("inf")}, "timeout=inf: give a positive, finite number"),
+        ({"devices": 1.5}, "devices=1.5: give a count, 'auto' or a list of GPU indices"),
+        ({"devices": [0.5]}, "devices=\\[0.5\\]: give a count"),
+        ({"seed": "abc"}, "seed='abc': give a whole number"),
+        ({"seed": 1.5}, "seed=1.5: give a whole number"),
+        ({"debug": "no"}, "debug='no': give True or False"),
     ],
 )
 def test_bad_arguments_say_what_to_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         rt = runtime(**kwargs)
         rt.setup(nn.Linear(1, 1))
+
+
+def test_a_timedelta_timeout_is_taken_and_settings_from_the_environment_that_are_no_setting_are_refused(monkeypatch):
+    import datetime
+
+    assert runtime(timeout=datetime.timedelta(minutes=1)).timeout == 60.0
+    for name, value, message in (("LOCKSTEP_TIMEOUT", "inf", "positive, finite"), ("LOCKSTEP_TIMEOUT", "nan",
+                                 "positive, finite"), ("LOCKSTEP_DEBUG", "maybe", "give 1 \\(debug mode on\\)")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name}='{value}'.*{message}"):
+            runtime()
+        monkeypatch.delenv(name)
+
+
+def test_trainer_arguments_of_another_kind_are_refused_or_read_as_meant(tmp_path):
+    with pytest.raises(ValueError, match="callbacks holds object, which is no lockstep.Callback"):
+        lockstep.Trainer(callbacks=[object()])
+    with pytest.raises(ValueError, match="num_nodes=0: must be a whole number, at least 1"):
+        lockstep.Trainer(num_nodes=0, max_steps=1)
+    from lockstep.train.loggers import CSVLogger, make_loggers
+
+    assert [type(logger) for logger in make_loggers("csv", tmp_path)] == [CSVLogger]  # one logger, not c, s, v
 
 
 def test_a_gpu_listed_twice_means_two_processes_on_it_over_gloo():

@@ -20,8 +20,8 @@ def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | No
         value = float(raw)
     except ValueError:
         raise ConfigError(f"LOCKSTEP_TIMEOUT={raw!r} is not a number of seconds.") from None
-    if value <= 0:
-        raise ConfigError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive number of seconds.")
+    if not 0 < value < float("inf"):  # nan and inf too: a collective's wait is a finite number of seconds
+        raise ConfigError(f"LOCKSTEP_TIMEOUT={raw!r} must be a positive, finite number of seconds.")
     return value
 
 
@@ -68,7 +68,10 @@ def runtime_choices_from_environ(environ: Mapping[str, str] | None = None) -> di
 def debug_from_environ(environ: Mapping[str, str] | None = None) -> bool:
     """``LOCKSTEP_DEBUG=1`` turns on the collective checks of debug mode."""
     env = os.environ if environ is None else environ
-    return env.get("LOCKSTEP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    raw = env.get("LOCKSTEP_DEBUG", "").strip().lower()
+    if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ConfigError(f"LOCKSTEP_DEBUG={raw!r}: give 1 (debug mode on) or 0 (off).")
+    return raw in ("1", "true", "yes", "on")
 
 
 def slurm_requeue_from_environ(environ: Mapping[str, str] | None = None) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields, replace
+from datetime import timedelta
 from typing import Any
 
 from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
@@ -32,7 +33,7 @@ class RuntimeConfig:
     seed: int | None = None
     deterministic: bool = False
     benchmark: bool | None = None
-    timeout: float | None = None
+    timeout: float | timedelta | None = None
     backend: str | None = None
     init_method: str | None = None
     debug: bool | None = None
@@ -43,9 +44,12 @@ class RuntimeConfig:
         chosen = runtime_choices_from_environ()
         _say_replaced(chosen, {"accelerator": self.accelerator, "precision": self.precision,
                                "strategy": getattr(self.strategy, "name", self.strategy), "parallel": self.parallel})
-        timeout = self.timeout if self.timeout is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
-        if timeout <= 0:
-            raise ConfigError(f"timeout={self.timeout}: give a positive number of seconds.")
+        given = self.timeout.total_seconds() if isinstance(self.timeout, timedelta) else self.timeout
+        if given is not None and (type(given) not in (int, float) or not 0 < given < float("inf")):
+            raise ConfigError(f"timeout={self.timeout!r}: give a positive, finite number of seconds (or a timedelta).")
+        if self.debug is not None and type(self.debug) is not bool:
+            raise ConfigError(f"debug={self.debug!r}: give True or False (None: LOCKSTEP_DEBUG decides).")
+        timeout = given if given is not None else timeout_from_environ() or DEFAULT_TIMEOUT_S
         return replace(
             self,
             accelerator=self.accelerator or chosen.get("accelerator", "auto"),

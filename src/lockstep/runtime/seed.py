@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
 import os
 import random
 import sys
@@ -21,8 +22,8 @@ def seed_everything(seed: int) -> int:
     Every rank calling this with the same seed creates the same initial weights; DDP also
     broadcasts rank 0's weights when it wraps the model, so they agree either way.
     """
-    if not 0 <= seed < 2**32:
-        raise ConfigError(f"seed {seed} must be in [0, 2**32).")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed={seed!r}: give a whole number in [0, 2**32).")
     random.seed(seed)
     try:
         import numpy as np

@@ -79,6 +79,11 @@ def hooks_defining(hook: str, callbacks: list[Callback], module: Module | None) 
     """Who runs ``hook``, in order, each as ``(name, fn(trainer, module, *args))``: the module first, when it
     defines the hook (with Lightning's arguments: none for the trainer and the module), so that a checkpoint a
     callback saves in the same hook holds what the module's hook did; then the callbacks that override it."""
+    strangers = [type(c).__name__ for c in callbacks if not isinstance(c, Callback)]
+    if strangers:
+        raise ConfigError(f"callbacks holds {', '.join(strangers)}, which is no lockstep.Callback: subclass "
+                          "lockstep.Callback and override the hooks you need (a Lightning callback: see "
+                          "docs/migrating-from-lightning.md).")
     found: list[tuple[str, Any]] = []
     # a module that is a Callback too runs as one, with the callbacks' arguments, when it is among them
     if module is not None and not isinstance(module, Callback) and getattr(type(module), hook, None) is not None:

@@ -37,7 +37,8 @@ class TrainerConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
-        for name in ("accumulate_grad_batches", "log_every_n_steps", "max_epochs", "max_steps", "val_check_interval"):
+        for name in ("accumulate_grad_batches", "log_every_n_steps", "max_epochs", "max_steps", "val_check_interval",
+                     "num_nodes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
                 fraction = (" lockstep's val_check_interval counts optimizer steps, across epochs; Lightning's "

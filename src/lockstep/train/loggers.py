@@ -242,6 +242,8 @@ def resume_loggers(loggers: list[Logger], saved: list[dict[str, Any]], step: int
 
 
 def make_loggers(specs: Any, folder: Path) -> list[Logger]:
+    if isinstance(specs, str):  # loggers="csv": one logger, not its letters
+        specs = [specs]
     made: list[Logger] = []
     for spec in specs:
         if isinstance(spec, str):

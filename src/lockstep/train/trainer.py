@@ -104,7 +104,7 @@ class Trainer:
         self._module: Module | None = None
         self.callbacks = _with_default_callbacks(callbacks, checkpoint_dir is not None, enable_throughput_monitor,
                                                  enable_progress_bar)
-        self._logger_specs, self.profiler = list(loggers), profiler
+        self._logger_specs, self.profiler = loggers, profiler  # make_loggers reads them (a str is one)
         self._runtime: Runtime | None = None
         self.compiled: list[str] = []  # what compile= compiled: block or child names, "" for the module's forward
         self.loggers: list[Logger] = []

@@ -51,7 +51,9 @@ def _backend(accelerator: str, backend: str | None, shares_gpu: bool) -> str:
         "mpi": dist.is_mpi_available(),
     }
     if not available[backend]:
-        raise ConfigError(f"backend {backend!r} is not built into this torch; use 'gloo' or 'nccl'.")
+        built = [name for name, there in available.items() if there]
+        raise ConfigError(f"backend {backend!r} is not built into this torch; it has {', '.join(built) or 'none'}: "
+                          "leave backend unset (lockstep chooses), or name one of those.")
     if backend == "nccl" and accelerator != "cuda":
         raise ConfigError("backend 'nccl' needs CUDA tensors: use backend='gloo' on the CPU.")
     return backend

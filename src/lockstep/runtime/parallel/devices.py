@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +48,10 @@ def resolve_accelerator(accelerator: str) -> str:
     raise ConfigError(f"unknown accelerator {accelerator!r}: use 'auto', 'cpu' or 'cuda'.")
 
 
+def _not_whole(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, numbers.Integral)
+
+
 def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
     """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices.
 
@@ -63,7 +69,7 @@ def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
                 raise ConfigError(
                     f"devices={devices!r}: give a count (4), 'auto', or GPU indices ('0,2' or [0, 2])."
                 ) from None
-    if isinstance(devices, bool):
+    if any(_not_whole(n) for n in (list(devices) if isinstance(devices, (list, tuple)) else [devices])):
         raise ConfigError(f"devices={devices!r}: give a count, 'auto' or a list of GPU indices.")
     if isinstance(devices, int):
         if devices < 1:
