@@ -73,6 +73,7 @@ def test_precision_passes_through_the_contract(tmp_path):
     ("args", "message"),
     [
         (["run", "--devices", "2", "missing.py"], "missing.py: no such script"),
+        (["run", "--devices", "2", "tests/scripts"], "tests/scripts is a folder, not a script"),
         (["run", "-m", "no_such_module_here", "x"], "-m no_such_module_here: no such module"),
         (["run", "--devices", "0", "--accelerator", "cpu", "tests/scripts/spin.py"], "ask for at least one device"),
         (["run", "--devices", "0,2", "--accelerator", "cpu", "tests/scripts/spin.py"], "GPU indices need CUDA"),

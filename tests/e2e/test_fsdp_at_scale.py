@@ -104,6 +104,9 @@ def test_inspect_and_consolidate_a_sharded_checkpoint(tmp_path):
         assert torch.equal(torch.cat([p.reshape(-1) for p in plain.parameters()]), fc.full_weights_of_folder(folder))
         with torch.no_grad():
             assert torch.equal(plain(x), fc.model_from_folder(folder)(x))
+    into_folder = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "consolidate", str(folder),
+                                  str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert into_folder.returncode == 2 and f"{tmp_path} is a folder; consolidate writes one file" in into_folder.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's malloc")

@@ -107,6 +107,10 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     from lockstep.runtime.checkpoint.consolidate import model_weights
 
+    if args.out.is_dir():
+        print(f"lockstep: {args.out} is a folder; consolidate writes one file: name it, e.g. {args.out / 'model.pt'} "
+              "(or .safetensors).", file=sys.stderr)
+        return 2
     try:
         weights = model_weights(args.folder, args.part)
     except CheckpointError as error:

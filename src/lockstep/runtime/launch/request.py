@@ -116,5 +116,8 @@ def check_script(request: RunRequest) -> None:
     if request.module:
         if importlib.util.find_spec(request.script) is None:
             raise PreflightError(f"-m {request.script}: no such module on this Python's path.")
+    elif Path(request.script).is_dir():
+        raise PreflightError(f"{request.script} is a folder, not a script: name the .py file to run (or a package's "
+                             "module with -m).")
     elif not Path(request.script).is_file():
         raise PreflightError(f"{request.script}: no such script (looked in {Path.cwd()}).")
