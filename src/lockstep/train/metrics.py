@@ -143,6 +143,13 @@ class TrainingMetrics:
         self.recent, self.window, self.epoch = MetricStore(), MetricStore(), MetricStore()
         self.routes: dict[str, tuple[bool, bool]] = {}  # name -> (not in the window, not in the epoch)
         self.commits = False  # fault tolerance: ``recent`` holds the step under way until it commits
+        self.restored_mid_epoch = False  # a checkpoint's sums of the epoch under way, its start's values in them
+
+    def sink_at_epoch_start(self) -> MetricStore:
+        """Where the values logged at an epoch's start go: ``recent``; nowhere (a store of their own) when the
+        epoch's sums came from a checkpoint written inside it, which holds them already."""
+        restored, self.restored_mid_epoch = self.restored_mid_epoch, False
+        return MetricStore() if restored else self.recent
 
     def reset(self) -> None:
         self.recent.reset()
@@ -227,6 +234,7 @@ class TrainingMetrics:
         values logged after resuming are exact. At an epoch start the epoch's sums are new; the logging
         window goes on."""
         self.reset()
+        self.restored_mid_epoch = mid_epoch
         if runtime.is_global_zero:
             self.window.merge(state.get("window_metrics", []), runtime.device)
             if mid_epoch:

@@ -33,7 +33,7 @@ from lockstep.train.config import TrainerConfig
 from lockstep.train.evaluation import Evaluation
 from lockstep.train.loggers import Logger, make_loggers, resume_loggers
 from lockstep.train.loop import LoopCounter, LoopState
-from lockstep.train.metrics import MetricStore, TrainingMetrics
+from lockstep.train.metrics import TrainingMetrics
 from lockstep.train.module import Module, StepRouter, configure_model, configure_optimizers
 from lockstep.train.profilers import SimpleProfiler, hook_runner, make_profiler
 from lockstep.train.recording import LOSS_NAME, Recorder
@@ -381,9 +381,9 @@ class Trainer:
         if start == 0:
             self.metrics.start_epoch()
         self.metrics.commits = self.runtime.replication.fault_tolerant  # a step's values count once it commits
-        # A resumed epoch started before the checkpoint: its start hook runs again (as in Lightning, for what else
-        # it does), and what it logs again goes nowhere, as the restored sums hold it.
-        self.recorder.sink = self.metrics.recent if start == 0 else MetricStore()
+        # An epoch resumed from a checkpoint started before it: its start hook runs again (as in Lightning, for what
+        # else it does), and what it logs again goes nowhere, as the restored sums hold it.
+        self.recorder.sink = self.metrics.sink_at_epoch_start()
         self.fire("on_train_epoch_start")
         self.recorder.sink = self.metrics.recent
         self._wrapped.train()
