@@ -12,6 +12,7 @@ first save or load (``checkpointer``), not at import.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -346,7 +347,7 @@ def _replaceable(path: Path) -> None:
 
 
 def _some(folder: Path) -> str:
-    names = sorted(entry.name for _, entry in zip(range(4), folder.iterdir(), strict=False))
+    names = sorted(entry.name for entry in itertools.islice(folder.iterdir(), 4))
     return ", ".join(names) + (", ..." if len(names) == 4 else "")
 
 

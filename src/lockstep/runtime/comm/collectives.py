@@ -296,19 +296,20 @@ def _reading(leaf: Any, sizes: list[int] | None) -> tuple[bool, bool, tuple[int,
     elif all(isinstance(v, list) for v in leaf):
         # a batch's list of its fields ([logits, labels]), each with the batch's rows, is not that batch's rows,
         # also where it holds as many fields as the batch has rows
-        lengths, shape = [-1 if _fields(v) else len(v) for v in leaf], None
+        lengths, shape = [-1 if _field_rows(v) == len(v) else len(v) for v in leaf], None
     else:
         return None
     return lengths in (sizes, [n for n in sizes if n]), len(leaf) == sum(sizes), shape  # a batch of no rows: left out
 
 
-def _fields(values: list[Any], as_many_as_fields: bool = True) -> bool:
-    """A list of two or more tensors with as many rows each (a batch's fields); ``as_many_as_fields``: as many
-    rows as the list has items (where read as the batch's rows, they would be the fields' tensors)."""
+def _field_rows(values: list[Any]) -> int | None:
+    """The rows of each tensor of ``values`` where it is two or more tensors with as many rows each (a batch's
+    fields, ``[logits, labels]``), else None. As many rows as fields: read as the batch's rows, the rows would be
+    the fields' tensors."""
     if len(values) < 2 or not all(isinstance(v, torch.Tensor) and v.dim() for v in values):
-        return False
-    rows = len(values) if as_many_as_fields else len(values[0])
-    return all(len(v) == rows for v in values)
+        return None
+    rows = len(values[0])
+    return rows if all(len(v) == rows for v in values) else None
 
 
 def _agreed(mine: list[Any], everyone: list[list[Any]]) -> list[str | None]:
@@ -421,7 +422,7 @@ def _rows_problem(leaves: list[Any], sizes: list[int]) -> str | None:
         if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
             return (f"an output is a list of {rows} tensors, neither one per batch of the loader's last pass "
                     f"({len(sizes)} batches of {', '.join(map(str, sizes))} rows here) nor one per sample ({count})")
-        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, list) and _fields(v, False)
+        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, list) and _field_rows(v) is not None
                                                                      for v in leaf):
             return (f"an output is a list of {rows} lists of tensors, each a batch's fields ([logits, labels]), "
                     f"not its rows: collect each batch's fields as a tuple or a dict, which are gathered field by "
