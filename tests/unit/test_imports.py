@@ -113,18 +113,17 @@ def test_every_module_holds_at_most_400_code_lines_and_every_function_at_most_47
 
 
 def test_the_runtime_facade_asks_no_if_about_pipelines_or_replica_groups():
-    """The Runtime chooses its model kind (whole, or pipeline stages) and its replication (none, or replica
-    groups) once, at construction; no other branch of runtime.py tests the pipeline degree, the staged model's
-    type, fault tolerance or the replicas."""
+    """The Runtime takes its model kind (whole, or pipeline stages) and its replication (none, or replica
+    groups) from their rooms once, at construction (``model_kind_for``, ``replication_for``); no branch of
+    runtime.py tests the pipeline degree, the staged model's type, fault tolerance or the replicas."""
     import lockstep.runtime.runtime as facade
 
     tree = ast.parse(Path(facade.__file__).read_text())
     watched = {"pp", "pipeline_parallel_size", "PipelinedModule", "StagedModel", "replicas", "replication",
                "fault_tolerance", "fault_tolerant"}
-    choosers = {"_make_model_kind", "_make_replication"}
     found = []
     for function in ast.walk(tree):
-        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or function.name in choosers:
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for node in ast.walk(function):
             if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):

@@ -29,7 +29,7 @@ from lockstep.runtime.config import RuntimeConfig
 from lockstep.runtime.data.assembly import Loaders
 from lockstep.runtime.data.current import CurrentBatch
 from lockstep.runtime.data.loader import DistributedLoader
-from lockstep.runtime.fault_tolerance.replication import NoReplicas, Replication
+from lockstep.runtime.fault_tolerance.replication import replication_for
 from lockstep.runtime.faults.lifetime import as_elastic_worker
 from lockstep.runtime.faults.preemption import Preemption, ReclaimNotice
 from lockstep.runtime.faults.stragglers import stragglers_for
@@ -41,9 +41,9 @@ from lockstep.runtime.parallel.compiling import compile_in_place, compile_option
 from lockstep.runtime.parallel.devices import Devices, processes_asked_for, resolve_placement
 from lockstep.runtime.parallel.fsdp import FSDP
 from lockstep.runtime.parallel.mesh import Membership, Mesh, MeshLayout, Parallel, check_ranks_agree
-from lockstep.runtime.parallel.models import ModelKind, Tools, WholeModel, default_inputs, prepare
+from lockstep.runtime.parallel.models import ModelKind, Tools, default_inputs, prepare
 from lockstep.runtime.parallel.num_items import ItemNormalizer
-from lockstep.runtime.parallel.pipeline.staged import StagedModel
+from lockstep.runtime.parallel.pipeline.staged import model_kind_for
 from lockstep.runtime.parallel.precision import make_precision
 from lockstep.runtime.parallel.strategy import DDP, Strategy, make_strategy
 from lockstep.runtime.parallel.wrappers import STATISTICS_MOVED, WrappedModule, unwrap
@@ -132,7 +132,8 @@ class Runtime:
         check_ranks_agree(self.strategy.name, self.precision.name, self.config.parallel or Parallel(),  # uncounted,
                           lambda text: collectives.all_gather(text, self.device), self.world_size)  # not the script's
         self._current = CurrentBatch(self._watchdog)
-        self.replication = self._make_replication()
+        self.replication = replication_for(self.config.fault_tolerance, self.membership, self.rank, self.world_size,
+                                           self.device, self.print, self.seed)
         self._items = ItemNormalizer(self.membership, self.device, self._sum_over_data_parallel, layout.cp)
         # Under SLURM the time-limit warning (USR1) and TERM become a stop every rank agrees on.
         can = self.env.capabilities
@@ -173,16 +174,6 @@ class Runtime:
         """The loss weight of the batch the loop holds, and which batch it is (kind, epoch, index)."""
         return self._current.loss_weight, self._watchdog.batch
 
-    def _make_replication(self) -> Replication:
-        """The job alone, or one replica group of a fault-tolerant job, whose data-parallel membership then
-        spans the live replica groups of each step."""
-        if self.config.fault_tolerance is None:
-            return NoReplicas()
-        from lockstep.runtime.fault_tolerance.groups import ReplicaGroups  # torchft: only where it runs
-
-        return ReplicaGroups(self.config.fault_tolerance, self.membership, self.rank, self.world_size, self.device,
-                             self.print, self.seed)
-
     def _make_model_kind(self) -> ModelKind:
         """What ``setup`` makes of a model, chosen once: the whole model, or this rank's pipeline stages."""
         tools = Tools(self.strategy, self.precision, self.placement, self.mesh, self.config.parallel or Parallel(),
@@ -190,7 +181,7 @@ class Runtime:
                       (lambda: self._current.stand_in) if self.shards_model else None,
                       self._current, self.all_gather,
                       lambda loss, items: self.backward(loss, num_items=items), self._recorder)
-        return StagedModel(tools) if self.mesh.pp > 1 else WholeModel(tools)
+        return model_kind_for(tools)
 
     def _make_checkpoints(self) -> Checkpoints:
         """The checkpoint room, over this Runtime's watched collectives (DCP loads at its first use)."""

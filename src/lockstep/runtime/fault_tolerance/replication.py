@@ -80,3 +80,14 @@ class NoReplicas:
 
     def close(self) -> None:
         return None
+
+
+def replication_for(fault_tolerance: Any, membership: Membership, rank: int, world_size: int, device: torch.device,
+                    say: Callable[[str], None], seed: int) -> Replication:
+    """The job alone (no ``fault_tolerance``), or one replica group of a fault-tolerant job, whose data-parallel
+    membership then spans the live replica groups of each step: chosen once, when the Runtime starts."""
+    if fault_tolerance is None:
+        return NoReplicas()
+    from lockstep.runtime.fault_tolerance.groups import ReplicaGroups  # torchft: only where it runs
+
+    return ReplicaGroups(fault_tolerance, membership, rank, world_size, device, say, seed)

@@ -15,7 +15,7 @@ from torch import nn
 
 from lockstep.errors import UsageError
 from lockstep.runtime.comm import collectives
-from lockstep.runtime.parallel.models import Tools
+from lockstep.runtime.parallel.models import ModelKind, Tools, WholeModel
 from lockstep.runtime.parallel.pipeline.chain import ChainCheck
 from lockstep.runtime.parallel.pipeline.schedule import Pipeline, rows
 from lockstep.runtime.parallel.pipeline.stages import (
@@ -166,3 +166,9 @@ class PipelinedModule(WrappedModule):
     def norm_across_stages(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The gradient norm of the whole model from this rank's (``rt.clip_grad_norm_``)."""
         return self.__dict__["pipeline"].norm_across(norm, norm_type)
+
+
+def model_kind_for(tools: Tools) -> ModelKind:
+    """What ``setup`` makes of a model, chosen once when the Runtime starts: this rank's pipeline stages
+    (``pp`` > 1), else the whole model."""
+    return StagedModel(tools) if tools.mesh.pp > 1 else WholeModel(tools)
