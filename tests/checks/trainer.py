@@ -124,8 +124,13 @@ def accumulation_matches_big_batch() -> float:
 
 
 def resume_from_unshared_folders(base: str) -> str:
-    """Each rank gets its own checkpoint folder, as on nodes without a shared file system."""
-    folder = f"{base}/rank{lockstep.DistEnv.from_environ().rank}"
+    """Each rank gets its own checkpoint folder under the same name, as on nodes without a shared file system."""
+    import os
+
+    own = f"{base}/rank{lockstep.DistEnv.from_environ().rank}"
+    os.makedirs(own)
+    os.chdir(own)
+    folder = "checkpoints"
     first = quiet_trainer(max_epochs=1, checkpoint_dir=folder,
                           callbacks=[lockstep.ModelCheckpoint(every_n_steps=3, every_n_epochs=None)])
     first.fit(Classifier(), checks.make_data(64), batch_size=16)  # rank 0 writes into its folder only
@@ -135,6 +140,17 @@ def resume_from_unshared_folders(base: str) -> str:
     except lockstep.CheckpointError as error:
         return str(error)
     return "resumed"
+
+
+def fit_with_settings_by_rank() -> str:
+    """A fit whose max_steps and gradient clipping depend on the rank: refused before the first batch."""
+    rank = lockstep.DistEnv.from_environ().rank
+    trainer = quiet_trainer(max_steps=4 + 2 * rank, gradient_clip_val=1.0 if rank else None)
+    try:
+        trainer.fit(Classifier(), checks.make_data(64), batch_size=16)
+    except lockstep.ConfigError as error:
+        return str(error)
+    return f"trained {trainer.global_step} steps"
 
 
 def warnings_of_a_fit(folder: str) -> list[str]:

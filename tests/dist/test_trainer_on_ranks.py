@@ -54,9 +54,9 @@ def test_logging_does_no_host_sync_per_step():
         # three reductions (steps 50 and 100, the epoch end), each one all-reduce; the names are gathered
         # at the first reduction of the window and of the epoch sums only (the second window reduction
         # finds them agreed), the dataset's length once, when the training loader is made, and the ranks'
-        # seeds and layouts once each, when the Runtime is made: a few syncs per reduction, none per step (100
-        # steps would make at least 100)
-        assert counts["all_reduce"] == 3 and counts["all_gather_object"] == 5, counts
+        # seeds and layouts once each, when the Runtime is made, the Trainer's settings once: a few syncs per
+        # reduction, none per step (100 steps would make at least 100)
+        assert counts["all_reduce"] == 3 and counts["all_gather_object"] == 6, counts
         assert counts["item"] + counts["tolist"] <= 4 * 3, counts
 
 
@@ -71,6 +71,15 @@ def test_resume_refuses_checkpoint_folders_that_the_ranks_do_not_share(tmp_path)
         assert "rank 0 on" in message and ".ckpt (step 4)" in message  # the fit's final step
         assert "rank 1 on" in message and ": none" in message
         assert "file system that every node shares" in message
+
+
+def test_a_fit_given_other_settings_on_each_rank_is_refused_at_once():
+    # else rank 0 ends after 4 steps and rank 1 waits in its fifth step's all-reduce until the timeout
+    for message in run_ranks(tc.fit_with_settings_by_rank, 2, timeout=60):
+        assert "different Trainer settings" in message
+        assert "max_steps is 4 on rank 0, 6 on rank 1" in message
+        assert "gradient_clip_val is None on rank 0, 1.0 on rank 1" in message
+        assert "accumulate_grad_batches" not in message  # the same on both
 
 
 def test_a_two_process_fit_raises_no_warning(tmp_path):

@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lockstep.runtime import Policy
+    from lockstep.runtime import Policy, Runtime
 
 from lockstep.errors import ConfigError
 from lockstep.runtime import RuntimeConfig
+
+# The settings that shape the loop's collectives or its result: the same on every rank.
+_LOOP_SETTINGS = ("max_epochs", "max_steps", "accumulate_grad_batches", "gradient_clip_val", "val_check_interval",
+                  "log_every_n_steps", "checkpoint_dir", "resume")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,25 @@ class TrainerConfig:
                               "0 (0 or None: no clipping).")
         if self.resume is not None and str(self.resume) == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume='auto' looks in checkpoint_dir: give checkpoint_dir=... too.")
+
+    def check_runtime(self, rt: Runtime) -> None:
+        """The Runtime the Trainer made runs what it was asked for: ``num_nodes`` as launched, and every rank
+        given the same loop (a rank with another ``max_steps``, accumulation or logging interval would meet
+        the others in other collectives and wait out the timeout; one with another clipping norm or
+        checkpoint folder would train on apart). One small all-gather."""
+        if self.num_nodes is not None and rt.num_nodes != self.num_nodes:
+            raise ConfigError(f"Trainer(num_nodes={self.num_nodes}) but the launcher started {rt.num_nodes} "
+                              "node(s): make them agree.")
+        if rt.world_size == 1:
+            return
+        mine = [repr(getattr(self, name)) for name in _LOOP_SETTINGS]
+        everyone = rt.all_gather(mine)
+        differ = [f"{name} is " + ", ".join(f"{values[i]} on rank {rank}" for rank, values in enumerate(everyone))
+                  for i, name in enumerate(_LOOP_SETTINGS) if any(values[i] != mine[i] for values in everyone)]
+        if differ:
+            raise ConfigError(f"the ranks were given different Trainer settings ({'; '.join(differ)}): give every "
+                              "rank the same arguments (a value read from the rank, its host or its clock differs "
+                              "between them).")
 
     def hparams(self) -> dict[str, Any]:
         """Every setting in one flat dict, named as the Trainer's arguments (for loggers and checkpoints)."""

@@ -316,11 +316,8 @@ class Trainer:
         module = inner
         if self._runtime is None:
             self._runtime = Runtime.from_config(self.config.runtime)
+            self.config.check_runtime(self._runtime)  # num_nodes as launched; every rank given the same loop
             self.recorder.device = self._runtime.device
-            wanted = self.config.num_nodes
-            if wanted is not None and self._runtime.num_nodes != wanted:
-                raise ConfigError(f"Trainer(num_nodes={wanted}) but the launcher started "
-                                  f"{self._runtime.num_nodes} node(s): make them agree.")
         if with_optimizers or self._module is not module:
             check_hooks(self.callbacks, module)
             self._hooks = HookTable(self._callbacks, module)  # the module's own hooks are found again
