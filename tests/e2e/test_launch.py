@@ -51,6 +51,21 @@ def test_worker_exception_names_the_rank_fast_and_leaves_no_process(tmp_path):
     assert not any(checks.pid_alive(pid) for pid in pids)
 
 
+def _rank_zero_returns_early() -> str:
+    rt = lockstep.Runtime(accelerator="cpu", timeout=5)
+    if rt.rank == 0:
+        return "returned"
+    rt.all_reduce(torch.ones(1))  # rank 0 never comes: its function returned
+    return "reduced"
+
+
+def test_a_rank_whose_function_returned_is_named_as_ended_by_the_rank_still_waiting():
+    with pytest.raises(lockstep.WorkerError, match="rank 1 of 2 failed") as info:
+        lockstep.launch(_rank_zero_returns_early, nprocs=2)
+    # before, rank 0 still sat in the launch's final barrier with its Runtime open: "never reached a collective"
+    assert "Rank 0 ended the script while this rank still waits in a collective" in str(info.value), str(info.value)
+
+
 def _what_the_worker_sees() -> tuple[str | None, bool, str, int]:
     environ = os.environ
     return environ.get("LOCKSTEP_TEST_VALUE"), "LOCKSTEP_TEST_GONE" in environ, os.getcwd(), torch.get_num_threads()

@@ -105,15 +105,21 @@ def stop_children(grace_s: float = STOP_CHILDREN_GRACE_S) -> None:
             child.join(1.0)
 
 
+def run_exit_handlers(handlers_s: float = EXIT_HANDLERS_S) -> None:
+    """Python's ``atexit`` handlers now, once (they are removed as they run), for at most ``handlers_s``
+    seconds: a hanging one is left behind in its daemon thread."""
+    runner = threading.Thread(target=atexit._run_exitfuncs, name="lockstep-exit", daemon=True)
+    runner.start()
+    runner.join(handlers_s)
+
+
 def exit_now(code: int, handlers_s: float = EXIT_HANDLERS_S) -> None:
     """Leave this process with ``code``, without the interpreter's teardown (C++ static destructors of
     still-joinable backend threads can ``abort()`` a finished process there), yet with Python's own
     exit work: the ``atexit`` handlers, for at most ``handlers_s`` seconds (they shut DataLoader
     workers down, wait for an async save, release multiprocessing's semaphores), then whatever
     child process is left is stopped."""
-    runner = threading.Thread(target=atexit._run_exitfuncs, name="lockstep-exit", daemon=True)
-    runner.start()
-    runner.join(handlers_s)
+    run_exit_handlers(handlers_s)
     stop_children()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -38,7 +38,7 @@ from lockstep.env import DistEnv
 from lockstep.errors import ConfigError, WorkerError
 from lockstep.runtime.comm.network import free_port
 from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
-from lockstep.runtime.faults.lifetime import die_with, exit_now
+from lockstep.runtime.faults.lifetime import die_with, exit_now, run_exit_handlers
 from lockstep.runtime.files import write_atomic
 from lockstep.runtime.launch.elastic import threads_per_process
 from lockstep.runtime.seed import draw_fresh_seeds
@@ -140,7 +140,10 @@ def _child(
         code = 1
     else:
         # This rank's work is done. A peer that failed meanwhile breaks the barrier below: that
-        # is the peer's failure, which the parent reports from the peer's own outcome.
+        # is the peer's failure, which the parent reports from the peer's own outcome. The exit
+        # handlers run first: a Runtime made in fn closes, so a peer still waiting in a collective
+        # reads that this rank ended instead of "never reached" it.
+        run_exit_handlers()
         with contextlib.suppress(Exception):
             if env.is_distributed:
                 # Rank 0 hosts the store: nobody tears down before everybody is done with it.
