@@ -52,8 +52,9 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 
 
 def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float | None = None,
-          epochs: int = 2, n: int = 103, batch: int = 16) -> torch.Tensor:
-    """lockstep's loop: optimizer built before setup, uneven last batch, accumulation, clipping."""
+          epochs: int = 2, n: int = 103, batch: int = 16, norm_type: float = 2.0, torch_clip: bool = False) -> torch.Tensor:
+    """lockstep's loop: optimizer built before setup, uneven last batch, accumulation, clipping (``torch_clip``:
+    torch's own ``clip_grad_norm_``, the reference on one process)."""
     rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), precision=precision, seed=0)
     model = make_stack()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -65,8 +66,10 @@ def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float
             with rt.no_sync(model, enabled=not boundary):
                 rt.backward(F.cross_entropy(model(x), y) / accumulate)
             if boundary:
-                if clip is not None:
-                    rt.clip_grad_norm_(model, optimizer, clip)
+                if clip is not None and torch_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
+                elif clip is not None:
+                    rt.clip_grad_norm_(model, optimizer, clip, norm_type=norm_type)
                 optimizer.step()
                 optimizer.zero_grad()
     return full_weights(model)

@@ -87,6 +87,14 @@ def test_full_state_dict_gathers_the_shards_on_rank_0_or_on_every_rank():
             assert torch.equal(value, reference[name]), name
 
 
+def test_infinity_norm_clipping_with_a_shard_left_empty_equals_torchs_clipping_on_one_process():
+    # 3 ranks shard the head's bias of 4 rows as 2, 2 and 0: torch's infinity norm refused rank 2's empty shard
+    reference = run_ranks(fc.train, 1, "single", "32-true", 1, 0.05, 1, 103, 16, float("inf"), True)[0]
+    unclipped = run_ranks(fc.train, 1, "single", "32-true", 1, None, 1)[0]
+    assert (reference - unclipped).abs().max() > 1e-3  # the clipping bites
+    for weights in run_ranks(fc.train, 3, "fsdp", "32-true", 1, 0.05, 1, 103, 16, float("inf")):
+        assert torch.allclose(weights, reference, atol=1e-6, rtol=0)
+
 
 def test_cpu_offload_on_one_process_stays_fsdp_and_trains_as_one_process_does():
     result = run_ranks(fc.offloaded_on_one_process, 1)[0]
