@@ -52,7 +52,8 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 
 
 def train(strategy, precision: str = "32-true", accumulate: int = 1, clip: float | None = None,
-          epochs: int = 2, n: int = 103, batch: int = 16, norm_type: float = 2.0, torch_clip: bool = False) -> torch.Tensor:
+          epochs: int = 2, n: int = 103, batch: int = 16, norm_type: float = 2.0,
+          torch_clip: bool = False) -> torch.Tensor:
     """lockstep's loop: optimizer built before setup, uneven last batch, accumulation, clipping (``torch_clip``:
     torch's own ``clip_grad_norm_``, the reference on one process)."""
     rt = lockstep.Runtime(accelerator="cpu", **layout(strategy), precision=precision, seed=0)
