@@ -185,3 +185,46 @@ def test_a_fit_resumed_from_a_max_steps_end_continues_as_one_longer_fit_without_
     assert (resumed.global_step, stopped_again.wait) == (12, 2)  # before: it stopped at step 8
     assert seen_again == {step: seen[step] for step in range(6, 12)}  # before: steps 6 and 7 read step 6's
     _same_weights(module, module_again)
+
+
+class _PackedByEpoch:
+    """A batch sampler whose number of batches changes with the epoch (as token-budget packing does): 4 batches
+    of 16 in even epochs, 8 of 8 in odd ones; no ``__len__``."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        size = 16 if self.epoch % 2 == 0 else 8
+        return iter([list(range(i, i + size)) for i in range(0, 64, size)])
+
+
+class _Seen(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen += batch[1].tolist()  # the labels: which rows trained (order included)
+        return super().training_step(batch, batch_idx)
+
+
+def _packed_fit(folder, max_steps):
+    module = _Seen()
+    loader = torch.utils.data.DataLoader(DATA, batch_sampler=_PackedByEpoch())
+    tc.quiet_trainer(max_epochs=2, max_steps=max_steps, checkpoint_dir=folder, resume="auto").fit(module, loader)
+    return module
+
+
+def test_a_resume_inside_an_epoch_whose_batch_sampler_yields_another_count_trains_the_rest_of_it(tmp_path):
+    whole = _packed_fit(tmp_path / "whole", None)
+    assert len(whole.seen) == 2 * 64
+    first = _packed_fit(tmp_path / "cut", 8)  # epoch 0's 4 batches, then 4 of epoch 1's 8
+    rest = _packed_fit(tmp_path / "cut", None)
+    # before: 4 batches done equalled epoch 0's count, so the resumed epoch was taken as over and its last 4
+    # batches (32 rows) never trained
+    assert first.seen + rest.seen == whole.seen
+    _same_weights(rest, whole)

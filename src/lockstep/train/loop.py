@@ -39,6 +39,7 @@ class LoopState:
     # they were before it, where a fit resumed from its checkpoint continues (None: no such validation)
     fit_end: dict[str, Any] | None = None
     pass_over: bool = False  # resumed after the pass's last batch (a stream's, whose length is unknown)
+    pass_known: bool = False  # the checkpoint's loader position says whether its pass was over
     only_end_left: bool = False  # the current epoch's pass has no batch left, only its end to run
     between_epochs: bool = False  # an epoch ended (current_epoch counts it) and the next has not started
 
@@ -54,7 +55,7 @@ class LoopState:
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
         self.only_end_left, self.between_epochs = self.end_left(), False
-        start, self.resume_batches, self.pass_over = self.resume_batches, 0, False
+        start, self.resume_batches, self.pass_over, self.pass_known = self.resume_batches, 0, False, False
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start
@@ -62,7 +63,10 @@ class LoopState:
     def end_left(self) -> bool:
         """Resumed after its epoch's last batch, before the epoch's end (which then runs, also when the fit's
         max_steps was reached at that batch, as it ran in the uninterrupted fit)."""
-        return bool(self.resume_batches) and (self.pass_over or self.resume_batches == self.steps_per_epoch)
+        if not self.resume_batches:
+            return False
+        # the loader's own word where its position holds it: a batch sampler's count may change with the epoch
+        return self.pass_over if self.pass_known else self.resume_batches == self.steps_per_epoch
 
     def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int, last: bool
                     ) -> None:
@@ -139,6 +143,7 @@ class LoopState:
         # saved after the pass's last batch, before the epoch's end: the pass is not read again (a stream's would
         # be, to find its end)
         self.pass_over = done > 0 and position is not None and position.get("ended") is True
+        self.pass_known = position is not None and isinstance(position.get("ended"), bool)
 
 
 def _before_fit_end(saved: Any) -> dict[str, Any] | None:
