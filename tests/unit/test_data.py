@@ -176,6 +176,19 @@ def test_a_dataset_that_changes_what_an_item_is_is_fetched_item_by_item():
     assert list(with_collate) == [2, 2]  # a collate_fn of the user's own sees the items
 
 
+def test_a_tensor_dataset_with_its_own_batched_fetch_is_read_through_it():
+    class Scaled(TensorDataset):
+        def __getitems__(self, indices):  # the batched fetch torch's DataLoader uses where a dataset has one
+            return [(self.tensors[0][i] * 100,) for i in indices]
+
+    rt = runtime()
+    plain = torch.utils.data.DataLoader(Scaled(torch.arange(6)), batch_size=3)
+    expected = [batch[0].tolist() for batch in plain]
+    assert expected == [[0, 100, 200], [300, 400, 500]]
+    # before: the subclass was read as a plain TensorDataset ([[0, 1, 2], [3, 4, 5]])
+    assert [batch[0].tolist() for batch in rt.loader(Scaled(torch.arange(6)), batch_size=3, num_workers=0)] == expected
+
+
 def test_a_loader_without_workers_fetches_what_the_dataloader_would_and_names_the_fetch_in_a_profile():
     """Without workers the batches are fetched in this process (not through the DataLoader's iterator): the same
     batches, from a dataset's items and the user's collate, as a DataLoader over the same index batches; under

@@ -91,7 +91,12 @@ class TensorRows(Dataset[Any]):
 
     @staticmethod
     def fits(dataset: Any) -> bool:
-        return isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
+        """A ``TensorDataset`` whose class reads its rows as ``TensorDataset`` does (a subclass's own
+        ``__getitem__``, ``__getitems__`` or ``__len__`` is used as it is)."""
+        own = type(dataset)
+        return isinstance(dataset, TensorDataset) and all(
+            getattr(own, name, None) is getattr(TensorDataset, name, None)
+            for name in ("__getitem__", "__getitems__", "__len__"))
 
     def __len__(self) -> int:
         return len(self.tensors[0])
