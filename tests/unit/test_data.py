@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import lockstep
 from checks import data as checks
 from checks import trainer as trainer_checks
 from lockstep import DistEnv, Runtime
@@ -596,3 +597,27 @@ def test_a_last_global_batch_with_fewer_rows_than_ranks_is_refused_before_the_fi
         loaders(3, 4).training(data, 8, {})
     assert len(loaders(3, 4).training(data, 8, {"drop_last": True})) == 2
     assert len(loaders(1, 2).training(data, 8, {})) == 3  # 2 rows over 2 ranks: one each
+
+
+def test_a_sampler_over_numpy_indices_trains_and_evaluates_on_them():
+    """``SubsetRandomSampler(np.arange(...))``, a split made with numpy: its np.int64 indices are dataset indices."""
+    import numpy as np
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 30
+
+        def __getitem__(self, index):
+            return int(index)
+
+    def sampler():
+        return torch.utils.data.SubsetRandomSampler(np.arange(0, 30, 3))
+
+    rt = runtime()
+    plain = sorted(int(i) for batch in DataLoader(Rows(), batch_size=4, sampler=sampler()) for i in batch)
+    trained = rt.loader(Rows(), batch_size=4, sampler=sampler(), num_workers=0)
+    assert sorted(int(i) for batch in trained for i in batch) == plain == list(range(0, 30, 3))
+    evaluated = rt.eval_loader(DataLoader(Rows(), batch_size=4, sampler=sampler()), num_workers=0)
+    assert [int(i) for batch in evaluated for i in batch] == list(range(0, 30, 3))  # in the listed order
+    with pytest.raises(lockstep.UsageError, match=r"yielded 1\.5"):
+        list(rt.loader(Rows(), batch_size=4, sampler=[0, 1.5, 2, 3], num_workers=0))

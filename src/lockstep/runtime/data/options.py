@@ -3,11 +3,13 @@ DataLoader options with lockstep's defaults (workers, ``pin_memory``, persistent
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
+import numpy as np
 import torch
 from torch.utils.data import (
     BatchSampler,
@@ -89,12 +91,21 @@ def evaluated_samples(dataset: Any, sampler: Any, batch_sampler: Any) -> Any:
             or is_plain_random_sampler(chooser):
         return dataset  # every sample once (a DistributedSampler of any kind: over the ranks)
     indices = getattr(chooser, "indices", None) if batch_sampler is None else None
-    if isinstance(indices, (Sequence, torch.Tensor)) and not isinstance(indices, (str, bytes)):
-        return Subset(dataset, [int(i) for i in indices])  # the subset, in the order its indices are listed
+    if isinstance(indices, (Sequence, torch.Tensor, np.ndarray)) and not isinstance(indices, (str, bytes)):
+        return Subset(dataset, [_index(i) for i in indices])  # the subset, in the order its indices are listed
     raise ConfigError(f"the evaluation DataLoader's {'batch sampler' if batch_sampler is not None else 'sampler'} "
                       f"({type(chooser).__name__}) chooses which samples to take, and an evaluation loader takes "
                       "every sample of its dataset once, in dataset order: give Subset(dataset, indices) for part "
                       "of it, or the dataset itself.")
+
+
+def _index(value: Any) -> int:
+    """One index of a subset's sampler: an int (numpy's, a tensor's element); else refused by name."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(f"the evaluation DataLoader's sampler lists {value!r} among its indices: give dataset "
+                          "indices (ints).") from None
 
 
 def _ordered_as_torchs(sampler: Any, kind: type) -> bool:

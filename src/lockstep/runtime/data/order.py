@@ -16,6 +16,7 @@ checkpoint format (the loader's state names it), so it stays fixed from release 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -159,9 +160,9 @@ def seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
 def _check_index(index: Any, what: str) -> int:
     if isinstance(index, torch.Tensor) and index.numel() == 1:
         index = index.item()
-    if isinstance(index, bool) or not isinstance(index, int):
+    if isinstance(index, (bool, torch.Tensor)) or not hasattr(type(index), "__index__"):
         raise UsageError(f"the {what} yielded {index!r}: lockstep expects dataset indices (ints).")
-    return index
+    return operator.index(index)  # an int, or numpy's (a sampler over np.arange)
 
 
 class FromSampler:
