@@ -621,3 +621,48 @@ def test_a_sampler_over_numpy_indices_trains_and_evaluates_on_them():
     assert [int(i) for batch in evaluated for i in batch] == list(range(0, 30, 3))  # in the listed order
     with pytest.raises(lockstep.UsageError, match=r"yielded 1\.5"):
         list(rt.loader(Rows(), batch_size=4, sampler=[0, 1.5, 2, 3], num_workers=0))
+
+
+class _Opened(torch.utils.data.Dataset):
+    """torch's "open the file in each worker" recipe: worker_init_fn sets the handle on the worker's dataset."""
+
+    def __init__(self) -> None:
+        self.handle = None
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        if self.handle is None:
+            raise RuntimeError("not opened: worker_init_fn did not reach this dataset")
+        return index + self.handle
+
+
+def _open_in_worker(worker_id):
+    torch.utils.data.get_worker_info().dataset.handle = 1000
+
+
+class _Range(torch.utils.data.IterableDataset):
+    def __init__(self) -> None:
+        self.start, self.end = 0, 10
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def _narrow_in_worker(worker_id):  # torch's recipe for splitting an IterableDataset over the workers
+    info = torch.utils.data.get_worker_info()
+    assert info.dataset.end == 10  # the stream's own attributes read as they are
+    info.dataset.start = worker_id * 5
+
+
+def test_worker_init_fn_sees_the_users_dataset_and_may_not_narrow_a_stream_lockstep_splits():
+    rt = runtime()
+    plain = [int(i) for batch in DataLoader(_Opened(), batch_size=4, num_workers=2, worker_init_fn=_open_in_worker)
+             for i in batch]
+    loader = rt.loader(_Opened(), batch_size=4, num_workers=2, worker_init_fn=_open_in_worker)
+    assert [int(i) for batch in loader for i in batch] == plain == list(range(1000, 1010))  # before: not opened
+    # before: AttributeError ('StreamShard' object has no attribute 'end'), from inside torch's worker
+    stream = rt.loader(_Range(), batch_size=4, num_workers=2, worker_init_fn=_narrow_in_worker)
+    with pytest.raises(lockstep.UsageError, match=r"worker_init_fn set 'start' on the stream \(_Range\).*drop data"):
+        list(stream)

@@ -55,6 +55,10 @@ class EpochSeededDataset(Dataset[Any]):
     def __init__(self, dataset: Any, seed: int, rank: int, per_sample: bool = False) -> None:
         self.dataset, self.seed, self.rank, self.per_sample = dataset, seed, rank, per_sample
 
+    def users_dataset(self) -> Any:
+        """What a DataLoader worker's ``get_worker_info().dataset`` shows (``WorkerSeesUsersData``)."""
+        return self.dataset
+
     def __len__(self) -> int:
         return len(self.dataset)
 
@@ -87,7 +91,10 @@ class TensorRows(Dataset[Any]):
     Only for a plain ``TensorDataset`` under the default collate; it draws no random numbers."""
 
     def __init__(self, dataset: TensorDataset) -> None:
-        self.tensors = dataset.tensors
+        self.tensors, self._dataset = dataset.tensors, dataset
+
+    def users_dataset(self) -> TensorDataset:
+        return self._dataset
 
     @staticmethod
     def fits(dataset: Any) -> bool:

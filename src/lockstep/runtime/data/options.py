@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -20,6 +20,7 @@ from torch.utils.data import (
     SequentialSampler,
     Subset,
     default_convert,
+    get_worker_info,
 )
 
 from lockstep.errors import ConfigError
@@ -223,8 +224,25 @@ def _with_workers(opts: dict[str, Any], local_world_size: int, device: torch.dev
         opts.setdefault("persistent_workers", True)
         # torch's worker watchdog watches the worker's parent, a forkserver under lockstep.launch
         # (or Python 3.14's default): this one watches the rank itself.
-        opts["worker_init_fn"] = DieWithParent(os.getpid(), opts.get("worker_init_fn"))
+        opts["worker_init_fn"] = DieWithParent(os.getpid(), WorkerSeesUsersData(opts.get("worker_init_fn")))
     return opts
+
+
+class WorkerSeesUsersData:
+    """In a DataLoader worker, before the user's ``worker_init_fn``: ``get_worker_info().dataset`` becomes the
+    user's dataset, as under a plain DataLoader, instead of lockstep's wrapper of it (torch's recipes open a
+    file per worker on it). Picklable."""
+
+    def __init__(self, then: Callable[[int], Any] | None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        shown = getattr(info.dataset, "users_dataset", None) if info is not None else None
+        if callable(shown):
+            object.__setattr__(info, "dataset", shown())  # WorkerInfo refuses setattr once made
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def dataset_length(dataset: Sequence[Any] | Dataset[Any]) -> int:

@@ -133,6 +133,26 @@ class _Reader:
         return dropped
 
 
+class _StreamInWorker:
+    """The user's stream as a DataLoader worker's ``worker_init_fn`` sees it. lockstep splits a stream over the
+    ranks and the workers itself: each worker reads it whole and keeps its own batches. torch's recipe of
+    narrowing each worker's copy in ``worker_init_fn`` (``dataset.start = ...``) would then drop the batches
+    outside a worker's range without a word: setting an attribute is refused, naming that."""
+
+    def __init__(self, stream: Any) -> None:
+        object.__setattr__(self, "_stream", stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_stream"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        stream = type(object.__getattribute__(self, "_stream")).__name__
+        raise UsageError(f"worker_init_fn set {name!r} on the stream ({stream}) through get_worker_info().dataset: "
+                         "lockstep splits a stream over the ranks and DataLoader workers itself (each worker reads it "
+                         "whole and keeps its own batches), so a worker's copy narrowed to a range of its own would "
+                         "drop data. Leave the split to lockstep; open per-worker resources in the stream's __iter__.")
+
+
 class StreamShard(IterableDataset[Any]):
     """Yields ``(step, global batch size, this rank's collated share)`` for this worker's steps.
 
@@ -151,6 +171,11 @@ class StreamShard(IterableDataset[Any]):
         self.start_step, self.skip = 0, 0  # set by the loader before each pass
         self.epoch = 0  # the next pass's; a persistent worker's copy counts its own passes on from where it began
         self.seed, self._pass_epoch = seed, 0
+
+    def users_dataset(self) -> Any:
+        """What a DataLoader worker's ``get_worker_info().dataset`` shows: the user's stream, whose attributes
+        a ``worker_init_fn`` may read but not set (``WorkerSeesUsersData``)."""
+        return _StreamInWorker(self.stream)
 
     def _collate(self, items: list[Any], empty: bool, step: int) -> Any:
         """This rank's share of batch ``step`` collated. An empty share brings the batch's first item instead:
