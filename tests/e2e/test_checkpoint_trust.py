@@ -68,14 +68,19 @@ def test_resume_auto_skips_a_damaged_checkpoint_and_ends_at_the_uninterrupted_we
     newest = tmp_path / "epoch=2-step=00000006.ckpt"
     harm, why = DAMAGE[damage]
     harm(newest)
+    with pytest.raises(CheckpointError, match=f"{newest.name}: damaged, not resumed from"):
+        _fit(None, max_steps=10, resume=newest)  # named explicitly: refused, never "another model"
     capsys.readouterr()
     resumed = _fit(tmp_path, max_steps=10, resume="auto", save_top_k=-1)
     out = capsys.readouterr().out
     assert f"skipping the damaged checkpoint {newest.name}" in out and why in out, out
     assert "resumed from" in out and "after step 4." in out
     assert torch.equal(tc.checks.flat_weights(resumed), uninterrupted)
-    with pytest.raises(CheckpointError, match=f"{newest.name}: damaged, not resumed from"):
-        _fit(None, max_steps=10, resume=newest)  # named explicitly: refused, never "another model"
+    # the resumed fit's step 6 replaced the damaged checkpoint (before, a save at its name was skipped: a fit
+    # resumed after this one would have passed over it again)
+    assert f"{newest.name} in {tmp_path} (passed over as damaged): this fit's checkpoints replace them" in out
+    assert lockstep.Runtime(accelerator="cpu").verify_checkpoint(newest) == []
+    assert (tmp_path / "last.ckpt").resolve().name == "epoch=3-step=00000010.ckpt"
 
 
 def test_lockstep_checkpoint_verify_names_the_damaged_file(tmp_path):

@@ -147,3 +147,27 @@ def test_a_fit_resumed_from_before_a_steps_validation_runs_it_first_and_equals_t
     assert (stopped.best, stopped.wait) == (stopped_again.best, stopped_again.wait)
     for a, b in zip(whole.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def _saving_fit(folder, seed: int, resume=None) -> lockstep.Trainer:
+    trainer = tc.quiet_trainer(max_steps=10, checkpoint_dir=folder, resume=resume,
+                               callbacks=[lockstep.ModelCheckpoint(every_n_steps=5, save_top_k=-1)])
+    trainer.fit(Net(lr=0.1 * seed), TRAIN, batch_size=8)
+    return trainer
+
+
+def test_a_fit_that_would_write_among_another_runs_later_checkpoints_is_refused_before_training(tmp_path):
+    """Before, a save at a name the other run had used was skipped: the folder kept that run's weights under
+    this fit's step, and resume="auto" would later continue the other run."""
+    _saving_fit(tmp_path, 1)  # steps 5 and 10
+    names = sorted(p.name for p in tmp_path.glob("epoch=*"))
+    assert names == ["epoch=1-step=00000005.ckpt", "epoch=2-step=00000010.ckpt"]
+    with pytest.raises(lockstep.ConfigError, match=r"starts at step 0 \(epoch=1-step=00000005.ckpt, "
+                                                   r"epoch=2-step=00000010.ckpt\): another run's"):
+        _saving_fit(tmp_path, 2)  # a fresh fit in the same folder
+    with pytest.raises(lockstep.ConfigError, match=r"resumes from step 5 \(epoch=2-step=00000010.ckpt\)"):
+        _saving_fit(tmp_path, 2, resume=tmp_path / names[0])  # an older checkpoint of it
+    again = _saving_fit(tmp_path, 1, resume="auto")  # the run itself, continued: nothing to train, nothing refused
+    assert again.global_step == 10
+    resumed = _saving_fit(tmp_path / "other", 2, resume=tmp_path / names[0])  # the same, into a folder of its own
+    assert resumed.global_step == 10 and (tmp_path / "other" / names[1]).is_dir()

@@ -202,7 +202,7 @@ class _PackedByEpoch:
         return iter([list(range(i, i + size)) for i in range(0, 64, size)])
 
 
-class _Seen(Net):
+class _Recorded(Net):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[int] = []
@@ -213,7 +213,7 @@ class _Seen(Net):
 
 
 def _packed_fit(folder, max_steps):
-    module = _Seen()
+    module = _Recorded()
     loader = torch.utils.data.DataLoader(DATA, batch_sampler=_PackedByEpoch())
     tc.quiet_trainer(max_epochs=2, max_steps=max_steps, checkpoint_dir=folder, resume="auto").fit(module, loader)
     return module

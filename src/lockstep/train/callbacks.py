@@ -239,6 +239,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self._unscored_warned = False
         self._after_validation = False  # a step's save waits for the step's validation
+        self._superseded: set[Path] = set()  # damaged checkpoints after a resume="auto" fit's start: replaced
 
     @property
     def state_key(self) -> str:
@@ -249,7 +250,29 @@ class ModelCheckpoint(Callback):
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is not None:
             trainer.runtime.prepare_checkpoint_folder(folder)
+            self._superseded = self._after_the_start(trainer, Path(folder))
             self._note_best(self._kept(Path(folder)))
+
+    def _after_the_start(self, trainer: Trainer, folder: Path) -> set[Path]:
+        """This callback's checkpoints in ``folder`` of steps after the one this fit starts from. A fit that
+        ``resume="auto"`` resumed from this folder passed over them as damaged: its own saves replace them.
+        Any other fit (a fresh one, one resumed from an older checkpoint) would write among another run's
+        checkpoints: a save at an existing name would keep that run's weights, and a later ``resume="auto"``
+        would continue that run. It is refused, naming them (rank 0's view, so every rank says the same)."""
+        rt, start = trainer.runtime, trainer.global_step
+        later = rt.broadcast(sorted(found.path.name for found in complete_checkpoints(folder)
+                                    if found.step > start and _CHECKPOINT_NAME.fullmatch(found.path.name)))
+        if not later:
+            return set()
+        auto = str(trainer.config.resume) == "auto" and Path(trainer.checkpoint_dir or "") == folder
+        if auto:
+            rt.print(f"lockstep: {', '.join(later)} in {folder} (passed over as damaged): this fit's checkpoints "
+                     "replace them.")
+            return {folder / name for name in later}
+        begun = f"resumes from step {start}" if start else "starts at step 0"
+        raise ConfigError(f"{folder} holds checkpoints of steps after the one this fit {begun} ({', '.join(later)}): "
+                          "another run's, which this fit's checkpoints would mix with. Give resume='auto' to "
+                          "continue that run, or another checkpoint folder, or move them away.")
 
     def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps and trainer.at_step_boundary and trainer.global_step % self.every_n_steps == 0:
@@ -291,7 +314,8 @@ class ModelCheckpoint(Callback):
             return
         rt = trainer.runtime
         rt.wait_for_save()
-        saved = any(found.step == trainer.global_step for found in complete_checkpoints(folder))
+        saved = any(found.step == trainer.global_step and found.path not in self._superseded
+                    for found in complete_checkpoints(folder))
         if not rt.broadcast(saved):  # rank 0's view decides, so every rank saves or none does
             self.save(trainer)
 
@@ -321,6 +345,7 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(last, blocking=not self.async_save)
             return
         kept[path] = score
+        self._superseded.discard(path)  # replaced by this save
         ranked = self._note_best(kept)
         dropped = ranked[self.save_top_k:] if self.save_top_k > 0 else []
 
@@ -337,7 +362,7 @@ class ModelCheckpoint(Callback):
         (never from restored state: a copied run folder must not delete the original's)."""
         kept = {}
         for found in complete_checkpoints(folder):
-            if not _CHECKPOINT_NAME.fullmatch(found.path.name):
+            if not _CHECKPOINT_NAME.fullmatch(found.path.name) or found.path in self._superseded:
                 continue
             if self.monitor is None:
                 kept[found.path] = float(found.step)
