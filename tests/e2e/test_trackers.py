@@ -156,6 +156,31 @@ def test_mlflow_resume_continues_the_checkpoints_run(tmp_path):
     assert run.data.params["max_epochs"] == "2" and run.data.tags["resumed.max_epochs"] == "3"
 
 
+def test_a_test_after_the_fit_logs_into_the_fits_run(tmp_path, monkeypatch):
+    """As one Lightning run holds a fit and its test; before, each test (or validate) after a fit started a run
+    of its own, without the fit's parameters."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trainer = _fit(tmp_path, lockstep.MLflowLogger(experiment="t", tracking_uri=uri))
+    module = tc.Classifier()
+    trainer.test(module, tc.checks.make_data(40, seed=2), batch_size=16)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["max_epochs"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [2, 4, 6, 8]
+    assert len(client.get_metric_history(run.info.run_id, "val_acc")) == 3  # 2 validations, then the test
+
+    trainer = _fit(tmp_path / "w", lockstep.WandbLogger(project="t", save_dir=tmp_path / "w", mode="offline"))
+    trainer.validate(module, tc.checks.make_data(40, seed=2), batch_size=16)
+    runs = sorted((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    ids = {re.match(r"offline-run-\d+_\d+-([a-z0-9]+)", run.name).group(1) for run in runs}
+    assert len(runs) == 2 and len(ids) == 1  # the validation reopened the fit's run (wandb writes it apart offline)
+
+
 def test_tensorboard_and_csv_keep_the_steps_before_a_resume_once(tmp_path):
     import csv
 

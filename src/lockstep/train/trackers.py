@@ -45,6 +45,8 @@ class WandbLogger:
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.log_model, self.init_kwargs = log_model, init_kwargs
         self.run: Any = None
+        self.run_id: str | None = None  # kept once the run finished: what is logged later (a test after the fit)
+        # reopens it, as one Lightning run holds a fit and its test
 
     def default_dir(self, folder: Path) -> None:
         """The Trainer's ``log_dir``, where ``save_dir`` was not given."""
@@ -52,7 +54,7 @@ class WandbLogger:
             self.save_dir = folder
 
     def state_dict(self) -> dict[str, Any]:
-        return {"id": self.run.id} if self.run is not None else {}
+        return {"id": self.run_id} if self.run_id is not None else {}
 
     def resume(self, step: int, state: dict[str, Any] | None) -> None:
         if state and isinstance(state.get("id"), str) and "id" not in self.init_kwargs:
@@ -64,8 +66,9 @@ class WandbLogger:
 
             folder = self.save_dir or Path("runs/lockstep")
             folder.mkdir(parents=True, exist_ok=True)
+            again = {"id": self.run_id, "resume": "allow"} if self.run_id is not None else {}
             options: dict[str, Any] = {"project": self.project, "name": self.name, "dir": str(folder),
-                                       "config": config, **self.init_kwargs}
+                                       "config": config, **self.init_kwargs, **again}
             try:
                 self.run = wandb.init(**{"mode": self.mode, **options})
             except wandb.errors.UsageError as error:
@@ -74,6 +77,7 @@ class WandbLogger:
                 print(f"lockstep: no Weights & Biases API key (set WANDB_API_KEY or run `wandb login`): the run is "
                       f"written offline under {folder / 'wandb'}; `wandb sync` uploads it.", flush=True)
                 self.run = wandb.init(**{"mode": "offline", **options})
+            self.run_id = self.run.id
         return self.run
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -117,6 +121,7 @@ class MLflowLogger:
         self.log_model, self.tags = log_model, dict(tags or {})
         self.client: Any = None
         self.run_id: str | None = None
+        self._open = False  # the run finished (finalize): what is logged later (a test after the fit) reopens it
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id} if self.run_id is not None else {}
@@ -137,7 +142,7 @@ class MLflowLogger:
                   "a new run is started.", flush=True)
             return
         client.update_run(run_id, status="RUNNING")
-        self.client, self.run_id = client, run_id
+        self.client, self.run_id, self._open = client, run_id, True
 
     def _start(self) -> str:
         if self.run_id is None:
@@ -147,7 +152,10 @@ class MLflowLogger:
             found = self.client.get_experiment_by_name(self.experiment)
             experiment_id = found.experiment_id if found is not None else self.client.create_experiment(self.experiment)
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
-            self.run_id = run.info.run_id
+            self.run_id, self._open = run.info.run_id, True
+        elif not self._open:
+            self.client.update_run(self.run_id, status="RUNNING")
+            self._open = True
         return self.run_id
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -179,6 +187,6 @@ class MLflowLogger:
                 self.client.log_artifact(run_id, str(path), artifact_path="checkpoints")
 
     def finalize(self) -> None:
-        if self.run_id is not None:
+        if self.run_id is not None and self._open:
             self.client.set_terminated(self.run_id)
-            self.run_id = None
+            self._open = False
