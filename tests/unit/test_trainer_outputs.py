@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import time
 import types
 
 import pytest
@@ -131,6 +132,23 @@ def test_throughput_monitor_reports_and_advises_once_on_slow_data(capsys):
     assert trainer.callback_metrics["samples_per_s"] > 0
     assert 0.2 < trainer.callback_metrics["data_wait_fraction"] <= 1.0
     assert capsys.readouterr().out.count("is spent waiting for data") == 1
+
+
+class _SlowValidation(tc.Classifier):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.25)  # 2 batches: 0.5 s a validation, against a few ms a training step
+        super().validation_step(batch, batch_idx)
+
+
+def test_throughput_leaves_validation_and_the_time_between_epochs_out():
+    """Lightning's monitor does; before, a window holding an epoch's end reported 0.2 s a step."""
+    trainer = tc.quiet_trainer(max_epochs=3, log_every_n_steps=2, enable_throughput_monitor=True)
+    logged: list[dict] = []
+    original = trainer.log_metrics
+    trainer.log_metrics = lambda metrics: (logged.append(dict(metrics)), original(metrics))[1]
+    trainer.fit(_SlowValidation(), tc.checks.make_data(64), tc.checks.make_data(32, seed=1), batch_size=16)
+    windows = [m["step_time_s"] for m in logged if "step_time_s" in m]
+    assert len(windows) == 5 and max(windows) < 0.05, windows  # steps 4, 6, 8, 10, 12: windows across 2 epoch ends
 
 
 def test_progress_without_a_terminal_prints_each_epoch_in_order_with_the_epoch_values(capsys):

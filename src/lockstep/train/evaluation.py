@@ -5,6 +5,7 @@ different numbers of batches)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ class Evaluation:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+        self.seconds_in_fit = 0.0  # the wall time of the fits' validations, their hooks' saves included
 
     def loader(self, data: Any, batch_size: int | None, options: dict[str, Any], stage: str) -> DistributedLoader:
         """``rt.eval_loader`` for ``stage``, refusing data that holds no samples before any step."""
@@ -79,7 +81,7 @@ class Evaluation:
 
     def during_fit(self) -> None:
         """Validation inside a fit: the training stage's metric sums are kept for after it."""
-        t = self.trainer
+        t, started = self.trainer, time.perf_counter()
         assert t._val_loader is not None
         sink = t.recorder.sink
         self.run(t._val_loader, "validation_step")
@@ -88,6 +90,7 @@ class Evaluation:
         t.fire("on_validation_end")
         t.recorder.sink = sink
         t._wrapped.train()
+        self.seconds_in_fit += time.perf_counter() - started
 
     def run(self, loader: DistributedLoader, step: str) -> dict[str, float]:
         """One pass of ``step``; its metrics, reduced over the ranks and logged."""

@@ -30,14 +30,16 @@ class ThroughputMonitor(Callback):
     def __init__(self, advise_above: float = 0.2) -> None:
         self.advise_above = advise_above
         self.advised = False
-        self._mark: tuple[float, int, float, float] | None = None
+        self._mark: tuple[float, int, float, int, float] | None = None
+        self._paused = 0.0  # seconds between the fit's epochs (their ends' saves, the next epoch's start)
+        self._left_epoch: float | None = None
         self._items_then = 0.0
         self.flops_per_sample: float | None = None
         self._peak: float | None = None
         self._refused_mfu = False
 
     def on_train_start(self, trainer: Trainer, module: Module) -> None:
-        self._mark, self._items_then = None, 0.0
+        self._mark, self._items_then, self._left_epoch = None, 0.0, None
         given = getattr(module, "flops_per_sample", None)
         self.flops_per_sample = float(given() if callable(given) else given) if given is not None else None
         self._peak = peak_flops(trainer.runtime.device, trainer.runtime.precision.name)
@@ -48,12 +50,24 @@ class ThroughputMonitor(Callback):
         if self.flops_per_sample is None and self._peak is not None:
             trainer.callbacks.append(_FirstForwardFlops(self))
 
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        self._left_epoch = time.perf_counter()  # after the epoch's validation, before the checkpoints' saves
+
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        if self._left_epoch is not None:
+            self._paused += time.perf_counter() - self._left_epoch
+            self._left_epoch = None
+
     def on_train_log(self, trainer: Trainer, module: Module) -> None:
+        """The rates since the last logging step, over the training time alone: validations (with the saves
+        their hooks make) and the time between epochs are left out, as Lightning's monitor leaves them."""
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
-        items = self._items_per_s(trainer, now - self._mark[0] if self._mark is not None else 0.0)  # every rank
+        away = self._paused + trainer.evaluation.seconds_in_fit
+        items = self._items_per_s(trainer, now - self._mark[0] - (away - self._mark[4])
+                                  if self._mark is not None else 0.0)  # every rank
         if self._mark is not None:
-            then, samples_then, wait_then, steps_then = self._mark
-            elapsed = now - then
+            then, samples_then, wait_then, steps_then, away_then = self._mark
+            elapsed = now - then - (away - away_then)
             steps = trainer.global_step - steps_then
             if elapsed > 0 and steps > 0:
                 fraction = (wait - wait_then) / elapsed
@@ -66,7 +80,7 @@ class ThroughputMonitor(Callback):
                     trainer.runtime.print(
                         f"lockstep: {fraction:.0%} of step time is spent waiting for data. Raise num_workers "
                         "(Trainer(num_workers=...)), enable pin_memory on GPUs, or make __getitem__ cheaper.")
-        self._mark = (now, samples, wait, trainer.global_step)
+        self._mark = (now, samples, wait, trainer.global_step, away)
         self._log_stragglers(trainer)
 
     @staticmethod
