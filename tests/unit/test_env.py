@@ -291,6 +291,19 @@ def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_
         defaults(_run_args(["train.py"]), {"PET_NODE_RANK": "one"})
 
 
+
+def test_lockstep_run_on_several_nodes_takes_master_addr_and_port_for_a_master_not_given():
+    from lockstep.runtime.launch.request import with_orchestrator_defaults as defaults
+
+    exported = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    args, notes = defaults(_run_args(["--nodes", "2", "--node-rank", "1", "train.py"]), exported)
+    assert args.master == "10.0.0.1:29600" and notes == ["from MASTER_ADDR and MASTER_PORT: --master 10.0.0.1:29600"]
+    given, notes = defaults(_run_args(["--nodes", "2", "--master", "10.0.0.2:1234", "train.py"]), exported)
+    assert given.master == "10.0.0.2:1234" and notes == []  # the command line wins
+    one, notes = defaults(_run_args(["train.py"]), exported)  # one node: loopback, a free port
+    assert one.master is None and notes == []
+
+
 def test_a_ray_train_worker_is_the_ray_route_with_its_node_rank_and_the_nodes_of_its_placement_group(monkeypatch):
     """Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK in each worker (a process of a Ray
     node: RAY_RAYLET_PID). With 3 workers on one node and 1 on another, the worker alone on node 1 cannot

@@ -84,7 +84,8 @@ KUBEFLOW_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_
 
 def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) -> tuple[RunRequest, list[str]]:
     """The options not given (None) filled from Kubeflow Trainer's ``PET_*`` variables when they are set, as
-    torchrun does, so that ``lockstep run train.py`` is a TrainJob's entrypoint; else from the usual
+    torchrun does, so that ``lockstep run train.py`` is a TrainJob's entrypoint; with several nodes and no
+    master, from ``MASTER_ADDR`` and ``MASTER_PORT`` (a job script's exports); else from the usual
     defaults. Returns the request and the lines that say what was taken."""
     pet = {name: environ[name] for name in KUBEFLOW_VARIABLES if environ.get(name)}
     changes: dict[str, Any] = {}
@@ -104,11 +105,16 @@ def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) 
         changes["master"] = f"{pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}"
     options = {"nodes": "--nodes", "node_rank": "--node-rank", "devices": "--devices", "master": "--master"}
     taken = [f"{options[name]} {changes[name]}" for name in options if name in changes]
+    notes = [f"from Kubeflow Trainer's PET_* variables: {' '.join(taken)}"] if taken else []
+    if several and not (request.master or request.rdzv_endpoint or "master" in changes) \
+            and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):  # as a job script exports them
+        changes["master"] = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+        notes.append(f"from MASTER_ADDR and MASTER_PORT: --master {changes['master']}")
     filled = request.replace(**changes)
     filled = filled.replace(nodes="1" if filled.nodes is None else filled.nodes,
                             node_rank=0 if filled.node_rank is None else filled.node_rank,
                             devices="auto" if filled.devices is None else filled.devices)
-    return filled, [f"from Kubeflow Trainer's PET_* variables: {' '.join(taken)}"] if taken else []
+    return filled, notes
 
 
 def check_script(request: RunRequest) -> None:
