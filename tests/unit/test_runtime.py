@@ -234,6 +234,7 @@ def test_a_gpu_listed_twice_means_two_processes_on_it_over_gloo():
     from lockstep.runtime.parallel.devices import parse_devices
 
     assert parse_devices("0,0") == (0, 0) and parse_devices([1, 1, 1]) == (1, 1, 1)
+    assert parse_devices(-1) == parse_devices("-1") == "auto"  # Lightning's "every device"; before: "GPU indices"
     with pytest.raises(ValueError, match="non-negative"):
         parse_devices([0, -1])
     assert choose_backend("cuda", None) == "nccl"

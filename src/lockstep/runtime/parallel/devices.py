@@ -53,12 +53,13 @@ def _not_whole(value: Any) -> bool:
 
 
 def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
-    """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices.
+    """``4``, ``"4"``, ``"auto"``, ``[0, 2]`` or ``"0,2"`` -> a count, ``"auto"`` or GPU indices; ``-1`` (Lightning's
+    "every device") is ``"auto"``.
 
     An index listed more than once (``[0, 0]``) puts that many processes on one GPU."""
     if isinstance(devices, str):
         text = devices.strip().lower()
-        if text == "auto":
+        if text in ("auto", "-1"):
             return "auto"
         if text.isdigit():
             devices = int(text)
@@ -72,6 +73,8 @@ def parse_devices(devices: Devices) -> int | str | tuple[int, ...]:
     if any(_not_whole(n) for n in (list(devices) if isinstance(devices, (list, tuple)) else [devices])):
         raise ConfigError(f"devices={devices!r}: give a count, 'auto' or a list of GPU indices.")
     if isinstance(devices, int):
+        if devices == -1:
+            return "auto"
         if devices < 1:
             raise ConfigError(f"devices={devices}: ask for at least one device.")
         return devices
