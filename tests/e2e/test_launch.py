@@ -107,6 +107,13 @@ def test_workers_write_to_the_standard_output_the_caller_has_at_the_launch(tmp_p
     assert redirected.read_text() == "worker says second\n" * 2
 
 
+def test_an_argument_that_cannot_be_pickled_is_named():
+    import threading
+
+    with pytest.raises(lockstep.ConfigError, match=r"args\[1\] cannot be \(TypeError: cannot pickle '_thread.lock"):
+        lockstep.launch(_sum_of_ranks, nprocs=2, args=(2.0, threading.Lock()))
+
+
 def test_launch_rejects_zero_processes():
     with pytest.raises(ValueError, match="at least one process"):
         lockstep.launch(_sum_of_ranks, nprocs=0)

@@ -188,6 +188,27 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _payload(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``fn`` and ``args`` pickled for the workers; what cannot be pickled is named (a lock, an open file, a
+    generator: the workers are other processes, which get copies)."""
+    try:
+        return _dumps((fn, args))
+    except Exception as error:  # noqa: BLE001 - pickle raises TypeError, PicklingError, AttributeError, ...
+        parts = [("fn", fn), *((f"args[{i}]", arg) for i, arg in enumerate(args))]
+        culprit = next((name for name, part in parts if not _picklable(part)), "fn or args")
+        raise ConfigError(f"lockstep.launch sends fn and args to each worker process, pickled, and {culprit} "
+                          f"cannot be ({type(error).__name__}: {error}): pass what the workers can rebuild it "
+                          "from (a path, a config), and create it inside fn.") from error
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        _dumps(obj)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 def _start_method() -> str:
     """``forkserver`` where there is one (Linux), its server importing torch and lockstep once."""
     if sys.platform.startswith("linux"):
@@ -227,7 +248,7 @@ def spawn(
     if backend == "auto":
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    payload = _dumps((fn, tuple(args)))
+    payload = _payload(fn, tuple(args))
     with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir:
         context = tmp.start_processes(
             _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all, _Caller.here()),
