@@ -195,6 +195,15 @@ def test_self_launch_lockstep_run_and_torchrun_agree(reference, tmp_path):
         assert torch.allclose(results[name]["weights"], reference, atol=1e-5, rtol=0), name
 
 
+def test_a_script_read_from_stdin_that_asks_for_2_devices_is_told_to_save_it():
+    script = 'import lockstep\nlockstep.Runtime(accelerator="cpu", devices=2)\n'
+    done = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # before: a worker's FileNotFoundError for ./<stdin>
+    assert done.returncode == 1 and "from a script read from <stdin>, which its workers cannot read again" in \
+        done.stderr, done.stderr
+    assert "FileNotFoundError" not in done.stderr
+
+
 def test_legacy_torch_distributed_launch_with_local_rank(tmp_path):
     out = tmp_path / "legacy.pt"
     done = subprocess.run(
