@@ -269,10 +269,10 @@ def self_launch(nproc: int) -> NoReturn:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name and spec.name != "__main__":
         target = ["-m", spec.name.removesuffix(".__main__")]
-    elif main is not None and isinstance(getattr(main, "__file__", None), str) and os.path.isfile(main.__file__):
-        target = [os.path.abspath(str(main.__file__))]
-    elif main is not None and isinstance(getattr(main, "__file__", None), str):  # `python - < train.py`: <stdin>
-        raise StateError(f"asked for {nproc} processes from a script read from {main.__file__}, which its workers "
+    elif isinstance(script := getattr(main, "__file__", None), str) and os.path.isfile(script):
+        target = [os.path.abspath(script)]
+    elif isinstance(script, str):  # `python - < train.py`: <stdin>
+        raise StateError(f"asked for {nproc} processes from a script read from {script}, which its workers "
                          "cannot read again: save it to a file and run that, or use "
                          f"lockstep.launch(fn, nprocs={nproc}).")
     else:
