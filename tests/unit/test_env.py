@@ -292,6 +292,17 @@ def test_lockstep_run_takes_kubeflow_trainers_pet_variables_for_the_options_not_
 
 
 
+def test_lockstep_run_as_one_of_several_srun_tasks_on_a_node_is_refused():
+    from lockstep.errors import PreflightError
+    from lockstep.runtime.launch.request import with_orchestrator_defaults as defaults
+
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1"}
+    with pytest.raises(PreflightError, match="srun started 2 tasks on 1 node"):  # before: two jobs of one process
+        defaults(_run_args(["train.py"]), step)
+    one_per_node = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"}
+    assert defaults(_run_args(["train.py"]), one_per_node)[0].script == "train.py"
+
+
 def test_lockstep_run_on_several_nodes_takes_master_addr_and_port_for_a_master_not_given():
     from lockstep.runtime.launch.request import with_orchestrator_defaults as defaults
 

@@ -637,3 +637,17 @@ def test_a_rank_position_read_from_the_store_is_shown_bounded_and_printable():
     found = watchdog.positions()
     assert found[0] == "forward #3 at train.py:12 in main\nin training_step" and 2 not in found
     assert found[1].startswith("[2Jended the script xx") and len(found[1]) == 1003
+
+
+def test_a_strategy_named_in_capitals_self_launches_as_the_lower_case_name(monkeypatch):
+    """Every other place reads strategy names without case; self-launch refused "DDP" ("started alone")."""
+    import lockstep.runtime.launch.elastic as elastic
+    from lockstep.runtime import RuntimeConfig
+    from lockstep.runtime.runtime import launch_workers_if_asked
+
+    asked: list[int] = []
+    monkeypatch.setattr(elastic, "self_launch", asked.append)
+    alone = lockstep.DistEnv.from_environ({}, argv=[])
+    for name in ("ddp", "DDP", "Fsdp"):
+        launch_workers_if_asked(RuntimeConfig(accelerator="cpu", devices=2, strategy=name).resolved(), alone)
+    assert asked == [2, 2, 2]

@@ -761,7 +761,8 @@ def launch_workers_if_asked(config: RuntimeConfig, env: DistEnv) -> None:
     re-runs the script as N workers under the torch elastic agent; this process waits for them and
     exits with their status, never returning. Under a launcher, or for one device, it does nothing.
     """
-    one_per_device = config.strategy in ("auto", "ddp", "fsdp") or isinstance(config.strategy, (DDP, FSDP))
+    named = config.strategy.lower() if isinstance(config.strategy, str) else None  # "DDP" as "ddp", as elsewhere
+    one_per_device = named in ("auto", "ddp", "fsdp") or isinstance(config.strategy, (DDP, FSDP))
     if env.capabilities.started_alone and one_per_device:
         nproc = processes_asked_for(config.accelerator or "auto", config.devices)
         if nproc > 1:

@@ -87,6 +87,7 @@ def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) 
     torchrun does, so that ``lockstep run train.py`` is a TrainJob's entrypoint; with several nodes and no
     master, from ``MASTER_ADDR`` and ``MASTER_PORT`` (a job script's exports); else from the usual
     defaults. Returns the request and the lines that say what was taken."""
+    _one_task_per_node(environ)
     pet = {name: environ[name] for name in KUBEFLOW_VARIABLES if environ.get(name)}
     changes: dict[str, Any] = {}
     if request.nodes is None and "PET_NNODES" in pet:
@@ -115,6 +116,22 @@ def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) 
                             node_rank=0 if filled.node_rank is None else filled.node_rank,
                             devices="auto" if filled.devices is None else filled.devices)
     return filled, notes
+
+
+def _one_task_per_node(environ: Mapping[str, str]) -> None:
+    """``lockstep run`` starts its node's processes itself: as one of several srun tasks on a node (an sbatch
+    script's ``--ntasks-per-node=2`` kept with ``srun lockstep run``), each task would start a job of its own."""
+    if "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+        return
+    try:
+        tasks, nodes = int(environ.get("SLURM_STEP_NUM_TASKS", "1")), int(environ.get("SLURM_STEP_NUM_NODES", "1"))
+    except ValueError:
+        return
+    if tasks > nodes:
+        raise PreflightError(f"srun started {tasks} tasks on {nodes} node(s) here, each running lockstep run, which "
+                             "starts its node's processes itself: each task would run a job of its own. Ask srun for "
+                             "one task per node (--ntasks-per-node=1) and give lockstep run --devices N, or drop "
+                             "lockstep run and let srun start the processes (`srun python train.py`).")
 
 
 def check_script(request: RunRequest) -> None:
