@@ -95,11 +95,49 @@ def init_process_group(
         )
         return True
     store = _connect_store(env, timeout)
+    _check_everyone_joined(store, env, timeout)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
         device_id=device_id,
     )
     return True
+
+
+def _check_everyone_joined(store: dist.Store, env: DistEnv, timeout: timedelta) -> None:
+    """Before the backend's own rendezvous (whose timeout names a store key, not a rank): every rank of
+    ``env.world_size`` joined the store, started for the same world size. Rank 0 waits for them all and
+    writes its verdict, which every rank reads: a rank never started (or failed before its Runtime) is
+    named on every rank, as are ranks started with another ``WORLD_SIZE``."""
+    joined = [f"lockstep/joined/{rank}" for rank in range(env.world_size)]
+    store.set(f"lockstep/joined/{env.rank}", str(env.world_size))
+    if env.rank == 0:
+        try:
+            store.wait(joined, timeout)
+            sizes = store.multi_get(joined)
+            other = {rank: size.decode() for rank, size in enumerate(sizes) if size.decode() != str(env.world_size)}
+            verdict = "ok" if not other else (
+                f"the ranks were started for different world sizes (rank 0: {env.world_size}, " +
+                ", ".join(f"rank {rank}: {size}" for rank, size in other.items()) +
+                "): start every rank with the same WORLD_SIZE (the same --ntasks, --nproc-per-node, nodes).")
+        except RuntimeError:  # a rank did not join within the timeout
+            missing = [rank for rank in range(env.world_size) if not store.check([joined[rank]])]
+            verdict = (f"rank(s) {', '.join(map(str, missing))} of {env.world_size} did not join within "
+                       f"{timeout.total_seconds():.0f}s: each was never started, failed before joining (its "
+                       "own error says why), or was started with a smaller WORLD_SIZE or another "
+                       "MASTER_ADDR/MASTER_PORT.")
+        store.set("lockstep/joined/verdict", f"{env.world_size} {verdict}")
+    else:
+        try:
+            store.wait(["lockstep/joined/verdict"], 2 * timeout)  # rank 0 waits up to timeout for the others
+        except RuntimeError:
+            raise RendezvousError(f"rank {env.rank}: rank 0 gave no word within {2 * timeout.total_seconds():.0f}s "
+                                  "of the ranks joining: its own error says why.") from None
+    size, _, verdict = store.get("lockstep/joined/verdict").decode().partition(" ")
+    if verdict == "ok" and size != str(env.world_size):
+        verdict = (f"this rank was started for a world of {env.world_size} ranks, rank 0 for {size}: start every "
+                   "rank with the same WORLD_SIZE.")
+    if verdict != "ok":
+        raise RendezvousError(f"rank {env.rank}: {verdict}")
 
 
 def init_single_process_group(backend: str, timeout_s: float) -> bool:
