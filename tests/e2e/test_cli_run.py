@@ -204,6 +204,39 @@ def test_a_script_read_from_stdin_that_asks_for_2_devices_is_told_to_save_it():
     assert "FileNotFoundError" not in done.stderr
 
 
+@pytest.mark.timeout(240)
+def test_lockstep_run_inside_a_slurm_job_checkpoints_at_the_time_limit_warning_and_resumes_exactly(tmp_path):
+    """SLURM's USR1 to the task (lockstep run's agent) reaches the workers, which checkpoint and stop; before, it
+    ended the agent with its workers (USR1's default) and TERM killed the workers without a checkpoint."""
+    slurm = {**os.environ, "SLURM_JOB_ID": "4343", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1",
+             "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1"}
+
+    def command(name: str) -> list[str]:
+        return [*LOCKSTEP, "run", "--devices", "2", "--accelerator", "cpu", "tests/scripts/trainer_preempt.py",
+                str(tmp_path / name), str(tmp_path / f"{name}.pt"), str(tmp_path / f"{name}.marker")]
+
+    job = subprocess.Popen(command("cut"), cwd=ROOT, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "cut.marker").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)  # the time limit's warning, to the task
+        output, _ = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0 and "lockstep: preempted at step" in output, output
+    assert list((tmp_path / "cut").glob("*-preempted.ckpt")) and not (tmp_path / "cut.pt").exists()
+    for name in ("cut", "whole"):  # the requeued job resumes; a job never preempted
+        done = subprocess.run(command(name), cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+    resumed, whole = torch.load(tmp_path / "cut.pt"), torch.load(tmp_path / "whole.pt")
+    assert resumed["steps"] == whole["steps"] == 21
+    assert torch.equal(resumed["weights"], whole["weights"])
+
+
 def test_legacy_torch_distributed_launch_with_local_rank(tmp_path):
     out = tmp_path / "legacy.pt"
     done = subprocess.run(

@@ -100,11 +100,13 @@ def test_slurm_tasks_per_node_disagreeing_with_ntasks():
         DistEnv.from_environ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, argv=[])
 
 
-def test_torchrun_inside_slurm_wins_over_slurm():
+def test_torchrun_inside_slurm_wins_over_slurm_and_preempts_with_the_schedulers_grace():
     env = DistEnv.from_environ({**SLURM, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                                 "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"},
                                argv=[])
-    assert env.launcher == "torchrun"
+    assert env.launcher == "torchrun-slurm" and (env.rank, env.world_size) == (0, 2)
+    # SLURM's USR1 and TERM become a checkpoint and a stop, and a requeue, as under srun
+    assert env.capabilities.agent_watches and env.capabilities.preempts_with_grace and env.capabilities.requeues
 
 
 def test_open_mpi():

@@ -28,7 +28,8 @@ class DistEnv:
     """Where this process sits in the job.
 
     ``launcher`` names what started the process: ``"none"`` (a plain ``python train.py``),
-    ``"torchrun"`` (torch elastic, also ``lockstep run``), ``"ray"`` (a Ray Train worker),
+    ``"torchrun"`` (torch elastic, also ``lockstep run``; ``"torchrun-slurm"`` inside a SLURM job), ``"ray"``
+    (a Ray Train worker),
     ``"kubernetes"`` (torch elastic in a Kubernetes pod, e.g. a Kubeflow TrainJob), ``"torch.distributed.launch"``
     (the legacy ``--local_rank`` route), ``"lockstep.launch"``, ``"env"`` (``RANK`` and
     ``WORLD_SIZE`` set by hand), ``"slurm"`` (``srun``) or ``"mpi"`` (Open MPI, MPICH, PMI).
@@ -178,8 +179,9 @@ def _from_torch_env(env: Mapping[str, str], legacy_local_rank: int | None) -> Di
         local_rank = legacy_local_rank
     else:
         launcher = env.get("LOCKSTEP_LAUNCHER", "env")
-        if "TORCHELASTIC_RUN_ID" in env:  # torch elastic; in a Kubernetes pod, the cluster's route
-            launcher = "kubernetes" if "KUBERNETES_SERVICE_HOST" in env else "torchrun"
+        if "TORCHELASTIC_RUN_ID" in env:  # torch elastic; in a Kubernetes pod or a SLURM job, the scheduler's route
+            launcher = ("kubernetes" if "KUBERNETES_SERVICE_HOST" in env
+                        else "torchrun-slurm" if "SLURM_JOB_ID" in env else "torchrun")
         local_rank = _int(env, "LOCAL_RANK", default=rank if world_size == 1 else None)
     # Old launchers set no LOCAL_WORLD_SIZE: then all processes are taken to share this node.
     local_world_size = _int(env, "LOCAL_WORLD_SIZE", default=world_size)

@@ -48,6 +48,11 @@ ROUTES: dict[str, Capabilities] = {
     "lockstep.launch": Capabilities(processes_per_node_setting="lockstep.launch(fn, nprocs=...)"),
     "slurm": Capabilities(preempts_with_grace=True, requeues=True,
                           processes_per_node_setting="#SBATCH --ntasks-per-node", scheduler="SLURM"),
+    # torch elastic (lockstep run, torchrun) inside a SLURM job: the scheduler's USR1 (the time limit) and TERM
+    # (preemption) reach the workers (lockstep run's agent passes USR1 and USR2 on; torch's passes TERM on)
+    "torchrun-slurm": Capabilities(agent_watches=True, preempts_with_grace=True, requeues=True,
+                                   processes_per_node_setting="--nproc-per-node (lockstep run: --devices)",
+                                   scheduler="SLURM"),
     # torch elastic (torchrun, lockstep run) in a Kubernetes pod: an eviction or a node drain sends TERM
     # with the pod's grace period (terminationGracePeriodSeconds); the Job or JobSet starts the pods again.
     "kubernetes": Capabilities(agent_watches=True, preempts_with_grace=True,

@@ -46,6 +46,9 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
         # during the rendezvous is reported too.
         signal.signal(signal.SIGTERM, _raise_signal)
         watch.start()
+    if "SLURM_JOB_ID" in os.environ:  # SLURM's warnings (USR1 before the time limit): the workers' to act on
+        for number in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(number, _pass_on_to_workers)
     # The agent's log folder holds the workers' error files (read by _report); left to torch, it
     # would be a /tmp/torchelastic_* folder that nobody removes.
     # The agent's own lines on a failure ("Sending process ... closing signal", "failed (exitcode ...)")
@@ -151,6 +154,15 @@ def _children(pid: int) -> dict[int, float]:
                     started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
                     found[int(child)] = uptime - started
     return found
+
+
+def _pass_on_to_workers(signum: int, frame: object) -> None:
+    """A scheduler's warning to the agent goes on to its workers (directly, or through the fork server's
+    clients, which pass signals on), where ``Preemption`` turns it into a checkpoint and a stop; left to
+    its default, it would end the agent, and the workers with it."""
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
 
 
 def _raise_signal(signum: int, frame: object) -> None:

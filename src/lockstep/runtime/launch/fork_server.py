@@ -129,7 +129,8 @@ def serve(listening: int) -> None:
     interpreter of ``python SCRIPT`` would."""
     listener = socket.socket(fileno=listening)
     folder = os.path.dirname(listener.getsockname())
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # a terminal's or a scheduler's signal is the agent's to handle
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):  # a terminal's or a scheduler's signal is the
+        # agent's to handle (SLURM's USR1 warning, sent to every process of the step, would end the server)
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     import importlib
 
