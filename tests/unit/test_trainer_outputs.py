@@ -182,6 +182,13 @@ def test_loader_options_reach_every_loader_and_reserved_ones_are_refused():
     with pytest.raises(ValueError, match="loader_options cannot set 'sampler'"):
         trainer.predict(module, data, batch_size=16, loader_options={"sampler": None})
 
+    rows = []
+    ordered = tc.quiet_trainer(max_epochs=1)
+    ordered.fit(tc.Classifier(), data, data, batch_size=16, loader_options={  # before: "multiple values for shuffle"
+        "shuffle": False, "collate_fn": lambda items: (rows.append(items), torch.utils.data.default_collate(items))[1]})
+    first = torch.stack([x for x, _ in rows[0]])
+    assert torch.equal(first, data.tensors[0][:16])  # the dataset's order: not shuffled
+
 
 def test_a_metric_logged_where_nothing_reduces_it_raises_instead_of_vanishing():
     trainer = tc.quiet_trainer(max_epochs=1, callbacks=[LogsAtEpochEnd()])

@@ -255,9 +255,10 @@ class Trainer:
 
     def _make_train_loader(self, data: Any, batch_size: int | None, options: dict[str, Any]) -> None:
         """``train_loader`` and ``steps_per_epoch`` (None for a stream without ``__len__``)."""
-        # Shuffle a dataset; a DataLoader keeps its own order (its sampler), a stream is read in order.
-        shuffle = None if isinstance(data, DataLoader) or is_stream(data) else True
-        self.train_loader = self.runtime.loader(data, batch_size=batch_size, shuffle=shuffle, **options)
+        # Shuffle a dataset (unless loader_options say shuffle=False); a DataLoader keeps its own order (its
+        # sampler), a stream is read in order.
+        shuffle = options.get("shuffle", None if isinstance(data, DataLoader) or is_stream(data) else True)
+        self.train_loader = self.runtime.loader(data, batch_size=batch_size, **{**options, "shuffle": shuffle})
         try:
             self.steps_per_epoch = len(self.train_loader)
         except TypeError:  # a stream without __len__: an epoch is one pass, however long
