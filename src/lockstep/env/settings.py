@@ -9,6 +9,9 @@ from pathlib import Path
 
 from lockstep.errors import ConfigError
 
+#: how long a collective, or the ranks' and the nodes' rendezvous, waits without LOCKSTEP_TIMEOUT or timeout=
+DEFAULT_TIMEOUT_S = 300.0
+
 
 def timeout_from_environ(environ: Mapping[str, str] | None = None) -> float | None:
     """``LOCKSTEP_TIMEOUT`` in seconds, or None when unset."""

@@ -9,8 +9,8 @@ from typing import Any
 
 from lockstep.env import debug_from_environ, runtime_choices_from_environ, timeout_from_environ, verify_from_environ
 from lockstep.env.fault_tolerance import FaultTolerance
+from lockstep.env.settings import DEFAULT_TIMEOUT_S
 from lockstep.errors import ConfigError
-from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S
 from lockstep.runtime.parallel.devices import Devices
 from lockstep.runtime.parallel.mesh import Parallel, parallel_from_text
 from lockstep.runtime.parallel.precision import PRECISION_ALIASES

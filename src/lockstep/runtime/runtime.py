@@ -20,7 +20,7 @@ from torch import nn
 
 from lockstep.env import DistEnv, checksums_from_environ, slurm_requeue_from_environ, verify_from_environ
 from lockstep.env.fault_tolerance import FaultTolerance
-from lockstep.env.settings import verify_fingerprints_from_environ, verify_trace_from_environ
+from lockstep.env.settings import DEFAULT_TIMEOUT_S, verify_fingerprints_from_environ, verify_trace_from_environ
 from lockstep.errors import ConfigError, UsageError
 from lockstep.runtime.checkpoint.life import Checkpoint, Checkpoints, Ranks
 from lockstep.runtime.checkpoint.ray_record import RayRecord
@@ -161,7 +161,7 @@ class Runtime:
                                            self.strategy.one_process_many_devices)
         self.precision = make_precision(config.precision or "32-true", self.placement.device,
                                         sharded=self.strategy.collective_forward)
-        self.timeout = float(config.timeout or process_group.DEFAULT_TIMEOUT_S)  # type: ignore[arg-type]  # resolved: s
+        self.timeout = float(config.timeout or DEFAULT_TIMEOUT_S)  # type: ignore[arg-type]  # resolved: s
         set_determinism(config.deterministic, config.benchmark)
         self._owns_group = self._join_group(process_group.choose_backend(
             self.placement.accelerator, config.backend, self.placement.shares_gpu,

@@ -15,7 +15,6 @@ from lockstep.errors import ConfigError, RendezvousError
 from lockstep.runtime._torch_compat import set_default_timeout
 from lockstep.runtime.comm.network import NoRouteError, host_store, socket_interface_variables, store_listen_address
 
-DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl", "mpi")
 
 

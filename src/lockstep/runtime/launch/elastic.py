@@ -61,12 +61,15 @@ def run_elastic(torchrun_args: list[str], watch: NodeWatch | None = None) -> int
 
 
 def _run_watched(args: Any, watch: NodeWatch | None) -> int:
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as elastic_run
 
     try:
         elastic_run(args)
+    except DistError as error:  # the rendezvous of a fixed number of nodes: one never joined (torch names its store)
+        return _not_all_joined(error, args, watch)
     except ChildFailedError as failed:
         if _preempted(failed.failures):
             # every worker stopped itself after a preemption's checkpoint (another node got the TERM): this
@@ -154,6 +157,18 @@ def _children(pid: int) -> dict[int, float]:
                     started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
                     found[int(child)] = uptime - started
     return found
+
+
+def _not_all_joined(error: Exception, args: Any, watch: NodeWatch | None) -> int:
+    """A node of a fixed number of them did not join the rendezvous within its timeout: said in one line."""
+    if watch is not None:
+        watch.stop(done=False)
+    print(f"lockstep run: the {_count(str(args.nnodes).split(':')[-1])} nodes did not all join the rendezvous at "
+          f"{args.master_addr}:{args.master_port} ({str(error).strip().splitlines()[0]}). Every node runs lockstep "
+          "run with the same --nodes and --master and a --node-rank of its own; one that does not join within the "
+          "rendezvous timeout (--rdzv-conf timeout=SECONDS, else LOCKSTEP_TIMEOUT) ends the job.",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def _pass_on_to_workers(signum: int, frame: object) -> None:

@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lockstep.env.settings import DEFAULT_TIMEOUT_S, timeout_from_environ
 from lockstep.errors import PreflightError
 from lockstep.runtime.comm.network import (
     NoRouteError,
@@ -125,8 +126,30 @@ def _static_rendezvous(request: RunRequest, nodes: int) -> tuple[str, int, objec
                 "single node."
             ) from None
     options = ["--rdzv-backend", "static", "--master-addr", host, "--master-port", str(port),
-               "--node-rank", str(request.node_rank)]
+               "--node-rank", str(request.node_rank), "--rdzv-id", request.rdzv_id,
+               "--rdzv-conf", f"timeout={_static_join_timeout(request.rdzv_conf)}"]
     return host, port, store, options
+
+
+def _static_join_timeout(conf: str | None) -> int:
+    """The seconds a fixed number of nodes waits for all of them to join (torch's static rendezvous: 600
+    s, and the wait for its store's clients 900): ``--rdzv-conf timeout=S``, else ``LOCKSTEP_TIMEOUT``,
+    else the collectives' default. The static rendezvous reads no other setting: another is refused."""
+    given = dict(part.partition("=")[::2] for part in (conf or "").split(",") if part)
+    other = sorted(set(given) - {"timeout"})
+    if other:
+        raise PreflightError(f"--rdzv-conf {','.join(other)}: a fixed number of nodes (--nodes N) rendezvous "
+                             "statically, which takes only timeout=SECONDS; the other settings are c10d's, for "
+                             "--nodes MIN:MAX.")
+    if "timeout" in given:
+        try:
+            seconds = int(given["timeout"])
+        except ValueError:
+            seconds = 0
+        if seconds < 1:
+            raise PreflightError(f"--rdzv-conf timeout={given['timeout']}: a whole number of seconds, at least 1.")
+        return seconds
+    return int(timeout_from_environ() or DEFAULT_TIMEOUT_S)
 
 
 def plan(request: RunRequest, check_names: Callable[[], None],

@@ -35,9 +35,10 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
+from lockstep.env.settings import DEFAULT_TIMEOUT_S
 from lockstep.errors import ConfigError, WorkerError
 from lockstep.runtime.comm.network import free_port
-from lockstep.runtime.comm.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+from lockstep.runtime.comm.process_group import destroy_process_group, init_process_group
 from lockstep.runtime.faults.lifetime import die_with, exit_now, run_exit_handlers
 from lockstep.runtime.files import write_atomic
 from lockstep.runtime.launch.elastic import threads_per_process
