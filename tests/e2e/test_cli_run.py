@@ -254,6 +254,29 @@ def test_a_node_of_two_whose_peer_never_starts_ends_within_the_rendezvous_timeou
     assert other.returncode == 2 and "--rdzv-conf join_timeout: a fixed number of nodes" in other.stderr, other.stderr
 
 
+def test_two_nodes_started_with_other_node_counts_both_say_so_and_end():
+    """Before: the job trained (node 1 took itself for one of 3 nodes), then both agents hung in torch's exit
+    barrier; a Runtime whose start failed also broke its exit handler (no attribute '_checkpoints')."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = [subprocess.Popen([*LOCKSTEP, "run", "--nodes", count, "--node-rank", rank, "--master", f"127.0.0.1:{port}",
+                               "--devices", "1", "--accelerator", "cpu", "tests/scripts/train_tiny.py", "unused.pt"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for count, rank in (("2", "0"), ("3", "1"))]
+    try:
+        outputs = [node.communicate(timeout=90)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 1, output
+        assert "Parallel(), 2 node(s); rank 1: strategy 'ddp', precision '32-true', Parallel(), 3 node(s)" in output
+        assert "Exception ignored" not in output and "SignalException" not in output, output
+
+
 def test_legacy_torch_distributed_launch_with_local_rank(tmp_path):
     out = tmp_path / "legacy.pt"
     done = subprocess.run(

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from operator import attrgetter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -130,7 +131,7 @@ class Runtime:
         self._wrapped: list[weakref.ref[nn.Module]] = []
         self._watchdog = self._make_watchdog(layout)
         check_ranks_agree(self.strategy.name, self.precision.name, self.config.parallel or Parallel(),  # uncounted,
-                          lambda text: collectives.all_gather(text, self.device), self.world_size)  # not the script's
+                          lambda text: collectives.all_gather(text, self.device), self.env)  # not the script's
         self._current = CurrentBatch(self._watchdog)
         self.replication = replication_for(self.config.fault_tolerance, self.membership, self.rank, self.world_size,
                                            self.device, self.print, self.seed)
@@ -735,10 +736,11 @@ class Runtime:
 
         Models set up by this Runtime stop synchronising gradients: call it when training is over.
         """
-        self._checkpoints.wait(report=False)
-        self._watchdog.stop()
-        self.replication.close()
-        if self._owns_group:
+        idle = SimpleNamespace(wait=lambda report: None, stop=lambda: None, close=lambda: None)  # what a failed
+        self.__dict__.get("_checkpoints", idle).wait(report=False)  # start (the ranks disagree) never made
+        self.__dict__.get("_watchdog", idle).stop()
+        self.__dict__.get("replication", idle).close()
+        if self.__dict__.get("_owns_group"):
             self._owns_group = False
             for ref in self._wrapped:
                 module = ref()

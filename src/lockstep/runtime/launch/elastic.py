@@ -71,6 +71,9 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
     except DistError as error:  # the rendezvous of a fixed number of nodes: one never joined (torch names its store)
         return _not_all_joined(error, args, watch)
     except ChildFailedError as failed:
+        # the workers are gone: a stop from the node watch now (another node failed too) has nothing left to stop,
+        # and would break this report with a traceback of its own
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if _preempted(failed.failures):
             # every worker stopped itself after a preemption's checkpoint (another node got the TERM): this
             # node ends as the signalled one does, for a restart policy keyed on the exit status

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from lockstep.env import DistEnv
 from lockstep.errors import ConfigError
 from lockstep.runtime._torch_compat import flatten_mesh
 from lockstep.runtime.parallel.context import ContextParallel
@@ -77,20 +78,20 @@ def parallel_from_text(text: str) -> Parallel:
 
 
 def check_ranks_agree(strategy: str, precision: str, parallel: Parallel, all_gather: Callable[[Any], list[Any]],
-                      world_size: int) -> None:
+                      env: DistEnv) -> None:
     """Every rank was given the same strategy, precision and layout; else each says so at once, before any
     collective of the layout's shapes (a rank with other degrees or another plan would meet the others in
     collectives of other shapes and wait out the timeout; one with another precision would train on, its
     gradients averaged with theirs)."""
-    if world_size == 1:
+    if env.world_size == 1:
         return
-    mine = f"strategy {strategy!r}, precision {precision!r}, {parallel.signature()}"
+    mine = f"strategy {strategy!r}, precision {precision!r}, {parallel.signature()}, {env.num_nodes} node(s)"
     everyone = all_gather(mine)
     if any(theirs != mine for theirs in everyone):
         shown = "; ".join(f"rank {rank}: {theirs}" for rank, theirs in enumerate(everyone))
         raise ConfigError(f"the ranks were given different layouts ({shown}): give every rank the same strategy, "
                           "precision and Parallel (the same arguments to Runtime or Trainer, the same --precision "
-                          "and --parallel on every node).")
+                          "and --parallel on every node), and start every node with the same --nodes.")
 
 
 @dataclass(frozen=True)
