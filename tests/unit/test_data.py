@@ -666,3 +666,13 @@ def test_worker_init_fn_sees_the_users_dataset_and_may_not_narrow_a_stream_locks
     stream = rt.loader(_Range(), batch_size=4, num_workers=2, worker_init_fn=_narrow_in_worker)
     with pytest.raises(lockstep.UsageError, match=r"worker_init_fn set 'start' on the stream \(_Range\).*drop data"):
         list(stream)
+
+
+def test_gather_names_the_field_that_holds_one_number_per_batch():
+    rt = runtime()
+    outputs = [{"index": index, "loss": index.float().mean()}  # a batch's loss beside its rows
+               for index, _, _ in rt.eval_loader(checks.Indexed(6), batch_size=4)]
+    with pytest.raises(lockstep.ConfigError, match=r"\['loss'\]: one number per batch \(2 of them.*not one per "
+                                                   r"sample \(6\)"):
+        rt.gather(outputs)
+    assert rt.gather([{"index": o["index"]} for o in outputs])["index"].tolist() == list(range(6))

@@ -91,6 +91,13 @@ def flatten(data: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
     return pytree.tree_flatten(data, is_leaf=_leaf_test(is_leaf))
 
 
+def leaf_names(data: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    """Where each leaf of ``flatten(data, is_leaf)`` sits in ``data`` (``['loss']``, ``.logits``, ``[0]``), to name
+    it in a message; "the output" for a leaf that is ``data`` itself."""
+    paths, _ = pytree.tree_flatten_with_path(data, is_leaf=_leaf_test(is_leaf))
+    return [pytree.keystr(path) or "the output" for path, _ in paths]
+
+
 def unflatten(leaves: list[Any], spec: Spec) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 

@@ -8,6 +8,7 @@ group, or with one rank, each is the identity.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.errors import ConfigError
-from lockstep.runtime.tree import Spec, flatten, map_tensors, unflatten
+from lockstep.runtime.tree import Spec, flatten, leaf_names, map_tensors, unflatten
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -367,7 +368,8 @@ def gather_rows(data: Any, device: torch.device, handed: Handed | None = None, r
     index in the order of their places in the pass (the same on every rank: a sampler that draws an index
     twice). ``replica``: this rank's rows are a copy of another rank's (a tensor-parallel peer): it adds none."""
     indices, places, sizes = handed if handed is not None else (None, None, None)
-    leaves, spec = flatten(merge_batches(keys_sorted(data), sizes), is_leaf=_is_rows)
+    merged = merge_batches(keys_sorted(data), sizes)
+    leaves, spec = flatten(merged, is_leaf=_is_rows)
     readings: list[Any] = [_reading(leaf, sizes) for leaf in leaves]
     if active():  # every rank must take the same path: all in dataset order, or none; each list read alike
         reports = _all_gather_object((indices is not None, readings))
@@ -380,7 +382,7 @@ def gather_rows(data: Any, device: torch.device, handed: Handed | None = None, r
         readings = _agreed(readings, [readings])
     try:  # a failure here is this rank's alone: said on every rank below, before any collective of the rows
         leaves = [_joined(leaf, reading, sizes is not None) for leaf, reading in zip(leaves, readings, strict=True)]
-        problem = _rows_problem(leaves, sizes) if sizes is not None else None
+        problem = _rows_problem(leaves, sizes, lambda: leaf_names(merged, _is_rows)) if sizes is not None else None
     except RuntimeError as error:  # torch.cat of chunks of other shapes
         problem = f"its outputs cannot be joined ({str(error).splitlines()[0]})"
     if replica and problem is None:
@@ -409,26 +411,40 @@ def gather_rows(data: Any, device: torch.device, handed: Handed | None = None, r
                       for row in rows], spec)
 
 
-def _rows_problem(leaves: list[Any], sizes: list[int]) -> str | None:
-    """Why the ``leaves`` are not one row per sample of batches of ``sizes`` rows each (None when they are)."""
+def _rows_problem(leaves: list[Any], sizes: list[int], names: Callable[[], list[str]]) -> str | None:
+    """Why the ``leaves`` are not one row per sample of batches of ``sizes`` rows each (None when they are), naming
+    the first leaf that is not (``names``: where each leaf sits in the outputs)."""
+    for index, leaf in enumerate(leaves):
+        problem = _leaf_rows_problem(leaf, sizes)
+        if problem is not None:
+            name = names()[index]
+            return problem if name == "the output" else f"{name}: {problem}"
+    return None
+
+
+def _leaf_rows_problem(leaf: Any, sizes: list[int]) -> str | None:
+    """Why ``leaf`` is not one row per sample of batches of ``sizes`` rows each (None when it is)."""
     count = sum(sizes)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            rows = leaf.shape[0] if leaf.dim() else None
-        else:
-            rows = len(leaf) if isinstance(leaf, list) else None
-        if rows is None:
-            return f"an output of type {type(leaf).__name__} has no rows"
-        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
-            return (f"an output is a list of {rows} tensors, neither one per batch of the loader's last pass "
-                    f"({len(sizes)} batches of {', '.join(map(str, sizes))} rows here) nor one per sample ({count})")
-        if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, list) and _field_rows(v) is not None
-                                                                     for v in leaf):
-            return (f"an output is a list of {rows} lists of tensors, each a batch's fields ([logits, labels]), "
-                    f"not its rows: collect each batch's fields as a tuple or a dict, which are gathered field by "
-                    f"field")
-        if rows != count:
-            return f"an output holds {rows} rows, but the loader's last pass handed out {count} samples here"
+    if isinstance(leaf, torch.Tensor):
+        rows = leaf.shape[0] if leaf.dim() else None
+    else:
+        rows = len(leaf) if isinstance(leaf, list) else None
+    if rows is None:
+        return f"an output of type {type(leaf).__name__} has no rows"
+    if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) and not v.dim()
+                                                                 for v in leaf):
+        return (f"one number per batch ({rows} of them: a batch's loss, say), not one per sample ({count}): leave it "
+                "out of what is gathered (all_reduce it), or give one value per row")
+    if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, torch.Tensor) for v in leaf):
+        return (f"an output is a list of {rows} tensors, neither one per batch of the loader's last pass "
+                f"({len(sizes)} batches of {', '.join(map(str, sizes))} rows here) nor one per sample ({count})")
+    if rows != count and isinstance(leaf, list) and leaf and all(isinstance(v, list) and _field_rows(v) is not None
+                                                                 for v in leaf):
+        return (f"an output is a list of {rows} lists of tensors, each a batch's fields ([logits, labels]), "
+                f"not its rows: collect each batch's fields as a tuple or a dict, which are gathered field by "
+                f"field")
+    if rows != count:
+        return f"an output holds {rows} rows, but the loader's last pass handed out {count} samples here"
     return None
 
 
