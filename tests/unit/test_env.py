@@ -90,9 +90,17 @@ def test_slurm_one_task_without_srun_is_a_single_process():
     assert env.launcher == "none"
 
 
-def test_slurm_interactive_shell_is_ignored():
+def test_slurm_interactive_shell_is_ignored_unless_srun_started_the_process(monkeypatch):
+    import lockstep.env.distenv as distenv
+
     env = DistEnv.from_environ({**SLURM, "SLURM_JOB_NAME": "bash"}, argv=[])
-    assert env.launcher == "none"
+    assert env.launcher == "none"  # `python train.py` typed in the salloc shell: one process
+    # `srun -n 8 python train.py` typed there: srun's slurmstepd is the parent, and the step is a job of 8 ranks
+    # (before: each task ran as a job of its own)
+    monkeypatch.setattr(distenv, "_started_by_slurmstepd", lambda: True)
+    for name in ("bash", "interactive"):
+        env = DistEnv.from_environ({**SLURM, "SLURM_JOB_NAME": name}, argv=[])
+        assert (env.launcher, env.rank, env.world_size) == ("slurm", 5, 8)
 
 
 def test_slurm_tasks_per_node_disagreeing_with_ntasks():

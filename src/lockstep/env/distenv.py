@@ -234,8 +234,23 @@ def _ray_nodes() -> int | None:
     return len(set(bundles.values())) or None
 
 
+def _in_interactive_shell(env: Mapping[str, str]) -> bool:
+    """A script run from the shell of an salloc session (a job named ``bash`` or ``interactive``, Lightning's
+    test): one process, also where the shell's own step counts several tasks. Unless srun started this very
+    process (its parent is ``slurmstepd``): ``srun -n 2 python train.py`` typed in that shell is a step of 2."""
+    return env.get("SLURM_JOB_NAME") in ("bash", "interactive") and not _started_by_slurmstepd()
+
+
+def _started_by_slurmstepd() -> bool:
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as handle:
+            return handle.read().strip() == "slurmstepd"
+    except OSError:  # not Linux, or the parent is gone
+        return False
+
+
 def _from_slurm(env: Mapping[str, str], legacy_local_rank: int | None) -> DistEnv | None:
-    if "SLURM_JOB_ID" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+    if "SLURM_JOB_ID" not in env or _in_interactive_shell(env):
         return None
     under_srun = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
     ntasks = _int(env, "SLURM_NTASKS", default=1)
