@@ -443,3 +443,46 @@ def plan_by_function_in_other_names(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     parallelize_module(model, tp_mesh, {"module.net.1.up": ColwiseParallel()})
+
+
+class TiedNet(nn.Module):
+    """An embedding whose weight the output head shares (tied embeddings), split by a plan of names."""
+
+    PLAN = {"embed": "embedding_rowwise", "up": "colwise", "down": "rowwise", "head": "colwise_gather_output"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.up, self.down = nn.Embedding(16, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def tied_weights_after_steps(tp: int, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 SGD steps of ``TiedNet`` on one batch, on tp ranks (1: one process); the embedding and the head, whole."""
+    tokens = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(1))
+    model = TiedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if tp > 1:
+        rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp",
+                              parallel=lockstep.Parallel(tp=tp, tp_plan=TiedNet.PLAN))
+        model, optimizer = rt.setup(model, optimizer)
+    for _ in range(steps):
+        F.cross_entropy(model(tokens).reshape(-1, 16), tokens.roll(1, 1).reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = lockstep.unwrap(model)
+    whole = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in (inner.embed.weight,
+                                                                                            inner.head.weight)]
+    return whole[0].clone(), whole[1].clone()
+
+
+def tied_split_apart() -> None:
+    """``TiedNet`` with its head split by input features and its embedding by rows: refused by ``rt.setup``."""
+    rt = lockstep.Runtime(accelerator="cpu", seed=0, strategy="fsdp",
+                          parallel=lockstep.Parallel(tp=2, tp_plan={"embed": "embedding_rowwise", "head": "rowwise"}))
+    rt.setup(TiedNet())

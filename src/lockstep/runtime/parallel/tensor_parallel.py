@@ -89,7 +89,9 @@ def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False)
         from torch.distributed.tensor.parallel import parallelize_module
 
         resolved = resolve_plan(module, plan, tp_mesh.size(), stage)
+        tied = _tied_slots(module)
         parallelize_module(module, tp_mesh, resolved)
+        _tie_again(module, tied)
         styles = {name: plan[matched] for name, matched in _patterns_of(resolved, plan).items()}
     for name, sub in module.named_modules():
         if any(isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
@@ -99,6 +101,34 @@ def apply_plan(module: nn.Module, tp_mesh: Any, plan: Plan, stage: bool = False)
 
 
 _SPLIT = "_lockstep_tp_split"  # on a split module: (its name, its style, tp), for explain_failure
+
+
+def _tied_slots(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """The parameters that several places of ``module`` share (tied embeddings: the input embedding and the
+    output head), as (module name, attribute) per place."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner, _, attribute = name.rpartition(".")
+        places.setdefault(id(param), []).append((owner, attribute))
+    return [slots for slots in places.values() if len(slots) > 1]
+
+
+def _tie_again(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """torch's ``parallelize_module`` gives each split module a parameter of its own, untying shared weights
+    (each would then train apart): tie them again where every place holds the same split (the embedding's
+    rows and the head's output features, both sharded by vocabulary), else refuse."""
+    for slots in tied:
+        params = [getattr(module.get_submodule(owner), attribute) for owner, attribute in slots]
+        layouts = {(tuple(getattr(p, "placements", ())), tuple(p.shape)) for p in params}
+        if len(layouts) > 1:
+            shown = ", ".join(f"{owner}.{attribute} {tuple(getattr(p, 'placements', ())) or 'not split'}"
+                              for (owner, attribute), p in zip(slots, params, strict=True))
+            raise ConfigError(f"the tensor-parallel plan splits a weight shared by several modules differently "
+                              f"({shown}): each would train a copy of its own. Give them styles that split it "
+                              "alike (an embedding's rows and a head's output features: 'rowwise' embedding, "
+                              "'colwise' head), or untie them (tie_word_embeddings=False).")
+        for owner, attribute in slots[1:]:
+            setattr(module.get_submodule(owner), attribute, params[0])
 
 
 def _matcher(pattern: str) -> re.Pattern[str]:
