@@ -237,7 +237,7 @@ def test_lockstep_run_inside_a_slurm_job_checkpoints_at_the_time_limit_warning_a
     assert torch.equal(resumed["weights"], whole["weights"])
 
 
-def test_a_node_of_two_whose_peer_never_starts_ends_within_the_rendezvous_timeout_naming_it():
+def test_a_node_of_two_whose_peer_never_starts_ends_within_the_rendezvous_timeout_naming_it(tmp_path):
     """torch's static rendezvous waited 15 minutes in silence (its store's wait for clients), then gave a bare
     DistStoreError; the timeout is LOCKSTEP_TIMEOUT's now, or --rdzv-conf timeout=, and the end says why."""
     with socket.socket() as probe:
@@ -245,23 +245,24 @@ def test_a_node_of_two_whose_peer_never_starts_ends_within_the_rendezvous_timeou
         port = probe.getsockname()[1]
     start = time.monotonic()
     done = _lockstep("run", "--nodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}", "--devices", "1",
-                     "--rdzv-conf", "timeout=5", "tests/scripts/train_tiny.py", "unused.pt", timeout=60)
+                     "--rdzv-conf", "timeout=5", "tests/scripts/train_tiny.py", str(tmp_path / "out.pt"), timeout=60)
     assert done.returncode == 1 and time.monotonic() - start < 40, done.stderr
     assert "the 2 nodes did not all join the rendezvous at 127.0.0.1" in done.stderr, done.stderr
     assert "1/2 clients joined" in done.stderr
     other = _lockstep("run", "--nodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}",
-                      "--rdzv-conf", "join_timeout=10", "tests/scripts/train_tiny.py", "unused.pt")
+                      "--rdzv-conf", "join_timeout=10", "tests/scripts/train_tiny.py", str(tmp_path / "out.pt"))
     assert other.returncode == 2 and "--rdzv-conf join_timeout: a fixed number of nodes" in other.stderr, other.stderr
 
 
-def test_two_nodes_started_with_other_node_counts_both_say_so_and_end():
+def test_two_nodes_started_with_other_node_counts_both_say_so_and_end(tmp_path):
     """Before: the job trained (node 1 took itself for one of 3 nodes), then both agents hung in torch's exit
     barrier; a Runtime whose start failed also broke its exit handler (no attribute '_checkpoints')."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     nodes = [subprocess.Popen([*LOCKSTEP, "run", "--nodes", count, "--node-rank", rank, "--master", f"127.0.0.1:{port}",
-                               "--devices", "1", "--accelerator", "cpu", "tests/scripts/train_tiny.py", "unused.pt"],
+                               "--devices", "1", "--accelerator", "cpu", "tests/scripts/train_tiny.py",
+                               str(tmp_path / "out.pt")],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for count, rank in (("2", "0"), ("3", "1"))]
     try:
