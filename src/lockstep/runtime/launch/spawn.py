@@ -45,6 +45,7 @@ from lockstep.runtime.launch.elastic import threads_per_process
 from lockstep.runtime.seed import draw_fresh_seeds
 
 GRACE_S = 2.0
+STORE_KEPT_S = 10.0  # rank 0's store kept up after a failed final barrier, for the peers' reports
 #: A worker's exit status when it found ``lockstep.launch`` called while it imported the script.
 UNGUARDED_EXIT = 86
 UNGUARDED = ("lockstep.launch was called while a worker process imported the script: each worker imports "
@@ -145,12 +146,24 @@ def _child(
         # handlers run first: a Runtime made in fn closes, so a peer still waiting in a collective
         # reads that this rank ended instead of "never reached" it.
         run_exit_handlers()
-        with contextlib.suppress(Exception):
-            if env.is_distributed:
-                # Rank 0 hosts the store: nobody tears down before everybody is done with it.
-                torch.distributed.barrier()
-            destroy_process_group()
+        _leave_group(env.is_distributed, local_rank == 0)
     exit_now(code)  # the result is on disk
+
+
+def _leave_group(distributed: bool, hosts_store: bool) -> None:
+    """After this rank's work: wait for the others, then leave. Rank 0 hosts the store: nobody tears down
+    before everybody is done with it. A peer still waiting in a collective of its own breaks the barrier;
+    rank 0 then keeps its store up a while, so that the peer's report can still read where this rank ended
+    (the launch stops every worker once that peer has failed)."""
+    with contextlib.suppress(Exception):
+        if distributed:
+            try:
+                torch.distributed.barrier()
+            except Exception:
+                if hosts_store:
+                    time.sleep(STORE_KEPT_S)
+                raise
+        destroy_process_group()
 
 
 class _ScriptPickler(cloudpickle.Pickler):
