@@ -99,18 +99,18 @@ class UnevenStream(IterableDataset):
 
 
 class EpochCounted:
-    """A batch sampler of 24 samples whose number of batches changes with the epoch (as token-budget packing's
-    does): batches of 3 in even epochs, of 4 in odd ones."""
+    """A batch sampler of ``n`` samples whose number of batches changes with the epoch (as token-budget
+    packing's does): batches of ``sizes[0]`` in even epochs, of ``sizes[1]`` in odd ones; no ``__len__``."""
 
-    def __init__(self) -> None:
-        self.epoch = 0
+    def __init__(self, n: int = 24, sizes: tuple[int, int] = (3, 4)) -> None:
+        self.n, self.sizes, self.epoch = n, sizes, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        size = 3 if self.epoch % 2 == 0 else 4
-        return iter([list(range(i, min(i + size, 24))) for i in range(0, 24, size)])
+        size = self.sizes[self.epoch % 2]
+        return iter([list(range(i, min(i + size, self.n))) for i in range(0, self.n, size)])
 
 
 class Indexed(Dataset):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import lockstep
+from checks import data as dc
 from checks import trainer as tc
 from lockstep.errors import CheckpointError
 
@@ -187,21 +188,6 @@ def test_a_fit_resumed_from_a_max_steps_end_continues_as_one_longer_fit_without_
     _same_weights(module, module_again)
 
 
-class _PackedByEpoch:
-    """A batch sampler whose number of batches changes with the epoch (as token-budget packing does): 4 batches
-    of 16 in even epochs, 8 of 8 in odd ones; no ``__len__``."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        size = 16 if self.epoch % 2 == 0 else 8
-        return iter([list(range(i, i + size)) for i in range(0, 64, size)])
-
-
 class _Recorded(Net):
     def __init__(self) -> None:
         super().__init__()
@@ -214,7 +200,8 @@ class _Recorded(Net):
 
 def _packed_fit(folder, max_steps):
     module = _Recorded()
-    loader = torch.utils.data.DataLoader(DATA, batch_sampler=_PackedByEpoch())
+    # batches of 16 in even epochs, of 8 in odd ones: epoch 0 holds 4, epoch 1 holds 8
+    loader = torch.utils.data.DataLoader(DATA, batch_sampler=dc.EpochCounted(64, (16, 8)))
     tc.quiet_trainer(max_epochs=2, max_steps=max_steps, checkpoint_dir=folder, resume="auto").fit(module, loader)
     return module
 
