@@ -38,8 +38,9 @@ class LoopState:
     # a validation that the fit's end added (its step was not due one): the callback metrics and validated_at as
     # they were before it, where a fit resumed from its checkpoint continues (None: no such validation)
     fit_end: dict[str, Any] | None = None
-    pass_over: bool = False  # resumed after the pass's last batch (a stream's, whose length is unknown)
-    pass_known: bool = False  # the checkpoint's loader position says whether its pass was over
+    # the checkpoint's loader position: resumed after the pass's last batch (a stream's, whose length is unknown,
+    # or a batch sampler's, whose count may change with the epoch); None: a position that does not say
+    pass_over: bool | None = None
     only_end_left: bool = False  # the current epoch's pass has no batch left, only its end to run
     between_epochs: bool = False  # an epoch ended (current_epoch counts it) and the next has not started
 
@@ -55,7 +56,7 @@ class LoopState:
     def start_epoch(self) -> int:
         """The first batch of the epoch's pass (0, or where a resumed epoch continues)."""
         self.only_end_left, self.between_epochs = self.end_left(), False
-        start, self.resume_batches, self.pass_over, self.pass_known = self.resume_batches, 0, False, False
+        start, self.resume_batches, self.pass_over = self.resume_batches, 0, None
         self.batches_done_in_epoch, self.epoch_ended, self.step_samples, self.plateau_due = start, False, 0, False
         self.batch_samples = None  # values logged before the first batch (on_train_epoch_start) weigh 1
         return start
@@ -65,8 +66,7 @@ class LoopState:
         max_steps was reached at that batch, as it ran in the uninterrupted fit)."""
         if not self.resume_batches:
             return False
-        # the loader's own word where its position holds it: a batch sampler's count may change with the epoch
-        return self.pass_over if self.pass_known else self.resume_batches == self.steps_per_epoch
+        return self.pass_over if self.pass_over is not None else self.resume_batches == self.steps_per_epoch
 
     def start_batch(self, batch_idx: int, local_samples: int, global_samples: int, accumulate: int, last: bool
                     ) -> None:
@@ -142,8 +142,8 @@ class LoopState:
         self.resume_at(done)
         # saved after the pass's last batch, before the epoch's end: the pass is not read again (a stream's would
         # be, to find its end)
-        self.pass_over = done > 0 and position is not None and position.get("ended") is True
-        self.pass_known = position is not None and isinstance(position.get("ended"), bool)
+        ended = position.get("ended") if position is not None else None
+        self.pass_over = ended if isinstance(ended, bool) else None
 
 
 def _before_fit_end(saved: Any) -> dict[str, Any] | None:

@@ -63,11 +63,10 @@ class ThroughputMonitor(Callback):
         their hooks make) and the time between epochs are left out, as Lightning's monitor leaves them."""
         now, samples, wait = time.perf_counter(), trainer.samples_seen, trainer.data_wait_s
         away = self._paused + trainer.evaluation.seconds_in_fit
-        items = self._items_per_s(trainer, now - self._mark[0] - (away - self._mark[4])
-                                  if self._mark is not None else 0.0)  # every rank
+        elapsed = now - self._mark[0] - (away - self._mark[4]) if self._mark is not None else 0.0  # training time
+        items = self._items_per_s(trainer, elapsed)  # every rank
         if self._mark is not None:
-            then, samples_then, wait_then, steps_then, away_then = self._mark
-            elapsed = now - then - (away - away_then)
+            _, samples_then, wait_then, steps_then, _ = self._mark
             steps = trainer.global_step - steps_then
             if elapsed > 0 and steps > 0:
                 fraction = (wait - wait_then) / elapsed
