@@ -234,6 +234,11 @@ def _ray_nodes() -> int | None:
     return len(set(bundles.values())) or None
 
 
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    """srun started this process as a task of a job step (not the batch script's shell)."""
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
 def _in_interactive_shell(env: Mapping[str, str]) -> bool:
     """A script run from the shell of an salloc session (a job named ``bash`` or ``interactive``, Lightning's
     test): one process, also where the shell's own step counts several tasks. Unless srun started this very
@@ -252,7 +257,7 @@ def _started_by_slurmstepd() -> bool:
 def _from_slurm(env: Mapping[str, str], legacy_local_rank: int | None) -> DistEnv | None:
     if "SLURM_JOB_ID" not in env or _in_interactive_shell(env):
         return None
-    under_srun = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    under_srun = in_srun_step(env)
     ntasks = _int(env, "SLURM_NTASKS", default=1)
     if not under_srun:
         if ntasks > 1:

@@ -14,6 +14,7 @@ from lockstep.errors import ConfigError
 from lockstep.runtime import complete_checkpoints, is_checkpoint_folder
 
 if TYPE_CHECKING:
+    from lockstep.runtime import Checkpoint
     from lockstep.train.module import Module
     from lockstep.train.trainer import Trainer
 
@@ -250,18 +251,19 @@ class ModelCheckpoint(Callback):
         folder = self.dirpath or trainer.checkpoint_dir
         if folder is not None:
             trainer.runtime.prepare_checkpoint_folder(folder)
-            self._superseded = self._after_the_start(trainer, Path(folder))
-            self._note_best(self._kept(Path(folder)))
+            found = complete_checkpoints(folder)  # each one's metadata read once, for both
+            self._superseded = self._after_the_start(trainer, Path(folder), found)
+            self._note_best(self._kept(Path(folder), found))
 
-    def _after_the_start(self, trainer: Trainer, folder: Path) -> set[Path]:
+    def _after_the_start(self, trainer: Trainer, folder: Path, found: list[Checkpoint]) -> set[Path]:
         """This callback's checkpoints in ``folder`` of steps after the one this fit starts from. A fit that
         ``resume="auto"`` resumed from this folder passed over them as damaged: its own saves replace them.
         Any other fit (a fresh one, one resumed from an older checkpoint) would write among another run's
         checkpoints: a save at an existing name would keep that run's weights, and a later ``resume="auto"``
         would continue that run. It is refused, naming them (rank 0's view, so every rank says the same)."""
         rt, start = trainer.runtime, trainer.global_step
-        later = rt.broadcast(sorted(found.path.name for found in complete_checkpoints(folder)
-                                    if found.step > start and _CHECKPOINT_NAME.fullmatch(found.path.name)))
+        later = rt.broadcast(sorted(checkpoint.path.name for checkpoint in found
+                                    if checkpoint.step > start and _CHECKPOINT_NAME.fullmatch(checkpoint.path.name)))
         if not later:
             return set()
         auto = str(trainer.config.resume) == "auto" and Path(trainer.checkpoint_dir or "") == folder
@@ -357,11 +359,12 @@ class ModelCheckpoint(Callback):
 
         trainer.save_checkpoint(path, blocking=not self.async_save, then=after_commit)
 
-    def _kept(self, folder: Path) -> dict[Path, float]:
+    def _kept(self, folder: Path, listed: list[Checkpoint] | None = None) -> dict[Path, float]:
         """This callback's checkpoints in ``folder`` and their scores, read from the folder itself
-        (never from restored state: a copied run folder must not delete the original's)."""
+        (never from restored state: a copied run folder must not delete the original's); ``listed``: the
+        folder's checkpoints, where the caller has just read them."""
         kept = {}
-        for found in complete_checkpoints(folder):
+        for found in listed if listed is not None else complete_checkpoints(folder):
             if not _CHECKPOINT_NAME.fullmatch(found.path.name) or found.path in self._superseded:
                 continue
             if self.monitor is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockstep.env.distenv import in_srun_step
 from lockstep.errors import PreflightError
 
 
@@ -121,7 +122,7 @@ def with_orchestrator_defaults(request: RunRequest, environ: Mapping[str, str]) 
 def _one_task_per_node(environ: Mapping[str, str]) -> None:
     """``lockstep run`` starts its node's processes itself: as one of several srun tasks on a node (an sbatch
     script's ``--ntasks-per-node=2`` kept with ``srun lockstep run``), each task would start a job of its own."""
-    if "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+    if not in_srun_step(environ):
         return
     try:
         tasks, nodes = int(environ.get("SLURM_STEP_NUM_TASKS", "1")), int(environ.get("SLURM_STEP_NUM_NODES", "1"))
