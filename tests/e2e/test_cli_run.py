@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -252,6 +253,31 @@ def test_a_node_of_two_whose_peer_never_starts_ends_within_the_rendezvous_timeou
     other = _lockstep("run", "--nodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}",
                       "--rdzv-conf", "join_timeout=10", "tests/scripts/train_tiny.py", str(tmp_path / "out.pt"))
     assert other.returncode == 2 and "--rdzv-conf join_timeout: a fixed number of nodes" in other.stderr, other.stderr
+
+
+def test_a_node_whose_node_0_never_starts_waits_quietly_answers_term_and_ends_naming_it(tmp_path):
+    """Node 1's store clients (torch's rendezvous, the node watch) retried with a C++ stack trace each time,
+    about 2 KB a second, and torch's wait did not answer TERM; now one line says what it waits for."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node1 = ["run", "--nodes", "2", "--node-rank", "1", "--master", f"127.0.0.1:{port}", "--devices", "1",
+             "--rdzv-conf", "timeout=8", "tests/scripts/train_tiny.py", str(tmp_path / "out.pt")]
+    done = _lockstep(*node1, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"waiting for node 0's rendezvous store at 127.0.0.1:{port} (up to 8 s" in done.stderr, done.stderr
+    assert f"(nothing listened at 127.0.0.1:{port} within 8 s)" in done.stderr, done.stderr
+    assert "frame #" not in done.stderr and len(done.stderr) < 2000, done.stderr
+    waiting = subprocess.Popen([*LOCKSTEP, *node1[:-3], "timeout=60", *node1[-2:]], cwd=ROOT, text=True,
+                               stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        time.sleep(4)
+        waiting.send_signal(signal.SIGTERM)
+        _, stderr = waiting.communicate(timeout=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(waiting.pid, signal.SIGKILL)
+    assert waiting.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in stderr, stderr
 
 
 def test_two_nodes_started_with_other_node_counts_both_say_so_and_end(tmp_path):

@@ -16,6 +16,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts connections at ``host:port`` (tried once, for at most ``timeout_s``): a
+    quiet probe before a store client, whose own retries log a C++ stack trace each while nobody listens
+    there (a rendezvous store hosted by a node not started yet)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def host_store(host: str, port: int = 0, timeout: Any = None) -> tuple[Any, int]:
     """Host the rendezvous store on ``host:port`` only (port 0: a free one); returns (store, port).
 

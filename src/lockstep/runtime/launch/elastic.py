@@ -16,12 +16,13 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, NoReturn
 
 from lockstep.env.fault_tolerance import ENV_GROUP, ENV_ON
 from lockstep.env.settings import PREEMPTED_EXIT
 from lockstep.errors import StateError
-from lockstep.runtime.comm.network import host_store
+from lockstep.runtime.comm.network import host_store, listening
 from lockstep.runtime.faults.root_cause import lost_a_peer
 from lockstep.runtime.launch.fork_server import SERVERS, ForkServer, forked_workers
 from lockstep.runtime.launch.node_watch import NodeWatch
@@ -64,10 +65,9 @@ def _run_watched(args: Any, watch: NodeWatch | None) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run as elastic_run
 
     try:
-        elastic_run(args)
+        _run_once_store_listens(args, watch)
     except DistError as error:  # the rendezvous of a fixed number of nodes: one never joined (torch names its store)
         return _not_all_joined(error, args, watch)
     except ChildFailedError as failed:
@@ -160,6 +160,41 @@ def _children(pid: int) -> dict[int, float]:
                     started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
                     found[int(child)] = uptime - started
     return found
+
+
+def _run_once_store_listens(args: Any, watch: NodeWatch | None) -> None:
+    """torch's launch; first, a node whose node 0 hosts a static rendezvous's store waits for it to listen,
+    quietly and answering signals (torch's client logs a C++ stack trace at each of its tries, and does not
+    answer TERM while it waits): DistError when nothing listened there within the rendezvous timeout."""
+    from torch.distributed import DistError
+    from torch.distributed.run import run as elastic_run
+
+    waits = watch is not None and not watch.hosts_store and args.rdzv_backend == "static"
+    if waits and not _store_listens_within(args, _join_timeout_s(args)):
+        raise DistError(f"nothing listened at {args.master_addr}:{args.master_port} within {_join_timeout_s(args)} s")
+    elastic_run(args)
+
+
+def _store_listens_within(args: Any, timeout_s: int) -> bool:
+    """Whether node 0's store listens within ``timeout_s``, waited for quietly; a line says so after 5 s."""
+    start = time.monotonic()
+    said = False
+    while not listening(args.master_addr, int(args.master_port), 2.0):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            return False
+        if not said and waited >= 5:
+            print(f"lockstep run: waiting for node 0's rendezvous store at {args.master_addr}:{args.master_port} "
+                  f"(up to {timeout_s} s; --rdzv-conf timeout=SECONDS)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(1.0, max(0.0, timeout_s - waited)))
+    return True
+
+
+def _join_timeout_s(args: Any) -> int:
+    """The static rendezvous's timeout, which ``lockstep run`` always sets (``--rdzv-conf timeout=S``)."""
+    given = dict(part.partition("=")[::2] for part in (args.rdzv_conf or "").split(",") if part)
+    return int(given.get("timeout", 600))  # torch's own default
 
 
 def _not_all_joined(error: Exception, args: Any, watch: NodeWatch | None) -> int:

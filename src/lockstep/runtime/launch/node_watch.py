@@ -33,6 +33,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from lockstep.runtime.comm.network import listening
+
 INTERVAL_S = 1.0
 WINDOW_S = 10.0
 _PREFIX = "lockstep/nodes"
@@ -125,6 +127,9 @@ class NodeWatch:
         import torch.distributed as dist
 
         while not self._stop.is_set():
+            if not listening(self.host, self.port, 2 * self.interval_s):  # quiet, where torch's tries log traces
+                self._stop.wait(self.interval_s)
+                continue
             try:
                 store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
                                       timeout=timedelta(seconds=2 * self.interval_s))  # short tries
