@@ -187,6 +187,16 @@ def test_fewer_live_groups_than_the_minimum_ends_with_an_error_naming_it(tmp_pat
     assert "no quorum of at least 2 live group(s) formed within 3 s" in out, out[-3000:]
 
 
+def test_batches_that_do_not_come_from_rt_loader_are_refused_instead_of_training_each_group_apart(tmp_path,
+                                                                                                  lighthouse):
+    """Before: no quorum was taken, so no step averaged the groups' gradients, and every step reused the first
+    commit's answer while rt.step_committed read False: the groups trained apart (0.11 off after 10 steps) and the
+    documented loop, which counts committed steps, never ended."""
+    code, out = _finish(_group(tmp_path, lighthouse, 0, "--plain-loader"), timeout=60)
+    assert code != 0 and "optimizer.step() with no step begun" in out, out[-3000:]
+    assert "must come from a training loader made by rt.loader" in out
+
+
 def test_a_lost_lighthouse_ends_every_group_with_an_error(tmp_path):
     """The lighthouse's host dies (SIGKILL): each group ends at its next quorum with an error that says
     so, and nothing is left running (a restart then resumes from the newest checkpoint)."""

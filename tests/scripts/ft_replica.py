@@ -1,6 +1,7 @@
 """One replica group of a fault-tolerant job (or, without LOCKSTEP_FAULT_TOLERANT, the one-process reference).
 
     python ft_replica.py OUT [--die-at STEP --die-when start|backward|random] [--checkpoints DIR --save-every N]
+                             [--plain-loader]
 
 ``{group}`` and ``{rank}`` in OUT and ``--log``: the replica group's index (under ``lockstep run --fault-tolerant``)
 and the rank inside the group.
@@ -53,6 +54,7 @@ parser.add_argument("--hidden", type=int, default=16)
 parser.add_argument("--marks", default="")
 parser.add_argument("--hold-at", type=int, default=-1)
 parser.add_argument("--hold-for", type=int, default=0)
+parser.add_argument("--plain-loader", action="store_true", help="batches from a torch DataLoader (refused)")
 args = parser.parse_args()
 group = int(os.environ.get("LOCKSTEP_REPLICA_GROUP", "0"))
 rank = os.environ.get("RANK", "0")  # a group of several processes: each rank writes its own files
@@ -94,6 +96,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(data, batch_size=24, shuffle=True)
 state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "random": rt.random_states()}
+if args.plain_loader:
+    loader = torch.utils.data.DataLoader(data, batch_size=12)
+    del state["loader"]
 total = args.epochs * len(loader)
 if args.marks:
     mark_start(args.marks, group, rank)

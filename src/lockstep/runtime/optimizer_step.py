@@ -82,6 +82,7 @@ class OptimizerStep:
         self._backward_for: object = None  # the batch that an rt.backward was seen for
         self._warned = False
         self._clipping = False  # inside ``clip``, whose own call of torch's clip_grad_norm_ reads final gradients
+        self._stepped: set[int] = set()  # fault tolerance: the optimizers stepped in this step (their ids)
         _STEPS.add(self)
         guard_torch_clip()
 
@@ -92,8 +93,8 @@ class OptimizerStep:
         if not closure:
             self._check_backward()
         self.items.finish_step()                                # 2
-        if self.replication.in_step:  # a fault-tolerant step (not DCP's step that creates the state)
-            self._reduce_over_replicas()
+        if self.replication.fault_tolerant:  # (not DCP's step that creates the state: it does not come here)
+            self._replicated_step(optimizer)
         if not self.replication.commit():  # decided at the step's first optimizer: its others follow it
             self.precision.step_not_taken(optimizer)  # gradients unscaled by a clip are dropped with the step
             return None
@@ -209,6 +210,22 @@ class OptimizerStep:
             f"{weight:.4g}), and no rt.backward since the last step: a plain loss.backward() averages the ranks' "
             "means as if every rank held as many rows, so the gradients are not those of the global batch's mean. "
             "Call rt.backward(loss) instead.", stacklevel=4)
+
+    def _replicated_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fault tolerance: the step's gradients averaged over the replica groups, once; a step needs the quorum
+        that a training loader of ``rt.loader`` takes before its batches: an optimizer stepped again without one
+        would train its group apart from the others (no average, the last commit's answer again), so it is
+        refused."""
+        if self.replication.in_step:
+            self._reduce_over_replicas()
+            self._stepped.clear()
+        elif not self._stepped or id(optimizer) in self._stepped:
+            raise UsageError("fault tolerance: optimizer.step() with no step begun: each step's batches must come "
+                             "from a training loader made by rt.loader (before a step's batches it takes the "
+                             "replica groups' quorum, which averages the step's gradients over the groups and "
+                             "decides whether the step commits). A plain DataLoader or batches made by hand would "
+                             "train each group apart from the others.")
+        self._stepped.add(id(optimizer))
 
     def _reduce_over_replicas(self) -> None:
         """Every attached optimizer's gradients averaged over the replica groups (once a step)."""
