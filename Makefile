@@ -26,6 +26,7 @@ $(VENV)/.dev-installed: $(BIN)/python pyproject.toml
 	touch $@
 
 demo: $(VENV)/.demo-installed
+	rm -rf runs/digits  # the demo's own output: a fit refuses a folder that holds another run's later checkpoints
 	$(BIN)/python examples/digits.py --devices 2
 
 lint: $(VENV)/.dev-installed

@@ -1,7 +1,7 @@
 """Train a digits classifier (scikit-learn's bundled 8x8 digits, no download) with the Trainer.
 
     python examples/digits.py                       # 2 processes: the script starts them itself
-    torchrun --nproc-per-node 2 examples/digits.py  # or under any launcher
+    torchrun --nproc-per-node 2 examples/digits.py --out runs/digits-torchrun  # or under any launcher
 
 Gloo on the CPU; NCCL with one GPU per process when CUDA GPUs are present. Writes a CSV log, a
 checkpoint and a PNG of the training and validation curves under --out.

@@ -85,7 +85,8 @@ def digits() -> tuple[TensorDataset, TensorDataset, TensorDataset]:
 def cli_main() -> None:
     # Lightning: LightningCLI(LitClassifier, MyDataModule, seed_everything_default=1234, run=False)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--devices", default="auto", help="processes (CPU) or GPUs per node; auto = what the "
+                        "launcher started (one process without one)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="the global batch (Lightning's is per process)")

@@ -68,6 +68,9 @@ class WorkerError(LockstepError, RuntimeError):
         super().__init__(message)
         self.rank = rank
 
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:  # pickled across processes (Ray): both arguments
+        return type(self), (str(self), self.rank)
+
 
 class NoRouteError(LockstepError, OSError):
     """No network interface of this node reaches the given address; the message names those seen."""

@@ -178,11 +178,11 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
     - the runtime API, its checkpoints reported to Ray; Ray's Result.checkpoint passes
       `lockstep checkpoint verify`;
     - the same run name again with an empty checkpoint folder and one epoch more: it resumes from Ray's
-      copy in its storage and still ends at the one-process weights.
+      copy in its storage and still ends at the one-process weights; without --name, a new run;
     - a Ray user's own TorchTrainer whose training function is a plain Runtime loop.
     The Trainer on Ray: the elastic test below."""
     storage = tmp_path / "store"
-    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
+    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "--name", "loop", "tests/scripts/ray_loop.py",
                           str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), str(tmp_path / "progress"), timeout=150,
                           RUN_LABEL="caller-42", PATH=f"/caller/bin:{os.environ['PATH']}",
                           CALLER_PATH=f"/caller/bin:{os.environ['PATH']}")
@@ -197,12 +197,12 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
     print(f"runtime API, 4 Ray workers on 2 nodes (3 + 1): largest difference from one process {difference:.2e}")
     assert difference <= 1e-5
     newest = _ray_checkpoint(first)
-    assert Path(newest).parent == storage / "ray_loop", newest
+    assert Path(newest).parent == storage / "loop", newest
     verified = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "checkpoint", "verify", newest],
                               capture_output=True, text=True, timeout=120)
     assert verified.returncode == 0 and "intact" in verified.stdout, verified.stdout + verified.stderr
 
-    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
+    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "--name", "loop", "tests/scripts/ray_loop.py",
                           str(tmp_path / "empty"), str(tmp_path / "out3.pt"), str(tmp_path / "progress3"), "3",
                           timeout=150)
     again = _finish(job, 150)
@@ -212,6 +212,14 @@ def test_on_a_two_node_ray_cluster_the_runtime_api_matches_one_process_and_resum
     difference = (result["weights"] - _one_process(3)).abs().max().item()
     print(f"resumed from Ray's copy on 4 workers: largest difference from one process {difference:.2e}")
     assert result["steps"] == 21 and difference <= 1e-5
+    # without --name: a new run, which resumes nothing (before, the default name was the script's, so any later run
+    # of the script continued the last one, with its own settings and a fresh checkpoint folder alike)
+    job = ray_cluster.run("--devices", "4", "--storage", str(storage), "tests/scripts/ray_loop.py",
+                          str(tmp_path / "fresh"), str(tmp_path / "out4.pt"), str(tmp_path / "progress4"), timeout=150)
+    fresh = _finish(job, 150)
+    assert job.returncode == 0 and "resumed from" not in fresh, fresh[-6000:]
+    assert re.search(r"run 'ray_loop-\d{8}-\d{6}' \(a new run; after a failure of this command, --name", fresh)
+    assert torch.load(tmp_path / "out4.pt")["steps"] == 14
 
     own = subprocess.run([sys.executable, "tests/scripts/ray_own_trainer.py", str(tmp_path / "own.pt"), "4",
                           str(storage)], cwd=ROOT, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address},

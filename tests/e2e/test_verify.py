@@ -21,11 +21,11 @@ def _verify(devices: int, *script: str) -> subprocess.CompletedProcess[str]:
                           timeout=200)
 
 
-@pytest.mark.parametrize(("devices", "script"), [(2, "examples/train.py"), (4, "examples/digits.py"),
+@pytest.mark.parametrize(("devices", "script"), [(2, "examples/train.py"), (4, "examples/digits.py --out {tmp}"),
                                                  (2, "tests/scripts/verify_planted.py tokens")],
                          ids=["runtime-2", "trainer-4", "num_items-2"])
-def test_verify_passes_where_the_run_computes_what_one_process_computes(devices, script):
-    done = _verify(devices, *script.split())
+def test_verify_passes_where_the_run_computes_what_one_process_computes(devices, script, tmp_path):
+    done = _verify(devices, *script.format(tmp=tmp_path).split())
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"the run on {devices} processes computes what one process computes: 3 steps agree" in done.stdout
     assert len([line for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]) == 3
@@ -81,6 +81,15 @@ def test_verify_catches_a_planted_bug_at_its_first_step_and_says_why(mode, cause
     assert "DIVERGES at step 1: the loss differs" in done.stderr and cause in done.stderr, done.stderr
 
 
+def test_a_learning_rate_scaled_by_the_world_size_is_caught_however_small_against_the_weights():
+    """The weights' tolerance was 1e-4 of the weights (3e-4 here, the embedding's), which hid updates of 1e-5 twice
+    as large as one process's; each step's update is compared now, and its ratio named."""
+    done = _verify(2, "tests/scripts/verify_planted.py", "tokens-lr")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DIVERGES at step 1: the weights differ" in done.stderr, done.stderr
+    assert "the update there is 2x the one on one process" in done.stderr, done.stderr
+
+
 def _record(step: int, loss: float, norm: float, weight: float) -> dict:
     return {"step": step, "loss": loss, "grad_norm": norm, "weights": {"w": torch.tensor([1.0, weight])}}
 
@@ -99,6 +108,42 @@ def test_compare_names_the_first_step_and_what_diverged():
     assert "most in w (by 0.01 " in compare(big, off, 1e-4, 1e-6)[1]
     assert "step 1: the gradient norm differs" in compare(reference, [_record(1, 2.0, 1.1, 0.5)], 1e-4, 1e-6)[1]
     assert "the run stopped after 1 steps" in compare(reference, [_record(1, 2.0, 1.0, 0.5)], 1e-4, 1e-6)[1]
+
+
+def test_compare_takes_the_updates_the_start_and_a_reference_that_stopped_first():
+    def run(start: float, *weights: float) -> list[dict]:
+        steps = [{"step": i + 1, "loss": 2.0, "grad_norm": 1.0, "weights": {"w": torch.tensor([10.0, w])}}
+                 for i, w in enumerate(weights)]
+        steps[0]["start"] = {"w": torch.tensor([10.0, start])}
+        return steps
+
+    reference = run(0.5, 0.49999, 0.49998)  # updates of 1e-5 beside a weight of 10
+    assert compare(reference, run(0.5, 0.49999, 0.49998), 1e-4, 1e-6)[1] is None
+    doubled = compare(reference, run(0.5, 0.49998, 0.49996), 1e-4, 1e-6)[1]
+    assert doubled is not None and doubled.startswith("step 1: the weights differ, most in w"), doubled
+    assert "the update there is 2x the one on one process" in doubled
+    moved = compare(reference, run(0.6, 0.59999, 0.59998), 1e-4, 1e-6)[1]
+    assert moved is not None and moved.startswith("the start: the weights differ before the first step"), moved
+    shorter = compare(reference[:1], run(0.5, 0.49999, 0.49998), 1e-4, 1e-6)[1]
+    assert shorter == "the run on one process stopped after 1 steps, the run checked made 2"
+
+
+def test_verify_clears_its_own_records_from_a_kept_folder_and_checks_its_options_first(tmp_path):
+    from lockstep.cli.verify import _clear_records
+
+    (tmp_path / "trace-0").mkdir()
+    (tmp_path / "trace-0" / "index.jsonl").write_text("")
+    (tmp_path / "step-0001.pt").write_bytes(b"")
+    (tmp_path / "model.json").write_text("{}")
+    (tmp_path / "mine.txt").write_text("kept")
+    _clear_records(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    for options, message in [(["--rtol", "-1"], "--rtol and --atol must be 0 or more"),
+                             (["--keep", "/proc/nowhere"], "--keep /proc/nowhere: cannot write there")]:
+        done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "verify", "--devices", "2", *options,
+                               "examples/train.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert "running" not in done.stdout
 
 
 def test_compare_never_calls_a_nan_loss_or_a_run_without_gradients_agreeing():

@@ -1,7 +1,8 @@
 """Scripts for `lockstep verify`: argv MODE. tokens: a token-averaged loss given with num_items;
 tokens-bug: the same loss averaged per rank without num_items (a planted bug); tokens-tp: the token
-loss on a mesh, ``Parallel(tp=2)``, which one process runs unsplit; batchnorm: a Trainer fit of a model
-with BatchNorm (each rank normalises with its own rows' statistics)."""
+loss on a mesh, ``Parallel(tp=2)``, which one process runs unsplit; tokens-lr: the token loss with a
+small learning rate scaled by the world size (a planted bug within 1e-4 of the weights); batchnorm: a
+Trainer fit of a model with BatchNorm (each rank normalises with its own rows' statistics)."""
 
 import os
 import sys
@@ -34,7 +35,8 @@ if mode.startswith("tokens"):
         model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
     else:
         model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16))
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    lr = 1e-4 * rt.world_size if mode == "tokens-lr" else 0.5
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
     for _ in range(3):
         for tokens, labels in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):
             loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -1,6 +1,7 @@
 """DistEnv parsing: one case per launcher, and the inconsistent environments it must refuse."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -363,11 +364,13 @@ def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_tak
     script = tmp_path / "train.py"
     script.write_text("")
     fixed = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "2", str(script), "x"]), 3, {})
-    assert (fixed.workers, fixed.max_failures, fixed.name, fixed.script_args) == (6, 0, "train", ["x"])
+    assert (fixed.workers, fixed.max_failures, fixed.script_args) == (6, 0, ["x"])
+    # a new run each time (an earlier run of the script is not continued with other settings), unless --name
+    assert re.fullmatch(r"train-\d{8}-\d{6}", fixed.name) and not fixed.named, fixed.name
     elastic = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "1:2", "--resize-interval", "5",
                                       "--storage", "st", "--name", "exp", str(script)]), 2, {})
     assert (elastic.workers, elastic.max_failures, elastic.resize_interval) == ((2, 4), 3, 5.0)
-    assert (elastic.name, elastic.storage) == ("exp", str(Path("st").resolve()))
+    assert (elastic.name, elastic.named, elastic.storage) == ("exp", True, str(Path("st").resolve()))
     refused = {"--node-rank": ["--node-rank", "1"], "--master": ["--master", "h:1"],
                "--fault-tolerant": ["--fault-tolerant"], "--resize-interval": ["--resize-interval", "5"],
                "--nodes": ["--nodes", "2:1"]}
@@ -382,6 +385,35 @@ def test_lockstep_run_on_ray_plans_its_workers_and_refuses_what_ray_does_not_tak
     assert fixed.keep_checkpoints is None and fixed.environment == {"LOCKSTEP_RAY_CHECKPOINTS": "as-the-script"}
     kept = plan_ray_job(_run_args(["--engine", "ray", "--keep-checkpoints", "3", str(script)]), 2, {"A": "1"})
     assert kept.keep_checkpoints == 3 and kept.environment == {"A": "1"}
+
+
+def test_a_ray_job_too_large_for_the_cluster_and_its_workers_failures_are_said_in_one_line(tmp_path):
+    """A fixed count beyond the cluster's CPUs waited without end (Ray retries its start timeout); a script's
+    non-zero exit came back as a TypeError (WorkerError could not be unpickled); a lost node's failure line
+    ended with Ray's 'Training failed due to worker errors:' and nothing after it."""
+    import pickle
+
+    from lockstep.errors import WorkerError
+    from lockstep.runtime.launch.ray_engine import _failures, _too_few_resources, plan_ray_job
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    fixed = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "2", str(script)]), 4, {})
+    assert _too_few_resources(fixed, False, {"CPU": 4.0}) == "4 CPUs for 8 workers"
+    assert _too_few_resources(fixed, True, {"CPU": 16.0, "GPU": 2.0}) == "2 GPUs for 8 workers"
+    assert _too_few_resources(fixed, False, {"CPU": 8.0}) == ""
+    elastic = plan_ray_job(_run_args(["--engine", "ray", "--nodes", "1:2", str(script)]), 4, {})
+    assert _too_few_resources(elastic, False, {"CPU": 1.0}) == ""  # an elastic job waits for its nodes
+    exited = pickle.loads(pickle.dumps(WorkerError("rank 1: train.py exited with status 3", 1)))
+    assert (str(exited), exited.rank) == ("rank 1: train.py exited with status 3", 1)
+
+    class WorkerGroupError(RuntimeError):  # Ray's: its message cut short, the failures by rank beside it
+        def __init__(self) -> None:
+            super().__init__("Training failed due to worker errors:\n")
+            self.worker_failures = {3: RuntimeError("ActorDiedError: the worker on 127.0.0.3 died"), 0: exited}
+
+    assert _failures(WorkerGroupError()) == ("rank 0: rank 1: train.py exited with status 3; rank 3: "
+                                             "ActorDiedError: the worker on 127.0.0.3 died")
 
 
 def test_ray_workers_get_the_caller_s_environment_less_the_variables_of_its_own_host():

@@ -5,6 +5,8 @@ written; bad input is refused by name."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 
@@ -66,6 +68,8 @@ def test_the_schema_check_refuses_a_field_the_trainjob_does_not_have(tmp_path):
     (["--name", "Bad_Name"], "--name 'Bad_Name'"),
     (["--volume", "ckpt"], "--volume 'ckpt': give CLAIM:PATH"),
     (["--env", "NOVALUE"], "--env 'NOVALUE': give NAME=VALUE"),
+    (["--env", "BAD NAME=1"], "--env 'BAD NAME=1': give NAME=VALUE, NAME of letters"),
+    (["--namespace", "Not A Namespace!"], "--namespace 'Not A Namespace!': a Kubernetes namespace"),
     (["--nodes", "0"], "must be at least 1"),
 ])
 def test_bad_input_is_refused_by_name(argv, says, capsys):
@@ -79,3 +83,22 @@ def test_several_pods_without_a_volume_are_warned_that_no_other_pod_sees_their_c
     for argv in (["--nodes", "2", "--volume", "ckpt:/ckpt"], ["--nodes", "1"]):
         _written(tmp_path, "--image", "img", *argv, "t.py")
         assert "warning" not in capsys.readouterr().err
+
+
+def test_what_the_arguments_hold_is_what_the_container_gets_and_no_second_object(tmp_path):
+    """A line break in an argument ended the header's comment, so the rest of it was YAML of its own (a
+    privileged Pod beside the TrainJob); '$(NAME)' was expanded by Kubernetes per pod; a character beyond
+    the BMP came back as two lone surrogates."""
+    out = tmp_path / "job.yaml"
+    hostile = "x\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: injected}\n"
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "k8s", "--image", "img", "--out", str(out),
+                           "--env", "RUN=$(POD_NAME)-$$", "t.py", hostile, "$(PET_NODE_RANK)", "\U0001f600 \u2028"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    documents = list(yaml.safe_load_all(out.read_text(encoding="utf-8")))
+    assert len(documents) == 1 and documents[0]["kind"] == "TrainJob" and _accepted_as_is(documents[0])
+    trainer = documents[0]["spec"]["trainer"]
+    # Kubernetes reads $$ as $: each $ doubled, so the script gets exactly these arguments
+    assert trainer["command"] == ["lockstep", "run", "t.py", hostile.replace("$", "$$"), "$$(PET_NODE_RANK)",
+                                  "\U0001f600 \u2028"]
+    assert trainer["env"] == [{"name": "RUN", "value": "$$(POD_NAME)-$$$$"}]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lockstep.cli.slurm import one_line
 from lockstep.errors import ConfigError
 
 #: The pod's grace period after TERM (an eviction, a node drain): the Trainer's preemption checkpoint
@@ -22,6 +23,8 @@ from lockstep.errors import ConfigError
 DEFAULT_GRACE_S = 60
 #: Kubernetes names (RFC 1123 labels): what a TrainJob's name and its pods' host names must be.
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+#: An environment variable's name as every Kubernetes version takes it (C_IDENTIFIER, with '-' and '.').
+_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,9 +66,10 @@ def k8s_command(args: argparse.Namespace) -> int:
               "disk, which no other pod sees and which goes with the pod, so a restarted job cannot resume (a "
               "resume needs every rank to see the same newest checkpoint). Give --volume CLAIM:PATH, a "
               "ReadWriteMany claim mounted in every pod, and checkpoint under PATH.", file=sys.stderr)
-    header = f"# Written by: lockstep k8s {shlex.join(sys.argv[2:])}\n# Apply with: kubectl apply -f FILE\n"
+    # one comment line, whatever the arguments hold (a line break in one would begin YAML of its own)
+    header = f"# Written by: lockstep k8s {one_line(shlex.join(sys.argv[2:]))}\n# Apply with: kubectl apply -f FILE\n"
     if args.out:
-        Path(args.out).write_text(header + text)
+        Path(args.out).write_text(header + text, encoding="utf-8")
         print(f"lockstep k8s: wrote {args.out}; apply it with: kubectl apply -f {args.out}", file=sys.stderr)
     else:
         print(header + text, end="")
@@ -84,7 +88,11 @@ def trainjob(args: argparse.Namespace) -> dict[str, Any]:
     if args.accelerator == "cuda":
         resources["nvidia.com/gpu"] = str(args.devices)
     resources.update({key: value for key, value in (("cpu", args.cpu), ("memory", args.memory)) if value})
-    trainer: dict[str, Any] = {"image": args.image, "command": ["lockstep", "run", args.script, *args.script_args],
+    if args.namespace and not _NAME.fullmatch(args.namespace):
+        raise ConfigError(f"--namespace {args.namespace!r}: a Kubernetes namespace is lowercase letters, digits and "
+                          "'-', at most 63, starting and ending with a letter or digit.")
+    command = ["lockstep", "run", args.script, *args.script_args]
+    trainer: dict[str, Any] = {"image": args.image, "command": [_literal(part) for part in command],
                                "numNodes": args.nodes, "numProcPerNode": args.devices}
     if resources:
         trainer["resourcesPerNode"] = {"limits": resources, "requests": dict(resources)}
@@ -104,9 +112,16 @@ def trainjob(args: argparse.Namespace) -> dict[str, Any]:
 
 def _env(item: str) -> dict[str, str]:
     name, sep, value = item.partition("=")
-    if not sep or not name:
-        raise ConfigError(f"--env {item!r}: give NAME=VALUE.")
-    return {"name": name, "value": value}
+    if not sep or not _ENV_NAME.fullmatch(name):
+        raise ConfigError(f"--env {item!r}: give NAME=VALUE, NAME of letters, digits, '_', '-' and '.', not "
+                          "beginning with a digit.")
+    return {"name": name, "value": _literal(value)}
+
+
+def _literal(text: str) -> str:
+    """``text`` as the container gets it: Kubernetes expands ``$(NAME)`` in a command and an env value, and
+    reads ``$$`` as ``$``, so each ``$`` is doubled."""
+    return text.replace("$", "$$")
 
 
 def _volume(item: str, index: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -148,4 +163,8 @@ def _scalar(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (dict, list)):
         return "{}" if isinstance(value, dict) else "[]"
-    return json.dumps(str(value))
+    # JSON's quoting (valid YAML), with the characters kept as they are; those that are not printable (a line
+    # break of Unicode's, which YAML would fold) escaped, as YAML reads them back
+    quoted = json.dumps(str(value), ensure_ascii=False)
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+                   for c in quoted)

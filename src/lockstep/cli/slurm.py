@@ -59,7 +59,7 @@ def _directives(args: argparse.Namespace, folder: Path) -> list[str]:
     name = args.job_name or Path(args.script).stem
     lines = [
         "#!/bin/bash",
-        "# Written by: lockstep slurm " + _escaped(shlex.join(sys.argv[2:])),
+        "# Written by: lockstep slurm " + one_line(shlex.join(sys.argv[2:])),
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={args.nodes}",
         f"#SBATCH --ntasks-per-node={args.devices}   # one task per device; lockstep checks it matches devices",
@@ -82,7 +82,7 @@ def _directives(args: argparse.Namespace, folder: Path) -> list[str]:
     return lines + [f"#SBATCH {extra}" for extra in args.sbatch_arg]
 
 
-def _escaped(text: str) -> str:
+def one_line(text: str) -> str:
     """``text`` on one line: each control character (a line break in an argument) written as its escape."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 

@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,6 +96,7 @@ def _run(args: argparse.Namespace, options: list[str], folder: Path, trace: int 
     command += [f"--precision={args.precision}"] if args.precision else []
     environment = {**os.environ, VERIFY_VARIABLES[0]: str(folder), VERIFY_VARIABLES[1]: str(args.steps),
                    VERIFY_VARIABLES[2]: str(trace), VERIFY_VARIABLES[3]: "1" if fingerprints else ""}
+    _clear_records(folder)
     try:
         done = subprocess.run([*command, args.script, *args.script_args], env=environment, capture_output=True,
                               text=True, timeout=args.timeout)
@@ -105,6 +108,16 @@ def _run(args: argparse.Namespace, options: list[str], folder: Path, trace: int 
         return ("it ended before its first optimizer step: the script must set its model up with lockstep "
                 "(Runtime.setup or the Trainer) and step an optimizer.")
     return None
+
+
+def _clear_records(folder: Path) -> None:
+    """An earlier check's records in ``folder`` (a ``--keep`` folder used again) removed, and only those: a run
+    that records nothing must not be compared as if it had recorded them."""
+    for record in [*folder.glob("step-[0-9]*.pt"), folder / "model.json"]:
+        record.unlink(missing_ok=True)
+    for trace in folder.glob("trace-[0-9]*"):
+        if (trace / "index.jsonl").is_file() or (trace / "rank.json").is_file():
+            shutil.rmtree(trace)
 
 
 def _steps(folder: Path) -> list[dict[str, Any]]:
@@ -122,22 +135,48 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
 
 
-def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rtol: float, atol: float
-                 ) -> tuple[float, str, bool]:
+def _weights_gap(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rtol: float, atol: float,
+                 start: dict[str, torch.Tensor] | None = None, steps: int = 1) -> tuple[float, str, bool]:
     """The largest weight difference among the parameters beyond the tolerance (among all if none is), its
-    parameter, and whether some parameter is beyond the tolerance."""
+    parameter, and whether some parameter is beyond the tolerance.
+
+    The tolerance of a parameter is ``atol``, plus ``rtol`` of how far the reference moved it from ``start`` (the
+    weights before the first step: the updates are compared, so a learning rate scaled by the world size shows
+    however large the weights), plus the rounding of its weights (an ulp each of ``steps`` steps). Without
+    ``start``: ``rtol`` of the weights."""
+    import torch
+
     if set(reference) != set(other):
         missing = sorted(set(reference) ^ set(other))[:3]
         raise ConfigError(f"the two runs' models have different parameters ({', '.join(missing)} ...)")
     largest, where, beyond = 0.0, "", False
     for name, value in reference.items():
-        if not value.is_floating_point():
+        if not value.is_floating_point() or not value.numel():
             continue
-        gap = float((other[name].double() - value.double()).abs().max()) if value.numel() else 0.0
-        over = gap > atol + rtol * float(value.double().abs().max())
+        reference_value = value.double()
+        gap = float((other[name].double() - reference_value).abs().max())
+        size = float(reference_value.abs().max())
+        if start is not None and name in start:
+            moved = float((reference_value - start[name].double()).abs().max())
+            allowed = atol + rtol * moved + steps * torch.finfo(value.dtype).eps * size
+        else:
+            allowed = atol + rtol * size
+        over = gap > allowed
         if (over and not beyond) or (over == beyond and gap > largest):
             largest, where, beyond = gap, name, beyond or over
     return largest, where, beyond
+
+
+def _moved_ratio(reference: dict[str, Any], other: dict[str, Any], start: dict[str, Any] | None,
+                 other_start: dict[str, Any] | None, name: str) -> float | None:
+    """How far the run moved parameter ``name`` from its start, as a multiple of the reference's move (the
+    projection of its update on the reference's), or None without the starts or a move."""
+    if start is None or other_start is None or name not in start or name not in other_start:
+        return None
+    theirs = (other[name].double() - other_start[name].double()).flatten()
+    ours = (reference[name].double() - start[name].double()).flatten()
+    square = float(ours @ ours)
+    return float(theirs @ ours) / square if square > 0 else None
 
 
 def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: float, atol: float,
@@ -146,8 +185,16 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
     reference run was."""
     lines = [f"{'step':>4}  {'loss, 1 process':>16}  {'loss':>16}  {'grad norm, 1':>14}  {'grad norm':>14}  "
              f"{'max |weight diff|':>17}  parameter"]
+    start = reference[0].get("start") if reference else None
+    other_start = other[0].get("start") if other else None
+    if start is not None and other_start is not None:
+        gap, name, beyond = _weights_gap(start, other_start, 0.0, atol, start, 1)
+        if beyond:
+            return lines, (f"the start: the weights differ before the first step, most in {name} (by {gap:.3g} from "
+                           f"those on {against}): the model is initialised otherwise (a seed per rank, or weights "
+                           "loaded by one rank only)")
     for ref, got in zip(reference, other, strict=False):
-        gap, name, beyond = _weights_gap(ref["weights"], got["weights"], rtol, atol)
+        gap, name, beyond = _weights_gap(ref["weights"], got["weights"], rtol, atol, start, ref["step"])
         lines.append(f"{ref['step']:>4}  {ref['loss']:>16.9g}  {got['loss']:>16.9g}  {ref['grad_norm']:>14.7g}  "
                      f"{got['grad_norm']:>14.7g}  {gap:>17.3g}  {name}")
         if not all(math.isfinite(value) for value in (ref["loss"], got["loss"])):
@@ -161,10 +208,15 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
                            f"{ref['grad_norm']:.7g} on {against}) while the loss agrees: the gradients are normalised "
                            "per rank")
         if beyond:
+            ratio = _moved_ratio(ref["weights"], got["weights"], start, other_start, name)
+            scaled = (f"; the update there is {ratio:.3g}x the one on {against} (a learning rate or a loss scaled "
+                      "by the number of processes?)") if ratio is not None and abs(ratio - 1) > 0.01 else ""
             return lines, (f"step {ref['step']}: the weights differ, most in {name} (by {gap:.3g} from the weights "
-                           f"on {against}) while the loss and the gradient norm agree")
+                           f"on {against}) while the loss and the gradient norm agree{scaled}")
     if len(other) < len(reference):
         return lines, f"the run stopped after {len(other)} steps, {against} made {len(reference)}"
+    if len(reference) < len(other):
+        return lines, f"the run on {against} stopped after {len(reference)} steps, the run checked made {len(other)}"
     if all(step["grad_norm"] == 0 for step in [*reference, *other]):
         return lines, (f"{NOTHING_COMPARED}: the gradients were zero at every step of both runs, so no step "
                        "moved the model (an optimizer whose parameters are not the model's, a loss detached from it, "
@@ -184,7 +236,8 @@ def _causes(folder: Path, divergence: str, named: bool = False) -> list[str]:
         found.append(EXPECTED["dropout"])
     if any("BatchNorm" in layer for layer in model.get("layers", [])) and not named:
         found.append(EXPECTED["batchnorm"])
-    if any(name in ("Adam", "AdamW") for name in model.get("optimizers", [])) and "weights" in divergence:
+    if any(name in ("Adam", "AdamW") for name in model.get("optimizers", [])) and "weights" in divergence \
+            and "the update there is" not in divergence:  # a scaled update is no growth of tiny differences
         found.append(EXPECTED["adam"])
     if "loss differs" in divergence and not found and not named:
         found.append("a loss averaged over a count that differs by rank (tokens, valid labels) must say the count: "
@@ -195,12 +248,21 @@ def _causes(folder: Path, divergence: str, named: bool = False) -> list[str]:
 
 def verify_command(args: argparse.Namespace) -> int:
     _take_own_options(args)
-    if args.devices is None:
-        print("lockstep verify: give --devices N, the processes of the run to check.", file=sys.stderr)
+    problem = _bad_option(args)
+    if problem:
+        print(f"lockstep verify: {problem}", file=sys.stderr)
         return 2
-    if args.devices < 2 or args.steps < 1:
-        print("lockstep verify: give --devices 2 or more and --steps 1 or more.", file=sys.stderr)
-        return 2
+    signal.signal(signal.SIGTERM, _stopped)  # the runs stopped and the scratch folder removed, as on Ctrl-C
+    try:
+        return _check(args)
+    except KeyboardInterrupt as stop:
+        print(f"lockstep verify: {stop or 'stopped by SIGINT'}: the run under way was stopped, and nothing was "
+              "compared.", file=sys.stderr)
+        return 128 + (signal.SIGTERM if str(stop).endswith("SIGTERM") else signal.SIGINT)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Both runs, their comparison and its report; the exit status."""
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as scratch:
         root = Path(args.keep) if args.keep else Path(scratch)
         runs = _runs(args, root)
@@ -211,8 +273,8 @@ def verify_command(args: argparse.Namespace) -> int:
                 print(f"lockstep verify: the run on {label} could not be checked: {problem}", file=sys.stderr)
                 return 2
         try:
-            lines, divergence = compare(_steps(root / "one"), _steps(root / "many"), args.rtol, args.atol,
-                                        next(iter(runs)))
+            one, many = _steps(root / "one"), _steps(root / "many")
+            lines, divergence = compare(one, many, args.rtol, args.atol, next(iter(runs)))
         except ValueError as error:
             print(f"lockstep verify: {error}", file=sys.stderr)
             return 1
@@ -224,8 +286,9 @@ def verify_command(args: argparse.Namespace) -> int:
         print(f"lockstep verify: {divergence}.", file=sys.stderr)
         return 1
     if divergence is None:
+        ended = f" (the script ended there, before --steps {args.steps})" if len(one) < args.steps else ""
         print(f"lockstep verify: the run on {setup} computes what {reference} computes: "
-              f"{args.steps} steps agree within rtol {args.rtol:g}, atol {args.atol:g}.")
+              f"{len(one)} steps agree within rtol {args.rtol:g}, atol {args.atol:g}{ended}.")
         return 0
     print(f"lockstep verify: the run on {setup} DIVERGES at {divergence}.", file=sys.stderr)
     for line in where:
@@ -233,6 +296,29 @@ def verify_command(args: argparse.Namespace) -> int:
     for cause in causes:
         print(f"  expected here: {cause}", file=sys.stderr)
     return 1
+
+
+def _bad_option(args: argparse.Namespace) -> str | None:
+    """What is wrong with verify's own options (None: nothing), before any run."""
+    if args.devices is None:
+        return "give --devices N, the processes of the run to check."
+    if args.devices < 2 or args.steps < 1:
+        return "give --devices 2 or more and --steps 1 or more."
+    if not (args.rtol >= 0 and args.atol >= 0 and args.timeout > 0):
+        return f"--rtol and --atol must be 0 or more and --timeout more than 0 (given {args.rtol:g}, {args.atol:g}, " \
+               f"{args.timeout:g})."
+    if args.keep:
+        try:
+            Path(args.keep).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.keep):
+                pass
+        except OSError as error:
+            return f"--keep {args.keep}: cannot write there ({error.strerror or error}); give a folder you can write."
+    return None
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def _runs(args: argparse.Namespace, root: Path) -> dict[str, tuple[list[str], Path]]:
@@ -288,4 +374,5 @@ def _where(args: argparse.Namespace, root: Path, divergence: str,
     return [f"first difference: the update at step {step}: every module's output, the gradients reaching them and "
             "after their reduction, and the loss agree",
             "  likely: a backward that is not rt.backward(loss) (loss.backward() with an uneven last batch), "
-            "gradients changed by hand per rank, or an optimizer that steps per rank."]
+            "gradients changed by hand per rank, an optimizer that steps per rank, or a learning rate set from the "
+            "number of processes."]

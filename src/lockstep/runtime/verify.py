@@ -7,7 +7,8 @@ optimizer step, from every model set up and every backward:
 - the loss of the global batch (over every rank and micro-batch of the step, as the gradients see
   it: sample-weighted, or item-weighted with ``num_items``);
 - the gradient norm of the whole model, right before the optimizer uses the gradients;
-- every weight and buffer after the step, gathered whole (FSDP shards too).
+- every weight and buffer after the step, gathered whole (FSDP shards too); the first step's record
+  also holds them before it (``start``), so that each step's update is compared, not only the weights.
 
 Rank 0 writes ``FOLDER/step-NNNN.pt`` per step and ``FOLDER/model.json`` (what the check must
 explain: layer types, optimizers). After step K every rank leaves with exit status 0.
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from lockstep.runtime._torch_compat import full_tensor
+from lockstep.runtime.parallel.wrappers import unwrap
 from lockstep.runtime.trace import ModuleTrace
 
 
@@ -46,6 +48,7 @@ class StepRecorder:
         self.optimizers: list[str] = []
         self._loss = torch.zeros(2, dtype=torch.float64)  # this rank's weighted loss sum and its weight
         self._grad_norm: float | None = None
+        self._start: dict[str, torch.Tensor] | None = None  # the weights before the first step
         self.step = 0
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
@@ -76,16 +79,28 @@ class StepRecorder:
         if self.holders:  # each rank holds its stage's parameters: the sum over every rank, each counted once
             squares = self._all_reduce_sum(squares) / self.holders
         self._grad_norm = float(squares.sqrt())
+        if self.step == 0:  # the parameters only: a training forward has already moved buffers (BatchNorm's)
+            buffers = {self._prefix(index) + name for index, model in enumerate(self.models)
+                       for name, _ in unwrap(model).named_buffers()}
+            self._start = {name: value.detach().clone()  # copies: a one-process state dict holds the parameters
+                           for name, value in self._weights().items() if name not in buffers}
+
+    def _prefix(self, index: int) -> str:
+        return f"{index}." if len(self.models) > 1 else ""
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """Every model's whole weights and buffers (every rank: FSDP gathers its shards)."""
+        weights = {}
+        for index, model in enumerate(self.models):
+            weights.update({self._prefix(index) + name: value for name, value in self._full_state_dict(model).items()})
+        return weights
 
     def after_step(self) -> None:
         """The step is done: record it; after the last one, end the process."""
         total, weight = self._all_reduce_sum(self._loss.clone()).tolist()
         self._loss.zero_()
         self.step += 1
-        weights = {}
-        for index, model in enumerate(self.models):
-            prefix = f"{index}." if len(self.models) > 1 else ""
-            weights.update({prefix + name: value for name, value in self._full_state_dict(model).items()})
+        weights = self._weights()
         if self.rank == 0:
             if self.step == 1:
                 layers = sorted({type(m).__name__ for model in self.models for m in model.modules()})
@@ -93,8 +108,12 @@ class StepRecorder:
                               for model in self.models for m in model.modules())
                 (self.folder / "model.json").write_text(json.dumps(
                     {"layers": layers, "dropout": dropout, "optimizers": self.optimizers}))
-            torch.save({"step": self.step, "loss": total / weight if weight else float("nan"),
-                        "grad_norm": self._grad_norm, "weights": weights}, self.folder / f"step-{self.step:04d}.pt")
+            record = {"step": self.step, "loss": total / weight if weight else float("nan"),
+                      "grad_norm": self._grad_norm, "weights": weights}
+            if self.step == 1 and self._start is not None:
+                record["start"] = self._start
+            torch.save(record, self.folder / f"step-{self.step:04d}.pt")
+        self._start = None
         if self.trace is not None and self.step == self.trace_step - 1:
             self.trace.start(self.models)
         if self.step >= self.steps:

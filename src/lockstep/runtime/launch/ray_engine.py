@@ -13,6 +13,7 @@ import re
 import runpy
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ class RayJob:
     gpu: bool | None  # None: whatever the cluster has
     storage: str | None  # RunConfig(storage_path): a folder every node mounts, or Ray's default
     name: str  # RunConfig(name): the same name and storage resume a run Ray has recorded
+    named: bool  # the name was given (--name): a run to continue; else a new one, named after the script and time
     max_failures: int
     resize_interval: float | None  # ScalingConfig(elastic_resize_monitor_interval_s); None: Ray's default
     keep_checkpoints: int | None  # CheckpointConfig(num_to_keep); None: the script's own (RAY_CHECKPOINTS)
@@ -75,7 +77,8 @@ def plan_ray_job(args: RunRequest, devices_per_node: int, environment: dict[str,
     workers: int | tuple[int, int] = (devices_per_node * nodes[0] if nodes[0] == nodes[1]
                                       else (devices_per_node * nodes[0], devices_per_node * nodes[1]))
     gpu = {"cuda": True, "cpu": False}.get(args.accelerator)
-    name = args.name or Path(args.script).stem.replace(".", "-")
+    # a new run unless --name says which to continue: the same name and storage resume Ray's newest checkpoint
+    name = args.name or f"{Path(args.script).stem.replace('.', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = str(Path(args.storage).resolve()) if args.storage else None
     if args.resize_interval is not None and (args.resize_interval < 0 or nodes[0] == nodes[1]):
         raise PreflightError(f"--resize-interval {args.resize_interval}: give 0 or more seconds, for an elastic job "
@@ -85,8 +88,8 @@ def plan_ray_job(args: RunRequest, devices_per_node: int, environment: dict[str,
                              "the checkpoints the script keeps).")
     if args.keep_checkpoints is None:
         environment = {**environment, RAY_CHECKPOINTS: "as-the-script"}
-    return RayJob(args.script, list(args.script_args), args.module, workers, gpu, storage, name, restarts,
-                  args.resize_interval, args.keep_checkpoints, environment)
+    return RayJob(args.script, list(args.script_args), args.module, workers, gpu, storage, name, bool(args.name),
+                  restarts, args.resize_interval, args.keep_checkpoints, environment)
 
 
 def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
@@ -104,19 +107,26 @@ def run_ray_job(job: RayJob, say: Callable[[str], None]) -> int:
     try:
         _check_reachable(os.environ.get("RAY_ADDRESS", ""))
         ray.init()
-    except (ConnectionError, RuntimeError, OSError) as error:  # no cluster there, or one that refuses this driver
+    except (ConnectionError, RuntimeError, OSError, ValueError) as error:  # no cluster there (or no address: a
+        # ValueError), or one that refuses this driver
         say(f"cannot reach the Ray cluster at {where}: {_first_line(error)}; {advice}.")
         return 1
     try:
         gpu = job.gpu if job.gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+        short = _too_few_resources(job, gpu, ray.cluster_resources())
+        if short:  # Ray would wait for them without end (its start timeout is retried): said now
+            say(f"the Ray cluster at {where} has {short}: a fixed number of workers needs them now. Give fewer "
+                "--devices or --nodes, add nodes to the cluster, or give --nodes MIN:MAX, which waits for them.")
+            return 2
         trainer = _torch_trainer(job, gpu)
         count = job.workers if isinstance(job.workers, int) else f"{job.workers[0]} to {job.workers[1]}"
-        say(f"on Ray: {count} worker(s)"
-            f"{' with a GPU each' if gpu else ''}, run {job.name!r}")
+        say(f"on Ray: {count} worker(s){' with a GPU each' if gpu else ''}, run {job.name!r} "
+            + ("(given by --name: Ray's newest checkpoint of it, if any, is resumed)" if job.named else
+               f"(a new run; after a failure of this command, --name {job.name} resumes it)"))
         try:
             result = trainer.fit()
         except Exception as error:  # noqa: BLE001 - Ray's TrainingFailedError and its causes, said once
-            say(f"the Ray job failed: {_first_line(error)}")
+            say(f"the Ray job failed: {_failures(error)}")
             return 1
         if result.checkpoint is not None:
             say(f"Ray's newest checkpoint: {result.checkpoint.path}")
@@ -149,6 +159,28 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         return
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
         pass
+
+
+def _too_few_resources(job: RayJob, gpu: bool, cluster: Mapping[str, float]) -> str:
+    """What the cluster lacks for a fixed number of workers (each takes a CPU, and a GPU with ``gpu``: Ray
+    Train's default), e.g. ``4 CPUs for 8 workers``; '' when it holds them, or for an elastic job."""
+    if not isinstance(job.workers, int):
+        return ""
+    needs = {"CPU": job.workers, **({"GPU": job.workers} if gpu else {})}
+    return ", ".join(f"{cluster.get(kind, 0):g} {kind}s for {job.workers} workers"
+                     for kind, count in needs.items() if cluster.get(kind, 0) < count)
+
+
+def _failures(error: BaseException) -> str:
+    """Ray's failure in one line: each failed worker's own error where Ray lists them (its message cuts them
+    short), else the line of its message that names one."""
+    failures = getattr(error, "worker_failures", None)
+    if not failures:
+        return _first_line(error)
+    lines = [(rank, _first_line(failure)[:400]) for rank, failure in sorted(failures.items())[:4]]
+    said = [line if line.startswith(f"rank {rank}:") else f"rank {rank}: {line}" for rank, line in lines]
+    more = f"; {len(failures) - 4} more" if len(failures) > 4 else ""
+    return "; ".join(said) + more
 
 
 def _first_line(error: BaseException) -> str:
