@@ -41,6 +41,9 @@ def _named(stderr: str) -> list[tuple[int, int, int, str]]:
 @pytest.mark.parametrize(("mode", "cause", "says"), [
     ("data", "data", "for each batch"),
     ("forward", "compute", "its forward and backward compute for"),
+    # the others wait for it in an rt.all_reduce of the loss, not in the backward: before, that wait counted as
+    # their own work, and no one was named
+    ("logged", "own code", "its own code between the model's steps takes"),
 ])
 def test_a_slow_rank_is_named_with_its_cause_within_10_steps(mode, cause, says):
     done, report = _run(mode, 16)

@@ -4,7 +4,9 @@
 
 MODE: ``data`` (rank SLOW_RANK sleeps in __getitem__), ``forward`` (it sleeps in its forward), ``host``
 (ranks pin themselves to the cores PIN gives, e.g. ``0,1,0``: the test busies SLOW_RANK's core), ``none``
-(balanced), ``trainer`` (the data mode under the Trainer, which logs the step-time metrics). Prints
+(balanced), ``logged`` (it sleeps after its optimizer step, and every rank then all-reduces its loss, as a
+loop that logs the mean loss each step does), ``trainer`` (the data mode under the Trainer, which logs the
+step-time metrics). Prints
 ``report <json>`` with rank 0's ``rt.step_times()`` at the end.
 """
 
@@ -87,9 +89,14 @@ def main() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         model, optimizer = rt.setup(model, optimizer)
         for x, y in rt.loader(Rows(8 * rt.world_size * STEPS), batch_size=8 * rt.world_size, num_workers=0):
-            rt.backward(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            rt.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if MODE == "logged":
+                if RANK == SLOW_RANK:
+                    time.sleep(SLEEP_S)
+                rt.all_reduce(loss.detach())
         time.sleep(1.2)  # two heartbeats: the newest steps judged
         report = rt.step_times()
         rt.close()

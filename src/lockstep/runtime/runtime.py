@@ -485,7 +485,8 @@ class Runtime:
 
     def step_times(self) -> dict[str, Any]:
         """This rank's newest training steps, timed without a sync (``steps``: each step's ``step_s``,
-        ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``, ``wait_s`` for the other ranks);
+        ``data_s`` waiting for the batch, ``forward_s``, ``backward_s``, ``wait_s`` for the other ranks'
+        gradients, ``collective_s`` in lockstep's other collectives);
         on rank 0 also the straggler report's view of every rank (``step_time/max_over_median``,
         ``step_time/slowest_rank`` over the newest steps judged, ``stragglers``: rank -> cause of each rank
         named); in a fault-tolerant job, on each group's rank 0, the same over the replica groups

@@ -43,6 +43,7 @@ KEPT = 32  # the newest steps each rank publishes, and the judge compares
 TICK_S = 0.5  # how often the heartbeat publishes steps (and rank 0 judges) while steps are timed
 JUDGE_SHARE_INVERSE = 100  # rank 0 judges again only after 100 times the CPU its last judgement took (1 %)
 MIN_EXCESS = 0.05  # a slow step's excess must also be this share of the median step (and 1 ms): not noise
+COLLECTIVE = "collective"  # a span of lockstep's own collectives (``Watchdog.watch``)
 
 
 def run_queue_s(thread_id: int | None) -> float | None:
@@ -59,14 +60,16 @@ def run_queue_s(thread_id: int | None) -> float | None:
 class StepClock:
     """This rank's step times: written by the training thread, read by the heartbeat thread.
 
-    A record is ``(n, step_s, data_s, forward_s, backward_s, wait_s)`` for the n-th step timed. ``wait_s``
-    is the part of the backward after the model's last gradient was computed: the wait for the other
-    ranks' gradients (the whole backward where that moment is not seen: no gradient hook, as under FSDP).
+    A record is ``(n, step_s, data_s, forward_s, backward_s, wait_s, collective_s)`` for the n-th step timed.
+    ``wait_s`` is the part of the backward after the model's last gradient was computed: the wait for the
+    other ranks' gradients (the whole backward where that moment is not seen: no gradient hook, as under FSDP).
+    ``collective_s``: the step's time in lockstep's other collectives (``rt.all_reduce`` of a logged loss, a
+    gather, a checkpoint's barrier), where a rank waits for a slower one too.
     A pass's end (an epoch, validation in between) is not a step: the next pass starts the clock again.
     """
 
     def __init__(self, cuda: bool) -> None:
-        self.records: deque[tuple[int, float, float, float, float, float]] = deque(maxlen=KEPT)
+        self.records: deque[tuple[float, ...]] = deque(maxlen=KEPT)
         self.count = 0
         self.thread = threading.get_native_id()  # the training thread, whose run-queue time is read
         self._cuda = cuda
@@ -74,10 +77,10 @@ class StepClock:
         self._loader: object = None
         self._handed = 0.0  # when the current batch was handed out (host)
         self._waited = 0.0  # the loader's wait then
-        self._spans = [0.0, 0.0, 0.0]  # forward, backward, the backward's wait (host) of the current step
+        self._spans = [0.0] * 4  # forward, backward, the backward's wait, other collectives (host) of the step
         self._events: list[Any] = []  # CUDA: the handout, then each span's (kind, start, end, last gradient)
         self._opened = 0.0
-        self._open = -1  # the span being timed: 0 forward, 1 backward, -1 none
+        self._open = -1  # the span being timed: 0 forward, 1 backward, 3 another collective, -1 none
         self._gradient: Any = None  # when the newest gradient was computed (host time; a CUDA event)
         self._hooks: list[Any] = []  # until the first backward ends: a hook on each parameter's gradient
         self._last_hooked = -1  # the index of the parameter whose gradient came last
@@ -112,18 +115,20 @@ class StepClock:
             self._events = [_event()] if self._cuda else []
             if self.first_queued is None:  # the run-queue time when steps start: the first reading
                 self.first_queued = run_queue_s(self.thread)
-        self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0, 0.0, 0.0]
+        self._loader, self._handed, self._waited, self._spans = loader, now, waited, [0.0] * 4
 
     def pass_ended(self) -> None:
         self._loader, self._events = None, []
 
-    def enter(self, op: str) -> None:
-        span = 0 if op == "forward" else 1 if op == "backward" else -1
-        if span < 0 or self._open >= 0 or not torch.is_grad_enabled():  # another scope, inside one, evaluation
-            return
+    def enter(self, op: str) -> bool:
+        """A span begins (``COLLECTIVE``: one of lockstep's other collectives); False where it is not timed."""
+        span = 0 if op == "forward" else 1 if op == "backward" else 3 if op == COLLECTIVE else -1
+        if span < 0 or self._open >= 0 or (span < 3 and not torch.is_grad_enabled()):  # another scope, inside
+            return False  # one, evaluation
         self._open, self._opened, self._gradient = span, time.perf_counter(), None
         if self._cuda:
             self._events.append(_event())
+        return True
 
     def leave(self) -> None:
         if self._open < 0:
@@ -150,7 +155,7 @@ class StepClock:
         self._events = [handout]
         while self._pending and self._pending[0][2][-1].query():
             n, data, events = self._pending.popleft()
-            spans = [0.0, 0.0, 0.0]
+            spans = [0.0] * 4
             try:
                 for start, (span, end, gradient) in zip(events[1:-1:2], events[2:-1:2], strict=False):
                     spans[span] += start.elapsed_time(end) / 1e3
@@ -170,7 +175,7 @@ class StepClock:
 
     def mine(self) -> list[dict[str, float]]:
         """The newest steps, as ``rt.step_times()`` gives them."""
-        names = ("step", "step_s", "data_s", "forward_s", "backward_s", "wait_s")
+        names = ("step", "step_s", "data_s", "forward_s", "backward_s", "wait_s", "collective_s")
         return [dict(zip(names, record, strict=True)) for record in list(self.records)]
 
 
@@ -197,7 +202,7 @@ class _Rank:
             n, *times = entry if isinstance(entry, list) and entry else (None,)
             if not isinstance(n, int) or n in self.conflicted:
                 continue
-            if len(times) != 5 or not all(_seconds(t) for t in times):
+            if len(times) not in (5, 6) or not all(_seconds(t) for t in times):  # 5: no other collectives timed
                 continue
             reading = Times(*(float(t) for t in times))
             if not reading.consistent():  # parts longer than the whole: not a clock's reading
@@ -242,11 +247,12 @@ class Times(NamedTuple):
     forward: float
     backward: float
     wait: float  # the backward's wait for the other ranks
+    collective: float = 0.0  # the step's time in lockstep's other collectives (where it waits for them too)
 
     @property
     def own(self) -> float:
-        """The rank's own work: the step less its wait for the others."""
-        return self.step - self.wait
+        """The rank's own work: the step less its waits for the others."""
+        return self.step - self.wait - self.collective
 
     @property
     def compute(self) -> float:
@@ -256,8 +262,8 @@ class Times(NamedTuple):
         """Whether the parts fit in the whole, as a clock's readings do (the wait is part of the backward;
         the forward and the backward, and the data's wait, lie within the step)."""
         slack = 1e-4 + 1e-3 * self.step
-        return (self.wait <= self.backward + slack and self.forward + self.backward <= self.step + slack
-                and self.data <= self.step + slack)
+        return (self.wait <= self.backward + slack and self.forward + self.backward + self.collective <= self.step
+                + slack and self.data <= self.step + slack)
 
 
 def _seconds(value: Any) -> bool:

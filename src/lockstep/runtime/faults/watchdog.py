@@ -31,7 +31,7 @@ from lockstep.env.lines import printable
 from lockstep.errors import CollectiveError
 from lockstep.runtime._torch_compat import default_store
 from lockstep.runtime.faults.root_cause import collective_failed, lost_a_peer
-from lockstep.runtime.faults.stragglers import TICK_S, Stragglers
+from lockstep.runtime.faults.stragglers import COLLECTIVE, TICK_S, Stragglers
 from lockstep.runtime.tree import flatten
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lockstep/
@@ -260,12 +260,16 @@ class Watchdog:
         self.mark(f"{op} #{self.count} at {where}")
         if self.debug:
             self._compare(op, signature(data, exact_shapes), where)
+        timed = self.clock is not None and self.clock.enter(COLLECTIVE)  # a wait for the others, as the backward's
         try:
             yield
         except CollectiveError:
             raise
         except RuntimeError as error:
             raise self.explain(error) from error
+        finally:
+            if timed:
+                self.clock.leave()  # type: ignore[union-attr]
 
     def explain_step(self, error: BaseException) -> CollectiveError | None:
         """For an error raised inside the step's own collectives (``step``): the report, when
