@@ -414,6 +414,11 @@ def test_a_ray_job_too_large_for_the_cluster_and_its_workers_failures_are_said_i
 
     assert _failures(WorkerGroupError()) == ("rank 0: rank 1: train.py exited with status 3; rank 3: "
                                              "ActorDiedError: the worker on 127.0.0.3 died")
+    # degrees that do not fit the workers: refused before any Ray worker starts (before: after 20 s, on them)
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli.main", "run", "--engine", "ray", "--parallel", "tp=3",
+                           "--devices", "2", "--accelerator", "cpu", str(script)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    assert done.returncode == 2 and "--parallel tp=3: Parallel(tp=3) needs a world size divisible" in done.stderr
 
 
 def test_ray_workers_get_the_caller_s_environment_less_the_variables_of_its_own_host():

@@ -148,7 +148,11 @@ class RayTrain:
         environment = {**forwarded_environment(os.environ),
                        **{RUNTIME_VARIABLES[name]: value for name, value in request.runtime_choices().items()},
                        **request.output_variables()}
-        return plan_ray_job(request, per_node, environment)
+        job = plan_ray_job(request, per_node, environment)
+        if request.parallel:  # the degrees fit the workers (an elastic job's fewest and most), or none starts
+            for world in {job.workers} if isinstance(job.workers, int) else set(job.workers):
+                self.checks.layout(request.parallel, world)
+        return job
 
     def run(self, job: Any) -> int:
         from lockstep.runtime.launch.ray_engine import run_ray_job
