@@ -187,6 +187,10 @@ def _gaps(kept: Path) -> str:
     ("grad-edit", "ddp", 2, "first difference: the gradient of blocks.1.mlp.up.weight after the gradients' reduction "
                             "(DDP's all-reduce of the gradient buckets)"),
     ("grad-hook", "fsdp", 2, "first difference: backward blocks.1 (Block) at step 1: the gradient reaching its output"),
+    # the trace sees the MLP's output gradient before the hook changes it; the dropout (p=0) hands on that same
+    # tensor, and its record, made after the hook was registered, differs: the line names both
+    ("grad-hook-inside", "ddp", 2, "backward blocks.1.drop (Dropout) at step 1: the gradient reaching its output "
+                                   "differs, where the gradient reaching blocks.1.mlp's output agrees"),
 ])
 def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mode, layout, devices, line, tmp_path):
     """A bug planted in block 1 of three (tests/scripts/verify_where.py) is named at that module, not an earlier
@@ -202,6 +206,7 @@ def test_verify_names_the_module_where_a_planted_bug_first_changes_the_result(mo
     hints = {"rank-scale": "code in blocks.1.mlp's own forward computes something per rank",
              "batch-stats": "code in blocks.1's own forward", "dropout": "dropout: each rank draws the masks",
              "token-mean": "rt.backward(loss, num_items=n)", "grad-hook": "a gradient hook (tensor.register_hook)",
+             "grad-hook-inside": "consumes this output (blocks.1.mlp, or the module around it)",
              "grad-edit": "between the backward and the optimizer step"}
     assert hints[mode] in done.stderr, done.stderr
     assert "first difference:" not in done.stdout and done.stderr.count("first difference:") == 1

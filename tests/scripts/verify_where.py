@@ -4,7 +4,8 @@ argv: MODE LAYOUT.
 MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats (block 1 centres its normalised
 input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5); token-mean (the loss is
 each rank's own token mean, without num_items); grad-hook (a gradient hook on block 1's output scales the
-gradient by the rank: the forward agrees, the backward does not); grad-edit (block 1's first weight's gradient
+gradient by the rank: the forward agrees, the backward does not); grad-hook-inside (the same on block 1's MLP's
+output, inside the block's forward, registered after the trace's own hook on it); grad-edit (block 1's first weight's gradient
 multiplied by the world size after the backward, as a sum over the ranks would be, before the optimizer step);
 unseeded (block 1's MLP adds noise from a generator no seed fixes: two runs of one layout differ).
 
@@ -53,7 +54,11 @@ class Block(nn.Module):
         h = self.norm(x)
         if self.planted and mode == "batch-stats":
             h = h - h.mean(dim=0, keepdim=True)  # a statistic over this rank's rows only
-        out = x + self.drop(self.mlp(h))
+        mixed = self.mlp(h)
+        if self.planted and mode == "grad-hook-inside" and mixed.requires_grad:  # on a submodule's output, in here
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            mixed.register_hook(lambda grad: grad * (1.0 + 0.25 * rank))
+        out = x + self.drop(mixed)
         if self.planted and mode == "grad-hook" and out.requires_grad:  # the backward alone changed, per rank
             rank = dist.get_rank() if dist.is_initialized() else 0
             out.register_hook(lambda grad: grad * (1.0 + 0.25 * rank))

@@ -49,8 +49,11 @@ class Finding:
                     f"step {step} (every module's output and the gradient reaching it agree), max difference "
                     f"{self.difference:.3g}")
         if self.phase == "backward":
+            after = (f", where the gradient reaching {self.before}'s output agrees: the change is in the backward "
+                     f"between them, {self.before}'s or its enclosing module's") if self.before else ""
             return (f"first difference: backward {self.name} ({self.kind}) at step {step}: the gradient reaching its "
-                    f"output differs (every forward output and the loss agree), max difference {self.difference:.3g}")
+                    f"output differs{after} (every forward output and the loss agree), max difference "
+                    f"{self.difference:.3g}")
         inside = f", in its own code before {self.before}" if self.before else ""
         return (f"first difference: forward {self.name} ({self.kind}){inside} at step {step}, max difference "
                 f"{self.difference:.3g}")
@@ -66,10 +69,11 @@ class Finding:
                     "all-reduced by hand, summed where the ranks' mean is the one process's gradient), or by the "
                     "reduction itself (a communication hook, a backward under no_sync at the step's last batch).")
         if self.phase == "backward":
+            consumer = f" ({self.before}, or the module around it)" if self.before else ""
             return (f"the gradient was changed per rank between the loss and {self.name}'s output: a gradient hook "
                     "(tensor.register_hook), a custom autograd function's backward, or a loss scaled by hand per rank "
-                    "in the code that consumes this output. The gradients of the modules the backward reached before "
-                    "agree.")
+                    f"in the code that consumes this output{consumer}. The gradients of the modules the backward "
+                    "reached before agree.")
         if self.kind in _DROPOUT:
             return ("dropout: each rank draws the masks of its own rows, so they depend on the world size. Set p=0 "
                     "for the check (docs/models.md).")
@@ -203,10 +207,12 @@ def first_backward_difference(one: Path, many: Path, rtol: float, atol: float) -
     put on the one process's scale)."""
     reference, other = _Trace(one, "backward"), _Trace(many, "backward")
     other.scale = _gradient_scale(reference, other)
+    agreed = ""  # the module reached last whose output's gradient agrees: its backward made the one that differs
     for name, kind in reference.order:
         difference = _gap(reference, other, name, "output", rtol, atol)
         if difference is not None:
-            return Finding(name, kind, difference, False, phase="backward")
+            return Finding(name, kind, difference, False, before=agreed, phase="backward")
+        agreed = name
     return None
 
 
