@@ -5,8 +5,9 @@ MODE: ok; rank-scale (block 1's MLP scales its output by the rank); batch-stats 
 input on this rank's rows' mean before its MLP); dropout (block 1's dropout has p=0.5); token-mean (the loss is
 each rank's own token mean, without num_items); grad-hook (a gradient hook on block 1's output scales the
 gradient by the rank: the forward agrees, the backward does not); grad-hook-inside (the same on block 1's MLP's
-output, inside the block's forward, registered after the trace's own hook on it); grad-edit (block 1's first weight's gradient
-multiplied by the world size after the backward, as a sum over the ranks would be, before the optimizer step);
+output, inside the block's forward, registered after the trace's own hook on it); grad-edit (block 1's first
+weight's gradient multiplied by the world size after the backward, as a sum over the ranks would be, before the
+optimizer step);
 unseeded (block 1's MLP adds noise from a generator no seed fixes: two runs of one layout differ).
 
 LAYOUT: ddp; fsdp; tp (Parallel(tp=2), the MLPs split over the tensor-parallel peers: dp2 x tp2 on 4 processes);
