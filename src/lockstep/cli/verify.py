@@ -205,8 +205,9 @@ def compare(reference: list[dict[str, Any]], other: list[dict[str, Any]], rtol: 
                            f"{against}): the forward or the loss computes something per rank")
         if not _close(ref["grad_norm"], got["grad_norm"], rtol, atol):
             return lines, (f"step {ref['step']}: the gradient norm differs ({got['grad_norm']:.7g} against "
-                           f"{ref['grad_norm']:.7g} on {against}) while the loss agrees: the gradients are normalised "
-                           "per rank")
+                           f"{ref['grad_norm']:.7g} on {against}) while the loss agrees within the tolerance: the "
+                           "backward, or a forward difference too small to show in the loss, computes something per "
+                           "rank")
         if beyond:
             ratio = _moved_ratio(ref["weights"], got["weights"], start, other_start, name)
             scaled = (f"; the update there is {ratio:.3g}x the one on {against} (a learning rate or a loss scaled "
