@@ -90,6 +90,15 @@ def test_a_learning_rate_scaled_by_the_world_size_is_caught_however_small_agains
     assert "the update there is 2x the one on one process" in done.stderr, done.stderr
 
 
+def test_outputs_of_other_widths_per_rank_are_passed_by_and_the_divergence_is_still_reported():
+    """Each rank's batch cut to its own shortest row: outputs of other widths cannot be joined row by row.
+    Before, the search raised torch.cat's error, and verify ended in a traceback with no report."""
+    done = _verify(2, "tests/scripts/verify_planted.py", "tokens-bug-ragged")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DIVERGES at step 1" in done.stderr and "first difference:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def _record(step: int, loss: float, norm: float, weight: float) -> dict:
     return {"step": step, "loss": loss, "grad_norm": norm, "weights": {"w": torch.tensor([1.0, weight])}}
 

@@ -1,5 +1,6 @@
 """Scripts for `lockstep verify`: argv MODE. tokens: a token-averaged loss given with num_items;
-tokens-bug: the same loss averaged per rank without num_items (a planted bug); tokens-tp: the token
+tokens-bug: the same loss averaged per rank without num_items (a planted bug); tokens-bug-ragged: the
+same, each rank's batch cut to its own shortest row; tokens-tp: the token
 loss on a mesh, ``Parallel(tp=2)``, which one process runs unsplit; tokens-lr: the token loss with a
 small learning rate scaled by the world size (a planted bug within 1e-4 of the weights); batchnorm: a
 Trainer fit of a model with BatchNorm (each rank normalises with its own rows' statistics)."""
@@ -39,8 +40,11 @@ if mode.startswith("tokens"):
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
     for _ in range(3):
         for tokens, labels in rt.loader(token_data(), batch_size=8, shuffle=True, num_workers=0):
+            if mode == "tokens-bug-ragged":  # each rank's batch cut to its own shortest row: widths differ by rank
+                width = int((labels != -100).sum(dim=1).min())
+                tokens, labels = tokens[:, :width], labels[:, :width]
             loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
-            if mode == "tokens-bug":
+            if mode.startswith("tokens-bug"):
                 rt.backward(loss)  # the mean over this rank's tokens, averaged over the ranks
             else:
                 rt.backward(loss, num_items=(labels != -100).sum())

@@ -134,7 +134,10 @@ class _Trace:
             records = [torch.load(path, weights_only=True) for path in files[name]]
             if any(r[which] is None for r in records):
                 return None
-            output = torch.cat([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records]) * self.scale
+            output = _rows_joined([r[which].reshape(1) if r[which].dim() == 0 else r[which] for r in records])
+            if output is None:
+                return None
+            output = output * self.scale
             rows = _rows_of(records, which)
             groups.setdefault(place["data_parallel_rank"], []).append((output, rows))
         parts = []
@@ -150,7 +153,18 @@ class _Trace:
         if any(rows is None for _, rows in parts):
             return parts[0][0] if len(parts) == 1 else None
         order = torch.tensor([i for _, rows in parts for i in rows]).argsort(stable=True)  # type: ignore[union-attr]
-        return torch.cat([output for output, _ in parts])[order]
+        joined = _rows_joined([output for output, _ in parts])
+        return joined[order] if joined is not None else None
+
+
+def _rows_joined(outputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """The outputs' rows one after the other; None where their other dimensions differ (batches padded to
+    their own lengths, per call or per rank): not comparable row by row."""
+    import torch
+
+    if any(out.shape[1:] != outputs[0].shape[1:] for out in outputs):
+        return None
+    return torch.cat(outputs)
 
 
 def _rows_of(records: list[dict[str, Any]], which: str) -> list[int] | None:
