@@ -89,11 +89,14 @@ def test_a_stopped_launcher_takes_its_workers_and_their_loader_workers_with_it(h
     assert not left, f"left running after {how.name}: {left}"
 
 
-@pytest.mark.parametrize("route", ["lockstep run", "self-launch"])
+@pytest.mark.parametrize("route", ["lockstep run", "self-launch", "torch.distributed.launch"])
 def test_workers_of_an_agent_killed_by_sigkill_stop_within_seconds(route, tmp_path):
+    """The legacy launcher runs its workers under torch's elastic agent too: they trained on, orphaned."""
     before = set(session_processes())
     if route == "lockstep run":
         args, env = [*LOCKSTEP, "run", "--devices", "2", "--accelerator", "cpu"], os.environ
+    elif route == "torch.distributed.launch":
+        args, env = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2"], os.environ
     else:
         args, env = [sys.executable], {**os.environ, "SPIN_DEVICES": "2"}
     agent = subprocess.Popen([*args, "tests/scripts/spin.py", str(tmp_path)], cwd=ROOT, env=env,

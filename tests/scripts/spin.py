@@ -1,7 +1,8 @@
 """Workers that keep synchronising until stopped; each writes its pid; rank 1 can raise on request.
 
 With SPIN_DEVICES=N in the environment the script asks for N devices itself: started with plain
-python, it becomes their agent (self-launch)."""
+python, it becomes their agent (self-launch). The legacy launcher's ``--local-rank=N`` is left out of the
+arguments (lockstep reads it)."""
 
 import os
 import sys
@@ -10,6 +11,7 @@ import time
 import lockstep
 
 rt = lockstep.Runtime(accelerator="cpu", timeout=60, devices=int(os.environ.get("SPIN_DEVICES", 0)) or "auto")
+sys.argv = [arg for arg in sys.argv if not arg.startswith(("--local-rank", "--local_rank"))]
 with open(os.path.join(sys.argv[1], f"{rt.rank}.tmp"), "w") as handle:
     handle.write(str(os.getpid()))
 # Renamed once written: a test that sees N.pid never reads it half-written.

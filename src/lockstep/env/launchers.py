@@ -44,7 +44,8 @@ ROUTES: dict[str, Capabilities] = {
     "none": Capabilities(started_alone=True),
     "torchrun": Capabilities(agent_watches=True,
                              processes_per_node_setting="--nproc-per-node (lockstep run: --devices)"),
-    "torch.distributed.launch": Capabilities(processes_per_node_setting="--nproc-per-node"),
+    # torch's legacy launcher is its elastic agent too (since torch 1.9): its workers end with it
+    "torch.distributed.launch": Capabilities(agent_watches=True, processes_per_node_setting="--nproc-per-node"),
     "lockstep.launch": Capabilities(processes_per_node_setting="lockstep.launch(fn, nprocs=...)"),
     "slurm": Capabilities(preempts_with_grace=True, requeues=True,
                           processes_per_node_setting="#SBATCH --ntasks-per-node", scheduler="SLURM"),
