@@ -312,3 +312,35 @@ def test_lockstep_checkpoint_verify_of_a_run_folder_checks_each_checkpoint_in_it
     (tmp_path / "empty").mkdir()
     empty = subprocess.run([*cli[:-1], str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
     assert empty.returncode == 1 and "holds no checkpoint folder" in empty.stderr, empty.stderr
+
+
+def test_the_checkpoint_commands_say_what_is_wrong_with_hostile_metadata_and_consolidate_writes_outside_them(
+        tmp_path):
+    """Before: a run folder whose newest lockstep.json was damaged verified as intact (it was passed over
+    unsaid); deeply nested JSON raised a bare RecursionError; a pipe in the place of lockstep.json or .metadata
+    was read without end; consolidate wrote over a checkpoint's own files (its shard, another's lockstep.json)."""
+    _fit(tmp_path, max_steps=4, save_top_k=-1)  # checkpoints at steps 2 and 4
+    older, newest = tmp_path / "epoch=1-step=00000002.ckpt", tmp_path / "epoch=1-step=00000004.ckpt"
+    cli = [sys.executable, "-m", "lockstep.cli.main", "checkpoint"]
+    out = tmp_path.parent / f"{tmp_path.name}-weights" / "model.pt"
+    for target in (_shard(older), newest / "lockstep.json"):
+        done = subprocess.run([*cli, "consolidate", str(older), str(target)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and "is inside the checkpoint" in done.stderr, done.stderr
+    done = subprocess.run([*cli, "consolidate", str(older), str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and set(torch.load(out)) and not list(out.parent.glob(".*partial")), done.stderr
+    shutil.rmtree(out.parent)
+    intact = subprocess.run([*cli, "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert intact.returncode == 0 and "2 of 2 checkpoint(s) intact" in intact.stdout, intact.stderr
+    (newest / "lockstep.json").write_text("[" * 200_000 + "]" * 200_000)
+    damaged = subprocess.run([*cli, "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert damaged.returncode == 1 and "1 of 2 checkpoint(s) intact" in damaged.stdout, damaged.stdout
+    assert f"{newest}: not a complete lockstep checkpoint (RecursionError" in damaged.stderr, damaged.stderr
+    (newest / "lockstep.json").unlink()
+    os.mkfifo(newest / "lockstep.json")
+    (older / ".metadata").unlink()
+    os.mkfifo(older / ".metadata")
+    for folder in (newest, older):
+        for command in ("inspect", "verify"):
+            done = subprocess.run([*cli, command, str(folder)], capture_output=True, text=True, timeout=60)
+            assert done.returncode != 0 and "not a regular file" in done.stderr, done.stderr

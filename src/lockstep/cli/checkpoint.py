@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,20 +49,26 @@ def add_parser(commands: Any) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     """One checkpoint folder; or a run folder, each checkpoint in it, as ``resume="auto"`` scans it."""
-    from lockstep.runtime.checkpoint.format import is_checkpoint_folder
+    from lockstep.runtime.checkpoint.format import METADATA, is_checkpoint_folder
     from lockstep.runtime.checkpoint.life import complete_checkpoints
 
     folder = Path(args.folder)
-    if is_checkpoint_folder(folder) or not folder.is_dir():
+    if is_checkpoint_folder(folder) or not folder.is_dir() or os.path.lexists(folder / METADATA):  # (a damaged one)
         return 0 if _verify_one(folder) else 1
-    found = complete_checkpoints(folder)
-    if not found:
+    found = complete_checkpoints(folder)  # those whose metadata reads, the newest first
+    readable = {checkpoint.path for checkpoint in found}
+    unreadable = sorted(path for path in folder.iterdir()  # resume="auto" passes them over: said here
+                        if not path.is_symlink() and is_checkpoint_folder(path) and path not in readable)
+    if not found and not unreadable:
         print(f"lockstep: {folder}: holds no checkpoint folder (none with a lockstep.json).", file=sys.stderr)
         return 1
     intact = [checkpoint for checkpoint in found if _verify_one(checkpoint.path)]
+    for path in unreadable:
+        _verify_one(path)
+    total = len(found) + len(unreadable)
     newest = f"; resume='auto' loads {intact[0].path.name}" if intact else "; resume='auto' finds none to load"
-    print(f"lockstep: {folder}: a run folder, {len(intact)} of {len(found)} checkpoint(s) intact{newest}.")
-    return 0 if len(intact) == len(found) else 1
+    print(f"lockstep: {folder}: a run folder, {len(intact)} of {total} checkpoint(s) intact{newest}.")
+    return 0 if len(intact) == total else 1
 
 
 def _verify_one(folder: Path) -> bool:
@@ -103,32 +110,52 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    import torch
-
     from lockstep.runtime.checkpoint.consolidate import model_weights
+    from lockstep.runtime.checkpoint.format import is_checkpoint_folder
 
     if args.out.is_dir():
         print(f"lockstep: {args.out} is a folder; consolidate writes one file: name it, e.g. {args.out / 'model.pt'} "
               "(or .safetensors).", file=sys.stderr)
+        return 2
+    inside = next((folder for folder in (args.out.resolve().parent, *args.out.resolve().parents)
+                   if is_checkpoint_folder(folder) or folder == Path(args.folder).resolve()), None)
+    if inside is not None:  # it would replace a file of a checkpoint (its shards, its lockstep.json)
+        print(f"lockstep: {args.out} is inside the checkpoint {inside}: write the weights outside any checkpoint "
+              "folder.", file=sys.stderr)
         return 2
     try:
         weights = model_weights(args.folder, args.part)
     except CheckpointError as error:
         print(f"lockstep: {error}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            print("lockstep: writing .safetensors needs the safetensors package: pip install safetensors",
-                  file=sys.stderr)
-            return 2
-        save_file({name: t.contiguous() for name, t in weights.items()}, str(args.out))
-    else:
-        torch.save(weights, args.out)
+    partial = args.out.with_name(f".{args.out.name}.partial")
+    try:  # a whole file or none: written beside it, then put in its place
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        _write_weights(weights, partial, safetensors=args.out.suffix == ".safetensors")
+        os.replace(partial, args.out)
+    except ImportError:
+        print("lockstep: writing .safetensors needs the safetensors package: pip install safetensors", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as error:
+        print(f"lockstep: cannot write {args.out} ({str(error).splitlines()[0] if str(error) else error!r}).",
+              file=sys.stderr)
+        return 2
+    finally:
+        if partial.is_file():
+            partial.unlink()
     print(f"lockstep: wrote {len(weights)} tensors to {args.out}")
     return 0
+
+
+def _write_weights(weights: dict[str, Any], path: Path, safetensors: bool) -> None:
+    import torch
+
+    if safetensors:
+        from safetensors.torch import save_file
+
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(path))
+    else:
+        torch.save(weights, path)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -35,6 +35,10 @@ def lockstep_version() -> str:
         return "unknown"
 
 
+#: The most a checkpoint's metadata may weigh (its list of files and their checksums): a larger one is damaged.
+METADATA_LIMIT = 256 * 2**20
+
+
 def read_metadata(path: Path | str) -> dict[str, Any]:
     """The metadata of the complete checkpoint folder ``path``, without loading a tensor."""
     path = Path(path)
@@ -45,8 +49,12 @@ def read_metadata(path: Path | str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a lockstep checkpoint (it holds no {METADATA}). Give a checkpoint "
                               "folder such as runs/exp/last.ckpt, or resume='auto' to take the newest.")
     try:
+        if not (path / METADATA).is_file():  # a pipe or a device there would be read without end
+            raise OSError("not a regular file")
+        if (path / METADATA).stat().st_size > METADATA_LIMIT:
+            raise ValueError(f"larger than {METADATA_LIMIT // 2**20} MiB")
         metadata = json.loads((path / METADATA).read_text())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested beyond Python's stack
         raise CheckpointError(
             f"{path}: not a complete lockstep checkpoint ({type(error).__name__}: {error}). A save that "
             "was interrupted leaves no metadata: resume from another checkpoint."
