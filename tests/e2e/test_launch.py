@@ -66,6 +66,28 @@ def test_a_rank_whose_function_returned_is_named_as_ended_by_the_rank_still_wait
     assert "Rank 0 ended the script while this rank still waits in a collective" in str(info.value), str(info.value)
 
 
+def _raw_all_reduce_with_rank_one_late() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(30)
+    dist.all_reduce(torch.ones(1))  # the launch's own process group: no Runtime made
+
+
+def test_lockstep_timeout_bounds_the_process_group_launch_makes_and_timeout_bounds_the_call(monkeypatch):
+    """Before, the launch's group waited 300 s whatever LOCKSTEP_TIMEOUT said (36 s here, rank 1's lateness)."""
+    monkeypatch.setenv("LOCKSTEP_TIMEOUT", "5")
+    start = time.monotonic()
+    with pytest.raises(lockstep.WorkerError, match="rank 0 of 2 failed"):
+        lockstep.launch(_raw_all_reduce_with_rank_one_late, nprocs=2)
+    assert time.monotonic() - start < 25
+    monkeypatch.delenv("LOCKSTEP_TIMEOUT")
+    start = time.monotonic()
+    with pytest.raises(lockstep.WorkerError, match="did not finish within 3"):
+        lockstep.launch(_raw_all_reduce_with_rank_one_late, nprocs=2, timeout=3)
+    assert time.monotonic() - start < 25
+
+
 def _what_the_worker_sees() -> tuple[str | None, bool, str, int]:
     environ = os.environ
     return environ.get("LOCKSTEP_TEST_VALUE"), "LOCKSTEP_TEST_GONE" in environ, os.getcwd(), torch.get_num_threads()

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from lockstep.env import DistEnv
-from lockstep.env.settings import DEFAULT_TIMEOUT_S
+from lockstep.env.settings import DEFAULT_TIMEOUT_S, timeout_from_environ
 from lockstep.errors import ConfigError, WorkerError
 from lockstep.runtime.comm.network import free_port
 from lockstep.runtime.comm.process_group import destroy_process_group, init_process_group
@@ -133,7 +133,7 @@ def _child(
         fn, args = cloudpickle.loads(payload)
         env = DistEnv.from_environ(argv=[])
         if env.is_distributed:
-            init_process_group(env, backend, DEFAULT_TIMEOUT_S)
+            init_process_group(env, backend, timeout_from_environ() or DEFAULT_TIMEOUT_S)  # before any Runtime
         value = fn(*args)
         if keep_all or local_rank == 0:
             _save(result, {"ok": True, "value": value})
@@ -361,7 +361,9 @@ def launch(
     raised here within seconds, and every worker is stopped.
 
     Under a launcher (torchrun, srun, ``lockstep run``, ...) this process already is one rank:
-    ``fn(*args)`` then runs here, once, and each rank gets its own return value.
+    ``fn(*args)`` then runs here, once, and each rank gets its own return value. ``timeout``: the
+    seconds the whole call may take (None: no limit); past it every worker is stopped and a
+    ``WorkerError`` names the rank that did not finish.
     """
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):  # a worker importing the script
         print(f"lockstep: {UNGUARDED}", file=sys.stderr, flush=True)
