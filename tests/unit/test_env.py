@@ -497,3 +497,14 @@ def test_a_rank_s_stream_writes_whole_lines_with_its_prefix_also_after_a_carriag
         lines.shown_ranks("a,b")
     assert lines.shown_ranks(" 3,0,") == {0, 3}
     assert isinstance(stream, io.TextIOWrapper)
+
+
+@pytest.mark.parametrize("env", [
+    {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0", "LOCAL_RANK": "0", "MASTER_PORT": "1234"},
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "0",
+     "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+])
+def test_zero_processes_on_a_node_is_said_not_divided_by(env):
+    """Before: a ZeroDivisionError from lockstep env, lockstep doctor and every Runtime."""
+    with pytest.raises(EnvError, match="0 processes on this node|_LOCAL_SIZE=0: the processes on this node"):
+        DistEnv.from_environ(env, argv=[])

@@ -185,8 +185,8 @@ def _from_torch_env(env: Mapping[str, str], legacy_local_rank: int | None) -> Di
         local_rank = _int(env, "LOCAL_RANK", default=rank if world_size == 1 else None)
     # Old launchers set no LOCAL_WORLD_SIZE: then all processes are taken to share this node.
     local_world_size = _int(env, "LOCAL_WORLD_SIZE", default=world_size)
-    num_nodes = _int(env, "GROUP_WORLD_SIZE", default=max(1, world_size // local_world_size))
-    node_rank = _int(env, "GROUP_RANK", default=(rank - local_rank) // local_world_size)
+    num_nodes = _int(env, "GROUP_WORLD_SIZE", default=max(1, world_size // max(1, local_world_size)))  # 0: said below
+    node_rank = _int(env, "GROUP_RANK", default=(rank - local_rank) // max(1, local_world_size))
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -317,6 +317,8 @@ def _from_mpi(env: Mapping[str, str], legacy_local_rank: int | None) -> DistEnv 
             continue
         rank, world_size = _int(env, rank_name), _int(env, size_name, default=1)
         local_world_size = _int(env, local_size_name, default=world_size)
+        if local_world_size < 1:
+            raise EnvError(f"{local_size_name}={local_world_size}: the processes on this node must be at least 1.")
         local_rank = _int(env, local_rank_name, default=rank % local_world_size)
         if world_size % local_world_size:
             raise EnvError(
