@@ -215,3 +215,15 @@ def test_lockstep_launch_without_the_main_guard_says_so_in_a_few_lines(tmp_path)
     said = [line for line in (done.stdout + done.stderr).splitlines() if not line.startswith(("W1", "Failed to"))]
     assert done.returncode == 1 and 'if __name__ == "__main__":' in done.stderr, done.stderr
     assert len(said) <= 15 and "bootstrapping phase" not in done.stderr, "\n".join(said)
+
+
+def test_a_script_read_from_stdin_launches_its_function():
+    """A script piped to python (`python - < cell.py`, as a notebook runner may): its workers tried to import
+    `<stdin>` as their __main__ and failed with FileNotFoundError, which the WorkerError did not name."""
+    script = ("import torch, lockstep\n"
+              "def fn(scale):\n"
+              "    rt = lockstep.Runtime(accelerator='cpu')\n"
+              "    return rt.all_reduce(torch.tensor([float(rt.rank + 1)]) * scale, op='sum')\n"
+              "print('sum', float(lockstep.launch(fn, nprocs=2, args=(2.0,))))\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and "sum 6.0" in done.stdout, done.stderr[-3000:]

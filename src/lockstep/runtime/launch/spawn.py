@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import wait
@@ -223,6 +223,23 @@ def _picklable(obj: Any) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _no_main_to_import() -> Iterator[None]:
+    """While the workers start: a ``__main__`` whose ``__file__`` is no file (a script read from stdin,
+    ``<stdin>``) shows none, so that the workers do not try to import it as multiprocessing would (they failed
+    with FileNotFoundError); ``fn`` and ``args`` then travel by value, as from a notebook."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _start_method() -> str:
     """``forkserver`` where there is one (Linux), its server importing torch and lockstep once."""
     if sys.platform.startswith("linux"):
@@ -263,7 +280,7 @@ def spawn(
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     payload = _payload(fn, tuple(args))
-    with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="lockstep-launch-") as workdir, _no_main_to_import():
         context = tmp.start_processes(
             _child, args=(payload, nprocs, free_port(), workdir, backend, keep_all, _Caller.here()),
             nprocs=nprocs, join=False, start_method=_start_method(),
