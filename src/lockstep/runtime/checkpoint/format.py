@@ -48,11 +48,10 @@ def read_metadata(path: Path | str) -> dict[str, Any]:
     if not (path / METADATA).exists() and not path.name.startswith("."):
         raise CheckpointError(f"{path}: not a lockstep checkpoint (it holds no {METADATA}). Give a checkpoint "
                               "folder such as runs/exp/last.ckpt, or resume='auto' to take the newest.")
+    if not (path / METADATA).is_file() or (path / METADATA).stat().st_size > METADATA_LIMIT:  # a pipe there would
+        raise CheckpointError(f"{path}: {METADATA} is damaged (not a regular file, or over "  # be read without end
+                              f"{METADATA_LIMIT // 2**20} MiB): resume from another checkpoint.")
     try:
-        if not (path / METADATA).is_file():  # a pipe or a device there would be read without end
-            raise OSError("not a regular file")
-        if (path / METADATA).stat().st_size > METADATA_LIMIT:
-            raise ValueError(f"larger than {METADATA_LIMIT // 2**20} MiB")
         metadata = json.loads((path / METADATA).read_text())
     except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested beyond Python's stack
         raise CheckpointError(

@@ -209,7 +209,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(folder: Path, name: str = DCP_METADATA) -> Any:
     """DCP's ``Metadata`` of ``folder``, unpickled with only DCP's metadata classes allowed."""
     if not (folder / name).is_file():  # a pipe or a device there would be read without end
-        raise OSError(f"{folder / name}: not a regular file")
+        raise CheckpointError(f"{folder / name}: not a regular file")
     with open(folder / name, "rb") as handle:
         return _MetadataUnpickler(io.BytesIO(handle.read())).load()
 
