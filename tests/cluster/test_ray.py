@@ -269,7 +269,8 @@ def test_an_elastic_ray_trainer_job_loses_a_node_then_gets_it_back_and_ends_at_t
     interval 5 s. (The runtime API's loop re-forms in the drain test below.)"""
     progress, epochs = tmp_path / "progress", 16
     job = ray_cluster.run("--devices", "2", "--nodes", "1:2", "--resize-interval", "5", "--storage",
-                          str(tmp_path / "store"), "tests/scripts/elastic_train.py", str(tmp_path / "ckpt"),
+                          str(tmp_path / "store"), "--name", "elastic_train", "tests/scripts/elastic_train.py",
+                          str(tmp_path / "ckpt"),
                           str(tmp_path / "out.pt"), str(progress), str(epochs), timeout=400,
                           RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10")
     try:
