@@ -75,3 +75,14 @@ def test_doctor_bench_records_the_matmul_peak_that_the_trainers_mfu_then_uses(mo
     assert windows and all(0 < m["mfu"] <= 1 for m in windows)
     for m in windows:
         assert m["mfu"] == pytest.approx(monitor.flops_per_sample * m["samples_per_s"] / recorded["fp32"])
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    (["--max-bytes", "abc"], "argument --max-bytes: 'abc': give a size of at least 1K"),
+    (["--max-bytes", "512"], "argument --max-bytes: '512': give a size of at least 1K"),
+    (["--iters", "0"], "argument --iters: '0': give a whole number, at least 1"),
+])
+def test_the_bench_options_are_checked_before_any_benchmark_runs(option, says):
+    """Before: a ValueError after the matmul benchmark, a StatisticsError inside a WorkerError, an empty table."""
+    done = _doctor("--bench", "--accelerator", "cpu", *option)
+    assert done.returncode == 2 and says in done.stderr and "matmul" not in done.stdout, done.stdout + done.stderr

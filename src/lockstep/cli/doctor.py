@@ -26,8 +26,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--devices", type=int, default=None,
                         help="processes for --bench (default: every GPU, or 2 CPU processes)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--max-bytes", default="64M", help="largest message for --bench (e.g. 1M, 64M)")
-    parser.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
+    parser.add_argument("--max-bytes", type=_byte_count, default="64M",
+                        help="largest message for --bench (e.g. 1M, 64M; at least 1K)")
+    parser.add_argument("--iters", type=_positive, default=20, help="timed all-reduces per size")
     parser.set_defaults(func=doctor_command)
 
 
@@ -170,6 +171,23 @@ def _parse_bytes(text: str) -> int:
     return int(text)
 
 
+def _byte_count(text: str) -> int:
+    """``--max-bytes``, checked before any benchmark runs: a size of at least 1 KiB (the smallest message)."""
+    try:
+        count = _parse_bytes(text)
+    except ValueError:
+        count = 0
+    if count < 2**10:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size of at least 1K, e.g. 1M or 64M")
+    return count
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, at least 1")
+    return int(text)
+
+
 def bench_all_reduce(max_bytes: int, iters: int, accelerator: str) -> list[tuple[int, float, float, float]]:
     """On every rank: (bytes, median seconds, algbw GB/s, busbw GB/s) per size, 1 KiB to max_bytes, x4 steps."""
     import torch
@@ -233,7 +251,7 @@ def doctor_command(args: argparse.Namespace) -> int:
         print("\nall-reduce benchmark: skipped, it needs at least 2 processes (--devices).")
         return 0
     print(f"\nall-reduce benchmark: {nproc} processes on {accelerator}, float32 sum, median of {args.iters}")
-    rows = lockstep.launch(bench_all_reduce, nprocs=nproc, args=(_parse_bytes(args.max_bytes), args.iters, accelerator))
+    rows = lockstep.launch(bench_all_reduce, nprocs=nproc, args=(args.max_bytes, args.iters, accelerator))
     print(f"  {'bytes':>12} {'time (us)':>12} {'algbw GB/s':>12} {'busbw GB/s':>12}")
     for size, seconds, algbw, busbw in rows:
         print(f"  {size:>12} {seconds * 1e6:>12.1f} {algbw:>12.3f} {busbw:>12.3f}")
