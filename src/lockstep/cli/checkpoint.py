@@ -117,8 +117,9 @@ def _consolidate(args: argparse.Namespace) -> int:
         print(f"lockstep: {args.out} is a folder; consolidate writes one file: name it, e.g. {args.out / 'model.pt'} "
               "(or .safetensors).", file=sys.stderr)
         return 2
-    inside = next((folder for folder in (args.out.resolve().parent, *args.out.resolve().parents)
-                   if is_checkpoint_folder(folder) or folder == Path(args.folder).resolve()), None)
+    source = Path(args.folder).resolve()
+    inside = next((folder for folder in args.out.resolve().parents if is_checkpoint_folder(folder) or folder == source),
+                  None)
     if inside is not None:  # it would replace a file of a checkpoint (its shards, its lockstep.json)
         print(f"lockstep: {args.out} is inside the checkpoint {inside}: write the weights outside any checkpoint "
               "folder.", file=sys.stderr)

@@ -26,6 +26,7 @@ from lockstep.runtime.comm.network import host_store, listening
 from lockstep.runtime.faults.root_cause import lost_a_peer
 from lockstep.runtime.launch.fork_server import SERVERS, ForkServer, forked_workers
 from lockstep.runtime.launch.node_watch import NodeWatch
+from lockstep.runtime.launch.plan import rdzv_settings
 
 
 def threads_per_process(nproc: int) -> int:
@@ -169,9 +170,10 @@ def _run_once_store_listens(args: Any, watch: NodeWatch | None) -> None:
     from torch.distributed import DistError
     from torch.distributed.run import run as elastic_run
 
-    waits = watch is not None and not watch.hosts_store and args.rdzv_backend == "static"
-    if waits and not _store_listens_within(args, _join_timeout_s(args)):
-        raise DistError(f"nothing listened at {args.master_addr}:{args.master_port} within {_join_timeout_s(args)} s")
+    if watch is not None and not watch.hosts_store and args.rdzv_backend == "static":
+        timeout_s = int(rdzv_settings(args.rdzv_conf).get("timeout", 600))  # lockstep run sets it; 600: torch's
+        if not _store_listens_within(args, timeout_s):
+            raise DistError(f"nothing listened at {args.master_addr}:{args.master_port} within {timeout_s} s")
     elastic_run(args)
 
 
@@ -189,12 +191,6 @@ def _store_listens_within(args: Any, timeout_s: int) -> bool:
             said = True
         time.sleep(min(1.0, max(0.0, timeout_s - waited)))
     return True
-
-
-def _join_timeout_s(args: Any) -> int:
-    """The static rendezvous's timeout, which ``lockstep run`` always sets (``--rdzv-conf timeout=S``)."""
-    given = dict(part.partition("=")[::2] for part in (args.rdzv_conf or "").split(",") if part)
-    return int(given.get("timeout", 600))  # torch's own default
 
 
 def _not_all_joined(error: Exception, args: Any, watch: NodeWatch | None) -> int:

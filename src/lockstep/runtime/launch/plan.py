@@ -131,11 +131,16 @@ def _static_rendezvous(request: RunRequest, nodes: int) -> tuple[str, int, objec
     return host, port, store, options
 
 
+def rdzv_settings(conf: str | None) -> dict[str, str]:
+    """``--rdzv-conf KEY=VALUE,...`` as a dict."""
+    return dict(part.partition("=")[::2] for part in (conf or "").split(",") if part)
+
+
 def _static_join_timeout(conf: str | None) -> int:
     """The seconds a fixed number of nodes waits for all of them to join (torch's static rendezvous: 600
     s, and the wait for its store's clients 900): ``--rdzv-conf timeout=S``, else ``LOCKSTEP_TIMEOUT``,
     else the collectives' default. The static rendezvous reads no other setting: another is refused."""
-    given = dict(part.partition("=")[::2] for part in (conf or "").split(",") if part)
+    given = rdzv_settings(conf)
     other = sorted(set(given) - {"timeout"})
     if other:
         raise PreflightError(f"--rdzv-conf {','.join(other)}: a fixed number of nodes (--nodes N) rendezvous "
